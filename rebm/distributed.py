@@ -1,0 +1,311 @@
+"""Everything about processes lives here: process group, device, consensus, logging, launchers.
+
+Rules this module enforces (DESIGN.md §3):
+- the environment (torchrun, SLURM, mp.spawn) decides rank/world size; MASTER_ADDR/PORT set by a
+  launcher are never overwritten;
+- LOCAL_RANK, never RANK, picks the CUDA device;
+- every rank reaches every collective: helpers below are called by all ranks, and control-flow
+  decisions go through `consensus`, one all-reduce that gives every rank the same answer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+LOGGER = logging.getLogger("rebm")
+
+
+class LaunchError(RuntimeError):
+    """The launch environment is inconsistent with the config; message is one line."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: Optional[str] = None  # None = no process group
+    data_parallel: bool = False  # nn.DataParallel over several visible GPUs (use_ddp=false)
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def launch_environment() -> Dict[str, int]:
+    """Rank layout from the launcher's environment: torchrun/spawn (RANK, LOCAL_RANK, WORLD_SIZE)
+    first, then SLURM srun (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS), else one process."""
+    if _env_int("WORLD_SIZE") is not None and _env_int("RANK") is not None:
+        world = _env_int("WORLD_SIZE") or 1
+        rank = _env_int("RANK") or 0
+        local_rank = _env_int("LOCAL_RANK") or 0
+        local_world = _env_int("LOCAL_WORLD_SIZE") or world
+    elif (_env_int("SLURM_NTASKS") or 1) > 1 and _env_int("SLURM_PROCID") is not None:
+        world = _env_int("SLURM_NTASKS") or 1
+        rank = _env_int("SLURM_PROCID") or 0
+        local_rank = _env_int("SLURM_LOCALID") or 0
+        local_world = _env_int("SLURM_NTASKS_PER_NODE") or max(
+            1, world // (_env_int("SLURM_NNODES") or 1)
+        )
+    else:
+        world, rank, local_rank, local_world = 1, 0, 0, 1
+    return dict(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+
+
+def _slurm_master_env() -> None:
+    """Under srun without torchrun, derive MASTER_ADDR/PORT from SLURM (only if unset)."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        first = "127.0.0.1"
+        if nodelist:
+            try:
+                import subprocess
+
+                first = subprocess.run(
+                    ["scontrol", "show", "hostnames", nodelist],
+                    capture_output=True, text=True, check=True, timeout=30,
+                ).stdout.split()[0]
+            except Exception:
+                first = nodelist.split(",")[0].split("[")[0]
+        os.environ["MASTER_ADDR"] = first
+    if "MASTER_PORT" not in os.environ:
+        job = _env_int("SLURM_JOB_ID") or 0
+        os.environ["MASTER_PORT"] = str(20000 + job % 20000)
+
+
+def choose_device(local_rank: int, device: str = "auto") -> torch.device:
+    """LOCAL_RANK picks the GPU (RANK would be wrong on every node but the first)."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LaunchError("device: cuda was asked for but CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LaunchError(
+            f"LOCAL_RANK {local_rank} but only {count} visible GPU(s); start at most {count} "
+            "processes per node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def choose_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise LaunchError(
+            "ddp_backend: nccl needs CUDA devices; this machine has none: use ddp_backend=gloo "
+            "(or auto)"
+        )
+    return requested
+
+
+def cap_cpu_threads(local_world_size: int) -> int:
+    """Share the node's cores between its processes unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def setup_distributed(
+    use_ddp: bool = True,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout_s: float = 1800.0,
+) -> Runtime:
+    """Read the launch environment, pick the device, init the process group if several ranks."""
+    layout = launch_environment()
+    if layout["world_size"] > 1 and not use_ddp:
+        raise LaunchError(
+            f"use_ddp=false but the launcher started {layout['world_size']} processes; "
+            "set use_ddp=true, or start one process (python -m rebm.training.train) to use "
+            "DataParallel"
+        )
+    dev = choose_device(layout["local_rank"], device)
+    cap_cpu_threads(layout["local_world_size"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if layout["world_size"] == 1:
+        data_parallel = (not use_ddp) and dev.type == "cuda" and torch.cuda.device_count() > 1
+        return Runtime(device=dev, data_parallel=data_parallel)
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        _slurm_master_env()
+    chosen = choose_backend(dev, backend)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen,
+            rank=layout["rank"],
+            world_size=layout["world_size"],
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return Runtime(device=dev, backend=chosen, **layout)
+
+
+def teardown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives every rank calls
+# --------------------------------------------------------------------------------------------
+def _comm_device(runtime: Runtime) -> torch.device:
+    return runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+
+
+def consensus(runtime: Runtime, **flags: bool) -> Dict[str, bool]:
+    """One all-reduce (MAX) of all flags: a flag raised on any rank is seen by every rank at the
+    same call, so all ranks take the same branch at the same step."""
+    names = sorted(flags)
+    if not runtime.distributed:
+        return {k: bool(flags[k]) for k in names}
+    values = torch.tensor([int(bool(flags[k])) for k in names], dtype=torch.int32,
+                          device=_comm_device(runtime))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: bool(v) for k, v in zip(names, values.tolist())}
+
+
+def broadcast_object(runtime: Runtime, obj: Any, src: int = 0) -> Any:
+    """The object of rank `src` on every rank (small picklable things: a run dir, a path)."""
+    if not runtime.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device(runtime))
+    return box[0]
+
+
+def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (returns a new tensor on the input's device)."""
+    if not runtime.distributed:
+        return tensor.clone()
+    buf = tensor.detach().to(_comm_device(runtime), copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.to(tensor.device)
+
+
+def all_reduce_max(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    if not runtime.distributed:
+        return tensor.clone()
+    buf = tensor.detach().to(_comm_device(runtime), copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return buf.to(tensor.device)
+
+
+def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of all ranks along dim 0 (rank order)."""
+    if not runtime.distributed:
+        return tensor.detach().clone()
+    buf = tensor.detach().contiguous().to(_comm_device(runtime))
+    out = torch.empty((runtime.world_size * buf.shape[0], *buf.shape[1:]), dtype=buf.dtype,
+                      device=buf.device)
+    dist.all_gather_into_tensor(out, buf)
+    return out.to(tensor.device)
+
+
+def barrier(runtime: Runtime) -> None:
+    if runtime.distributed:
+        if runtime.backend == "nccl":
+            dist.barrier(device_ids=[runtime.local_rank])
+        else:
+            dist.barrier()
+
+
+def set_collective_timeout(runtime: Runtime, timeout_s: float) -> None:
+    """Shorten the timeout of the default group once start-up (data, compile) is over, so a rank
+    that stops arriving surfaces in minutes, not the 30-minute default."""
+    if not runtime.distributed:
+        return
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), _get_default_group())
+    except (ImportError, RuntimeError, AttributeError) as err:  # private API: best effort
+        LOGGER.warning("could not shorten the collective timeout (%s)", err)
+
+
+# --------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------
+class _RankFormatter(logging.Formatter):
+    def __init__(self, runtime: Runtime, with_time: bool):
+        prefix = f"[rank {runtime.rank}/{runtime.world_size}] "
+        fmt = ("%(asctime)s " if with_time else "") + prefix + "%(levelname)s %(message)s"
+        super().__init__(fmt, datefmt="%H:%M:%S")
+
+
+def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Logger:
+    """Console: rank 0 at INFO, other ranks at WARNING, prefixed [rank r/W];
+    file: every rank at INFO to <run_dir>/logs/rank<r>.log."""
+    logger = LOGGER
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if runtime.is_main else logging.WARNING)
+    console.setFormatter(_RankFormatter(runtime, with_time=True))
+    logger.addHandler(console)
+    if run_dir is not None:
+        log_dir = os.path.join(run_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{runtime.rank}.log"))
+        file_handler.setLevel(logging.INFO)
+        file_handler.setFormatter(_RankFormatter(runtime, with_time=True))
+        logger.addHandler(file_handler)
+    return logger
+
+
+# --------------------------------------------------------------------------------------------
+# Standalone launcher (notebooks, tests, machines without torchrun)
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn_entry(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(port)),
+    )
+    fn(*args)
+
+
+def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
+    """Run fn(*args) in `nprocs` processes with the same environment torchrun would set, so the
+    code inside calls `setup_distributed()` exactly as under torchrun."""
+    if nprocs == 1:
+        fn(*args)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawn_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs, join=True)

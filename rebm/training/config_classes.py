@@ -1,0 +1,503 @@
+"""Typed experiment configuration.
+
+One YAML file is one experiment. It is merged onto the dataclasses below (field names are those of
+the original DAT configs, so existing experiment files load unchanged), then `key=value` /
+`a.b=value` overrides from the command line (OmegaConf dot-list) are applied on top.
+
+Errors are raised as `ConfigError` with one line that names the key, the file and the fix; the
+entry points print that line and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+LOGGER = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; its message is one line."""
+
+
+# --------------------------------------------------------------------------------------------
+# Choices (validated by hand: OmegaConf does not check typing.Literal)
+# --------------------------------------------------------------------------------------------
+INDIST_DATASETS = (
+    "cifar10",
+    "cifar10-conditional",
+    "cifar100",
+    "cifar100-conditional",
+    "digits",
+    "imagefolder",
+)
+OUTDIST_DATASETS = (
+    "tinyimages",
+    "80m-tinyimages",
+    "imagefolder",
+    "tensorfile",
+    "noise",
+    "uniform-noise",
+    "lowfreq-noise",
+)
+AUGMENTATIONS = ("original", "autoaugment_cutout", "none", "test")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+ATTACK_TYPES = ("pgd",)
+NORMS = ("L2", "Linf")
+AMP_MODES = ("none", "bf16", "fp16")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+DDP_BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("auto", "never")
+WHICH_LOGIT = ("first", "all", "bird")
+
+
+@dataclass
+class AttackConfig:
+    """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
+    training of the classifier."""
+
+    attack_type: str = "pgd"
+    max_steps: int = 0  # curriculum cap (attack) / number of PGD steps K (indist_attack_clf)
+    fixed_steps: Optional[int] = None  # accepted for old configs; unused (see IGNORED_FIELDS)
+    start_step: int = 0  # curriculum start T
+    step_size: float = 0.1  # alpha of the L2 normalised-gradient step (Linf: sign step)
+    eps: float = math.inf  # radius; .inf = only the [0, 1] clamp
+    norm: str = "L2"
+    lr: Optional[float] = None  # Adam attacks of the original; unused with pgd
+    random_start: bool = False  # start from a random point in the eps-ball (per-sample seeded)
+
+
+@dataclass
+class ImageLogConfig:
+    """Class-conditional sample generation (images and FID)."""
+
+    attack_type: str = "pgd"
+    num_steps: int = 20
+    log_fid: bool = False
+    data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma)
+    ood_data_dir: Optional[str] = None
+    img_extension: Optional[str] = None
+    num_samples: int = 100
+    save_dir: Optional[str] = None
+    target_class: Optional[int] = None
+    adaptive_steps: bool = False
+    step_sweep_range: Optional[List[int]] = None
+    sweep_num_samples: int = 500
+    lr: Optional[float] = None
+    step_size: float = 0.1
+    eps: float = math.inf
+    # Added: where generation starts. "noise" (uniform, seeded) or a .pt/.npz/folder path.
+    seed_images: str = "noise"
+
+
+@dataclass
+class DataConfig:
+    indist_dataset: str = "cifar10-conditional"
+    indist_ds_dir: str = "./data"
+    mixed_id: bool = False
+    outdist_dataset: str = "noise"
+    outdist_std_dir: str = "./data"
+    num_workers: int = 2
+    num_classes: int = 10
+    image_size: int = 32
+    download: bool = False  # only download datasets when asked
+    outdist_exclude_index: Optional[str] = None  # TinyImages: file of record indices to skip
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "WideResNet34x10"
+    ckpt_path: Optional[str] = None
+    which_logit: str = "first"
+    normalize_input: bool = True
+    use_batchnorm: bool = False
+    use_layernorm: bool = True
+    # ConvNext fields of the original; accepted so old files load, unused by WideResNets.
+    model_prefix: str = ""
+    drop_path_rate: float = 0.1
+    head_init_scale: float = 1.0
+    model_id: str = "convnextv2_base"
+    use_convstem: bool = True
+    # Speed options (added)
+    channels_last: bool = False
+    compile: bool = False
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    indist_attack_clf: AttackConfig = field(
+        default_factory=lambda: AttackConfig(max_steps=10, step_size=0.1, eps=0.5)
+    )
+    model: ModelConfig = field(default_factory=ModelConfig)
+    image_log: ImageLogConfig = field(default_factory=ImageLogConfig)
+
+    # Optimisation
+    optimizer: str = "sgd"
+    lr: float = 1e-3
+    wd: float = 5e-4
+    r1reg: float = 0.0
+    fixed_lr: bool = True
+    # Loss weights of the energy term over (in-dist, clean out-dist, adversarial out-dist);
+    # normalised to sum to 1. The default (0.5, 0, 0.5) is DESIGN.md's BCE mean over 2B.
+    clf_indist_weight: float = 0.5
+    clf_outdist_weight: float = 0.0
+    clf_adv_weight: float = 0.5
+    r1_indist_weight: float = 1.0
+    r1_outdist_weight: float = 0.0
+    r1_adv_weight: float = 0.0
+    # Older spelling of the same weights in some original files.
+    xent_indist_weight: Optional[float] = None
+    xent_outdist_weight: Optional[float] = None
+    xent_adv_weight: Optional[float] = None
+
+    # Schedule
+    batch_size: int = 128  # GLOBAL images per optimizer step, whatever the world size
+    per_device_batch_size: Optional[int] = None  # micro-batch; default batch_size / world_size
+    min_imgs_per_threshold: int = 10000
+    AUC_th: float = 0.8
+    samples_per_attack_step: Optional[int] = None
+    rand_seed: int = 0
+    total_epochs: Optional[int] = None
+    max_steps: Optional[int] = None
+
+    # Intervals, in images
+    n_imgs_per_metrics_log: int = 12800
+    n_imgs_per_image_log: int = 128000
+    n_imgs_per_evaluation_log: Optional[int] = None
+    n_imgs_per_ckpt_save: int = 256000
+
+    # Model averaging / precision
+    use_ema: bool = True
+    ema_decay: float = 0.999
+    amp: str = "none"
+    fp16: bool = False  # original flag; same as amp=fp16
+
+    # Method switches
+    logsumexp: bool = True
+    logsumexp_sampling: bool = False
+    augm_type_classification: str = "autoaugment_cutout"
+    augm_type_generation: str = "original"
+    tinyimages_loader: str = "innout"
+    robust_eval: bool = True
+
+    # Accepted from the original, unused here (reported once, see IGNORED_FIELDS)
+    indist_clean_extra: bool = False
+    indist_perturb: bool = False
+    indist_perturb_steps: int = 10
+    indist_perturb_eps: float = 0.5
+    mixup_alpha: float = 5
+    mixup_beta: float = 1
+    indist_train_only: bool = False
+    eval_only: bool = False
+    use_counterfactuals: bool = False
+    evaluate_ood_detection: bool = False
+    ood_detection_logsumexp: bool = False
+    outdist_dataset_ood_detection: str = "noise"
+    openimages_max_samples: Optional[int] = None
+    openimages_augm: Optional[str] = None
+    config_path: Optional[str] = None
+
+    # Tracking
+    wandb_project: str = "rebm"
+    wandb_dir: Optional[str] = None
+    wandb_disabled: bool = False
+    wandb_mode: str = "auto"
+    tags: List[str] = field(default_factory=list)
+
+    # Run directory, resume
+    run_dir: Optional[str] = None
+    resume_from_state: Optional[str] = None
+    resume_path: Optional[str] = None  # original spelling of resume_from_state
+    resume: str = "auto"
+    keep_last_states: int = 3
+
+    # Distributed
+    use_ddp: bool = True
+    ddp_backend: str = "auto"
+    device: str = "auto"
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    ddp_timeout_s: float = 1800.0  # generous for start-up (data, compile) ...
+    ddp_step_timeout_s: float = 180.0  # ... then short, so a stuck rank surfaces
+
+
+# Fields the original accepted but this implementation does not use. Setting one to a
+# non-default value is reported once (not an error, so old experiment files keep loading).
+IGNORED_FIELDS = {
+    "attack.fixed_steps",
+    "attack.lr",
+    "indist_attack_clf.fixed_steps",
+    "indist_attack_clf.lr",
+    "model.use_layernorm",
+    "model.model_prefix",
+    "model.drop_path_rate",
+    "model.head_init_scale",
+    "model.model_id",
+    "model.use_convstem",
+    "model.which_logit",
+    "data.mixed_id",
+    "image_log.attack_type",
+    "image_log.ood_data_dir",
+    "image_log.img_extension",
+    "image_log.save_dir",
+    "image_log.target_class",
+    "image_log.adaptive_steps",
+    "image_log.step_sweep_range",
+    "image_log.sweep_num_samples",
+    "image_log.lr",
+    "r1_outdist_weight",
+    "r1_adv_weight",
+    "r1_indist_weight",
+    "tinyimages_loader",
+    "indist_clean_extra",
+    "indist_perturb",
+    "indist_perturb_steps",
+    "indist_perturb_eps",
+    "mixup_alpha",
+    "mixup_beta",
+    "indist_train_only",
+    "eval_only",
+    "use_counterfactuals",
+    "evaluate_ood_detection",
+    "ood_detection_logsumexp",
+    "outdist_dataset_ood_detection",
+    "openimages_max_samples",
+    "openimages_augm",
+    "config_path",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+def _all_keys(obj: Any, prefix: str = "") -> List[str]:
+    keys = []
+    for f in fields(obj):
+        keys.append(prefix + f.name)
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            keys.extend(_all_keys(value, prefix + f.name + "."))
+    return keys
+
+
+VALID_KEYS = _all_keys(TrainConfig())
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in VALID_KEYS if k.rsplit(".", 1)[-1].lower() == leaf.lower()]
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err) or "Key '" in str(err):
+        return ConfigError(
+            f"{source}: unknown config key '{key}'.{_suggest(key)} "
+            f"(see docs/configs.md for every field)"
+        )
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        expected = getattr(err, "ref_type", None) or getattr(err, "object_type", None)
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"{source}: wrong type for '{key}' (value {value!r}): {msg}")
+    return ConfigError(f"{source}: invalid value for '{key}': {str(err).splitlines()[0]}")
+
+
+def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise _translate(err, source) from None
+
+
+def _explicit_keys(container: Any, prefix: str = "") -> List[str]:
+    out = []
+    if isinstance(container, dict):
+        for k, v in container.items():
+            name = f"{prefix}{k}"
+            out.append(name)
+            out.extend(_explicit_keys(v, name + "."))
+    return out
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
+    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
+    schema = OmegaConf.structured(TrainConfig)
+    explicit: List[str] = []
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML file")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # yaml.YAMLError and friends
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"{path}: not valid YAML ({first})") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path}: the top level of a config must be a mapping of keys")
+        explicit += _explicit_keys(OmegaConf.to_container(loaded))
+        schema = _merge(schema, loaded, path)
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. lr=0.01)")
+    if overrides:
+        try:
+            dotlist = OmegaConf.from_dotlist(overrides)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"command line: cannot parse overrides: {err}") from None
+        explicit += _explicit_keys(OmegaConf.to_container(dotlist))
+        schema = _merge(schema, dotlist, "command line")
+    try:
+        cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise _translate(err, path or "command line") from None
+    validate(cfg, source=path or "command line")
+    cfg._explicit_keys = sorted(set(explicit))  # type: ignore[attr-defined]
+    return cfg
+
+
+def ignored_fields_set(cfg: TrainConfig) -> List[str]:
+    """Ignored fields the user set explicitly (to report once at start-up)."""
+    return [k for k in getattr(cfg, "_explicit_keys", []) if k in IGNORED_FIELDS]
+
+
+def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> None:
+    if value not in choices:
+        raise ConfigError(
+            f"{source}: '{key}: {value}' is not a valid choice; use one of {', '.join(choices)}"
+        )
+
+
+def validate(cfg: TrainConfig, source: str = "config") -> None:
+    """Checks that need no world size; raises ConfigError naming the key."""
+    from rebm.models import MODEL_NAMES  # local import: models import nothing from training
+
+    _check_choice(cfg.data.indist_dataset, INDIST_DATASETS, "data.indist_dataset", source)
+    _check_choice(cfg.data.outdist_dataset, OUTDIST_DATASETS, "data.outdist_dataset", source)
+    _check_choice(cfg.optimizer.lower(), OPTIMIZERS, "optimizer", source)
+    _check_choice(cfg.amp, AMP_MODES, "amp", source)
+    _check_choice(cfg.wandb_mode, WANDB_MODES, "wandb_mode", source)
+    _check_choice(cfg.ddp_backend, DDP_BACKENDS, "ddp_backend", source)
+    _check_choice(cfg.device, DEVICES, "device", source)
+    _check_choice(cfg.resume, RESUME_MODES, "resume", source)
+    _check_choice(cfg.model.which_logit, WHICH_LOGIT, "model.which_logit", source)
+    _check_choice(cfg.augm_type_generation, AUGMENTATIONS, "augm_type_generation", source)
+    _check_choice(
+        cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
+    )
+    _check_choice(cfg.model.model_type, MODEL_NAMES, "model.model_type", source)
+    for name in ("attack", "indist_attack_clf"):
+        attack: AttackConfig = getattr(cfg, name)
+        _check_choice(attack.attack_type, ATTACK_TYPES, f"{name}.attack_type", source)
+        _check_choice(attack.norm, NORMS, f"{name}.norm", source)
+        if attack.step_size < 0:
+            raise ConfigError(f"{source}: '{name}.step_size' must be >= 0, got {attack.step_size}")
+        if not attack.eps > 0:
+            raise ConfigError(f"{source}: '{name}.eps' must be > 0 (or .inf), got {attack.eps}")
+        if attack.max_steps < 0 or attack.start_step < 0:
+            raise ConfigError(f"{source}: '{name}.max_steps'/'start_step' must be >= 0")
+    if cfg.attack.start_step > cfg.attack.max_steps:
+        raise ConfigError(
+            f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "
+            f"'attack.max_steps' ({cfg.attack.max_steps})"
+        )
+    if cfg.image_log.step_size < 0:
+        raise ConfigError(f"{source}: 'image_log.step_size' must be >= 0")
+    for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",
+                "n_imgs_per_image_log", "n_imgs_per_ckpt_save", "keep_last_states"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {getattr(cfg, key)}")
+    for key in ("per_device_batch_size", "max_steps", "total_epochs", "samples_per_attack_step",
+                "n_imgs_per_evaluation_log"):
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{source}: '{key}' must be positive or null, got {value}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"{source}: 'lr' must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"{source}: 'ema_decay' must be in [0, 1), got {cfg.ema_decay}")
+    if not cfg.fixed_lr:
+        raise ConfigError(
+            f"{source}: 'fixed_lr: false' is not supported (DAT uses a constant learning rate); "
+            "set fixed_lr: true"
+        )
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
+    if cfg.fp16 and cfg.amp == "none":
+        cfg.amp = "fp16"
+    weights = loss_weights(cfg)
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(
+            f"{source}: 'clf_indist_weight', 'clf_outdist_weight', 'clf_adv_weight' must be >= 0 "
+            "with a positive sum"
+        )
+    if cfg.resume_path and not cfg.resume_from_state:
+        cfg.resume_from_state = cfg.resume_path
+
+
+def loss_weights(cfg: TrainConfig) -> tuple:
+    """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE, normalised."""
+    raw = [
+        cfg.xent_indist_weight if cfg.xent_indist_weight is not None else cfg.clf_indist_weight,
+        cfg.xent_outdist_weight if cfg.xent_outdist_weight is not None else cfg.clf_outdist_weight,
+        cfg.xent_adv_weight if cfg.xent_adv_weight is not None else cfg.clf_adv_weight,
+    ]
+    total = sum(raw)
+    return tuple(w / total for w in raw) if total > 0 else tuple(raw)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is split: batch_size = per_device * accumulation * world_size."""
+
+    global_batch_size: int
+    per_device_batch_size: int
+    accumulation_steps: int
+    world_size: int
+
+
+def plan_batches(cfg: TrainConfig, world_size: int) -> BatchPlan:
+    if cfg.batch_size % world_size:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by the world size {world_size}; "
+            f"choose a batch_size that is a multiple of {world_size}"
+        )
+    per_device = cfg.per_device_batch_size or cfg.batch_size // world_size
+    if cfg.batch_size % (per_device * world_size):
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by per_device_batch_size "
+            f"{per_device} x world size {world_size}; choose per_device_batch_size dividing "
+            f"{cfg.batch_size // world_size}"
+        )
+    return BatchPlan(
+        global_batch_size=cfg.batch_size,
+        per_device_batch_size=per_device,
+        accumulation_steps=cfg.batch_size // (per_device * world_size),
+        world_size=world_size,
+    )
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def from_dict(data: dict) -> TrainConfig:
+    """Rebuild a TrainConfig saved in a training state (no file, no overrides)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), data))  # type: ignore[return-value]

@@ -21,10 +21,12 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from rebm.errors import UserError
+
 LOGGER = logging.getLogger("rebm")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The launch environment is inconsistent with the config; message is one line."""
 
 
@@ -221,7 +223,7 @@ def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     buf = tensor.detach().contiguous().to(_comm_device(runtime))
     out = torch.empty((runtime.world_size * buf.shape[0], *buf.shape[1:]), dtype=buf.dtype,
                       device=buf.device)
-    dist.all_gather_into_tensor(out, buf)
+    dist.all_gather_single(out, buf)
     return out.to(tensor.device)
 
 
@@ -239,10 +241,8 @@ def set_collective_timeout(runtime: Runtime, timeout_s: float) -> None:
     if not runtime.distributed:
         return
     try:
-        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
-
-        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), _get_default_group())
-    except (ImportError, RuntimeError, AttributeError) as err:  # private API: best effort
+        dist.set_timeout(datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, AttributeError) as err:  # not every backend supports it
         LOGGER.warning("could not shorten the collective timeout (%s)", err)
 
 
@@ -309,3 +309,50 @@ def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_spawn_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs, join=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Preemption
+# --------------------------------------------------------------------------------------------
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 (SLURM preemption) only set a flag; the training loop passes it through
+    `consensus` at the next step so all ranks save and exit together."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        import signal as _signal
+
+        self.signal_name = _signal.Signals(signum).name
+
+    def install(self) -> "PreemptionFlag":
+        import signal as _signal
+
+        for name in self.SIGNALS:
+            if hasattr(_signal, name):
+                _signal.signal(getattr(_signal, name), self._handler)
+        return self
+
+    @property
+    def raised(self) -> bool:
+        return self.signal_name is not None
+
+
+def _probe() -> None:
+    """`torchrun ... -m rebm.distributed`: check that every rank joins and communicates.
+    Prints one line per rank: its layout, device, and the result of a test all-reduce."""
+    runtime = setup_distributed()
+    total = all_reduce_sum(runtime, torch.tensor([float(runtime.rank + 1)], device=runtime.device))
+    expected = runtime.world_size * (runtime.world_size + 1) / 2
+    status = "ok" if float(total) == expected else f"WRONG (got {float(total)}, want {expected})"
+    print(f"rank {runtime.rank}/{runtime.world_size} local_rank {runtime.local_rank} "
+          f"device {runtime.device} backend {runtime.backend} all_reduce {status}", flush=True)
+    barrier(runtime)
+    teardown(runtime)
+
+
+if __name__ == "__main__":
+    _probe()

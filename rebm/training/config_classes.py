@@ -20,10 +20,12 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from rebm.errors import UserError
+
 LOGGER = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; its message is one line."""
 
 

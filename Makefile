@@ -1,0 +1,32 @@
+# Two commands for a new user: `make quickstart` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup quickstart test lint bench clean
+
+setup: $(STAMP)
+
+# Idempotent: the venv is made once and re-installed only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+quickstart: setup
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 -m rebm.training.train experiments/quickstart/digits.yaml run_dir=runs/quickstart
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check rebm tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

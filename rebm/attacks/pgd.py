@@ -1,0 +1,208 @@
+"""Projected gradient ascent (PGD) on the input of a classifier.
+
+DAT uses it three ways: class-conditional logit ascent f_y(x) (negatives, sample generation),
+logsumexp ascent LSE_k f_k(x) (`logsumexp_sampling`), and untargeted cross-entropy ascent
+(adversarial training, robust evaluation).
+
+Contract with callers:
+- Gradients are taken w.r.t. the input only (`torch.autograd.grad(loss, x)`): no parameter's
+  `.grad` is touched and weight gradients are not even computed.
+- Pass the *unwrapped* module, never a DDP wrapper (a grad-enabled forward through DDP arms a
+  collective; a rank-local one can deadlock).
+- The model's train/eval mode is left exactly as the caller set it. In train mode with live
+  BatchNorm every attack forward updates the running statistics; choose the mode before calling.
+- No host synchronisation inside the step loop: only Python-side decisions on Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+OBJECTIVES = ("logit", "lse", "ce")
+NORMS = ("L2", "Linf")
+_TINY = 1e-12  # a zero gradient gives a zero step instead of 0/0
+
+
+def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
+    """The quantity PGD ascends, summed over the batch (so each sample's gradient is its own)."""
+    logits = model(x)
+    if objective == "logit":
+        return logits.gather(1, y[:, None]).sum()
+    if objective == "lse":
+        return torch.logsumexp(logits, dim=1).sum()
+    return F.cross_entropy(logits, y, reduction="sum")
+
+
+def _per_sample(v: Tensor, like: Tensor) -> Tensor:
+    return v.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _l2_norm(v: Tensor) -> Tensor:
+    return _per_sample(v.flatten(1).norm(dim=1), v)
+
+
+def ascent_step(x: Tensor, grad: Tensor, step_size: float, norm: str) -> Tensor:
+    """L2: x + a*g/||g||_2 (per sample); Linf: x + a*sign(g). No clamp, no projection."""
+    if norm == "L2":
+        return x + grad * (step_size / _l2_norm(grad).clamp_min(_TINY))
+    return x + step_size * grad.sign()
+
+
+def project(x: Tensor, x0: Tensor, eps: float, norm: str) -> Tensor:
+    """Project x onto the eps-ball around x0 (eps = inf: no-op), then clamp to [0, 1].
+
+    Clamping after projecting keeps both constraints: x0 lies in [0, 1], so the clamp only moves
+    coordinates towards x0 and cannot leave the ball.
+    """
+    if not math.isinf(eps):
+        delta = x - x0
+        if norm == "L2":
+            # factor min(1, eps/||delta||), written so that ||delta|| = 0 needs no special case
+            delta = delta * (eps / _l2_norm(delta).clamp_min(eps))
+        else:
+            delta = delta.clamp(-eps, eps)
+        x = x0 + delta
+    return x.clamp(0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample deterministic noise: a counter-based hash of (key, stream, element index), computed
+# with exact int64 arithmetic on the tensor's own device. A sample's noise depends on its key
+# only, never on the batch it sits in or on any global RNG state.
+# ---------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """(h * c) mod 2**32 for 0 <= h < 2**32 without int64 overflow (split c into 16-bit halves)."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """A bijective 32-bit integer finaliser (xor-shift / multiply, 'lowbias32' constants)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(keys: Tensor, n: int, stream: int = 0) -> Tensor:
+    """(B,) int64 keys -> (B, n) float32 uniform in (0, 1), a pure function of (key, stream)."""
+    keys = keys.to(torch.int64)
+    lo, hi = keys & _M32, (keys >> 32) & _M32
+    seed = _mix32(_mix32(hi ^ (stream & _M32)) ^ lo)[:, None]  # one 32-bit state per sample
+    counter = torch.arange(n, device=keys.device, dtype=torch.int64)[None, :]
+    h = _mix32(_mix32(counter ^ seed) ^ seed)
+    return ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24  # 24 random bits, exact in float32
+
+
+def keyed_normal(keys: Tensor, n: int, stream: int = 0) -> Tensor:
+    """(B, n) standard normal from per-sample keys (Box-Muller on two keyed uniform streams)."""
+    u1 = keyed_uniform(keys, n, 2 * stream)
+    u2 = keyed_uniform(keys, n, 2 * stream + 1)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+
+
+def random_start(x: Tensor, keys: Tensor, eps: float, norm: str) -> Tensor:
+    """A random point of the eps-ball around x (clamped to [0, 1]), seeded per sample by `keys`.
+
+    L2: uniform in the ball; Linf: uniform in the cube; eps = inf: uniform noise in [0, 1]
+    (the ball is then the whole image box).
+    """
+    if keys.shape != (x.shape[0],):
+        raise ValueError(
+            f"random_start_keys must have shape ({x.shape[0]},), got {tuple(keys.shape)}"
+        )
+    keys = keys.to(x.device)
+    d = math.prod(x.shape[1:])
+    if math.isinf(eps):
+        return keyed_uniform(keys, d).to(x.dtype).view_as(x)
+    if norm == "L2":
+        direction = keyed_normal(keys, d, stream=0)
+        direction = direction / direction.norm(dim=1, keepdim=True).clamp_min(_TINY)
+        radius = eps * keyed_uniform(keys, 1, stream=2) ** (1.0 / d)  # uniform in volume
+        delta = direction * radius
+    else:
+        delta = eps * (2.0 * keyed_uniform(keys, d) - 1.0)
+    return (x + delta.to(x.dtype).view_as(x)).clamp(0.0, 1.0)
+
+
+def pgd_attack(
+    model: nn.Module,
+    x: Tensor,
+    *,
+    steps: int,
+    step_size: float,
+    eps: float = math.inf,
+    norm: str = "L2",
+    objective: str = "logit",
+    y: Optional[Tensor] = None,
+    random_start_keys: Optional[Tensor] = None,
+) -> Tensor:
+    """`steps` steps of projected gradient ascent from `x`; returns a detached tensor.
+
+    objective: "logit" ascends f_y(x) (needs y), "lse" ascends logsumexp_k f_k(x), "ce" ascends
+    CE(f(x), y) (needs y). Each step: x <- clamp(proj_eps(x + step), 0, 1), the step being
+    a*g/||g||_2 (L2) or a*sign(g) (Linf). eps = inf: only the [0, 1] clamp.
+    random_start_keys: (B,) int64, one key per sample; the start point is drawn inside the
+    eps-ball from that key alone (see `random_start`). steps == 0 returns x unchanged (a detached
+    copy), with or without random start. Works under `torch.no_grad()` (grad is re-enabled
+    locally); the model's train/eval mode is not changed.
+    """
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective != "lse" and y is None:
+        raise ValueError(f"objective {objective!r} needs the labels y")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    x0 = x.detach()
+    if steps == 0:
+        return x0.clone()
+    x_adv = x0 if random_start_keys is None else random_start(x0, random_start_keys, eps, norm)
+    for _ in range(steps):
+        x_adv = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = attack_objective(model, x_adv, objective, y)
+            (grad,) = torch.autograd.grad(loss, x_adv)
+        x_adv = project(ascent_step(x_adv.detach(), grad, step_size, norm), x0, eps, norm)
+    return x_adv.detach()
+
+
+def pgd_from_config(
+    model: nn.Module,
+    x: Tensor,
+    attack_cfg,
+    *,
+    objective: str,
+    y: Optional[Tensor] = None,
+    steps: Optional[int] = None,
+    random_start_keys: Optional[Tensor] = None,
+) -> Tensor:
+    """`pgd_attack` with the threat model of an AttackConfig (`attack` or `indist_attack_clf`).
+
+    steps defaults to attack_cfg.max_steps (the curriculum passes its current T instead). The
+    keys are used only when attack_cfg.random_start is set, and are then required.
+    """
+    if attack_cfg.attack_type != "pgd":
+        raise ValueError(f"attack_type {attack_cfg.attack_type!r} is not supported; use 'pgd'")
+    if attack_cfg.random_start and random_start_keys is None:
+        raise ValueError("attack.random_start needs per-sample random_start_keys")
+    return pgd_attack(
+        model,
+        x,
+        steps=attack_cfg.max_steps if steps is None else steps,
+        step_size=attack_cfg.step_size,
+        eps=attack_cfg.eps,
+        norm=attack_cfg.norm,
+        objective=objective,
+        y=y,
+        random_start_keys=random_start_keys if attack_cfg.random_start else None,
+    )

@@ -1,0 +1,9 @@
+"""One base class for errors the user can fix (bad config, missing file, wrong launch).
+
+Entry points print such an error as one line and exit with code 2, without a traceback;
+anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """An error whose message names the key/file/path and what to do."""

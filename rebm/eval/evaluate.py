@@ -1,0 +1,174 @@
+"""Evaluate a checkpoint: `python -m rebm.eval.evaluate CONFIG model.ckpt_path=PATH [key=value ...]`.
+
+Runs as one process or under torchrun (`torchrun --nproc_per_node=N -m rebm.eval.evaluate ...`);
+the test set is sharded over the ranks and the numbers are those of a single process.
+
+Computes clean accuracy, robust accuracy (PGD with `indist_attack_clf`, when `robust_eval`) and
+ECE; optionally class-conditional samples (+ FID when `image_log.log_fid`), OOD-detection AUROC
+and AutoAttack. Rank 0 prints the metrics as one JSON object on the last stdout line and writes
+it to <run_dir>/eval.json (run_dir = `run_dir`, else the checkpoint's folder).
+
+`evaluate_model` is the same evaluation for the training loop (called on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from rebm.distributed import Runtime, broadcast_object, setup_distributed, setup_logging, teardown
+from rebm.errors import UserError
+from rebm.eval.accuracy import evaluate_accuracy
+from rebm.eval.calibration import evaluate_ece
+from rebm.eval.fid import compute_fid
+from rebm.eval.generation import generate_samples, save_grid
+from rebm.eval.ood import build_ood_data, evaluate_ood
+from rebm.training import cli
+from rebm.training.modeling import unwrap
+
+LOGGER = logging.getLogger("rebm")
+
+
+class EvalError(UserError, ValueError):
+    """The evaluation cannot start (no checkpoint, unreadable checkpoint); one line."""
+
+
+def eval_batch_size(cfg, runtime: Runtime) -> int:
+    """Per-rank batch: the training micro-batch (fits in memory by construction)."""
+    return cfg.per_device_batch_size or max(1, cfg.batch_size // runtime.world_size)
+
+
+def evaluate_model(
+    model: nn.Module,
+    cfg,
+    runtime: Runtime,
+    run_dir: Optional[str] = None,
+    step: Optional[int] = None,
+    loader=None,
+    samples: bool = True,
+    ece: bool = False,
+    ood: bool = False,
+    autoattack: bool = False,
+) -> Dict[str, Any]:
+    """Evaluate `model` (wrapped or not; the unwrapped module is used) on every rank.
+
+    Returns the same dict on every rank: "test_acc", "n_test", "robust_test_acc" (when
+    cfg.robust_eval), "fid" (when samples are drawn, image_log.log_fid is set and FID can be
+    computed here), "ece" / "ood_auroc" / "autoattack_test_acc" when asked for. With `samples`,
+    rank 0 saves a PNG grid into <run_dir>/samples/. Pass `loader` (from `build_eval_data`) to
+    reuse one across calls. Every rank must call this with the same arguments.
+    """
+    from rebm.training.data import build_eval_data
+
+    model = unwrap(model)
+    batch_size = eval_batch_size(cfg, runtime)
+    if loader is None:
+        loader = build_eval_data(cfg, runtime, batch_size)
+    metrics: Dict[str, Any] = evaluate_accuracy(
+        model, loader, runtime, cfg.indist_attack_clf, robust=cfg.robust_eval,
+        seed=cfg.rand_seed, autoattack=autoattack, num_classes=cfg.data.num_classes,
+    )
+    if ece:
+        metrics["ece"] = evaluate_ece(model, loader, runtime)
+    if ood:
+        ood_loader = build_ood_data(cfg, runtime, batch_size, num_samples=metrics["n_test"])
+        metrics.update(evaluate_ood(model, loader, ood_loader, runtime,
+                                    score="lse" if cfg.logsumexp else "max_softmax"))
+    if samples and cfg.image_log.num_samples > 0:
+        images, _ = generate_samples(model, cfg, runtime, batch_size=batch_size)
+        if runtime.is_main and run_dir is not None:
+            path = save_grid(images, run_dir, cfg.data.num_classes, step)
+            LOGGER.info("samples saved to %s", path)
+        if cfg.image_log.log_fid:
+            fid = compute_fid(images, cfg.image_log.data_dir, runtime.device,
+                              batch_size=batch_size, runtime=runtime)
+            if fid is not None:
+                metrics["fid"] = fid
+    return metrics
+
+
+def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
+    """The plain model with the weights of `model.ckpt_path` (EMA weights of a training state
+    when use_ema), on this rank's device, never wrapped: evaluation runs no DDP forward."""
+    from rebm.models import build_model, dataset_stats
+    from rebm.training.checkpoint_io import CheckpointError, load_checkpoint
+
+    path = cfg.model.ckpt_path
+    if not path:
+        raise EvalError("model.ckpt_path is not set; pass model.ckpt_path=PATH of the "
+                        "checkpoint to evaluate")
+    if not os.path.isfile(path):
+        raise EvalError(f"model.ckpt_path '{path}' does not exist")
+    mean, std = dataset_stats(cfg.data.indist_dataset)
+    model = build_model(cfg.model.model_type, cfg.data.num_classes,
+                        normalize_input=cfg.model.normalize_input, mean=mean, std=std,
+                        use_batchnorm=cfg.model.use_batchnorm)
+    try:
+        load_checkpoint(model, path, prefer_ema=cfg.use_ema)
+    except CheckpointError as err:
+        raise EvalError(str(err)) from None
+    return model.to(runtime.device).eval()
+
+
+def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """NaN is not JSON: report it as null."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+
+
+def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
+    setup_logging(runtime)
+    model = load_eval_model(cfg, runtime)
+    run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
+    run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
+    metrics = evaluate_model(model, cfg, runtime, run_dir=run_dir, samples=args.samples,
+                             ece=not args.no_ece, ood=args.ood, autoattack=args.autoattack)
+    metrics = _jsonable({**metrics, "ckpt_path": os.path.abspath(cfg.model.ckpt_path),
+                         "world_size": runtime.world_size})
+    if runtime.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "eval.json"), "w") as fh:
+            json.dump(metrics, fh, indent=2)
+        LOGGER.info("metrics written to %s", os.path.join(run_dir, "eval.json"))
+        sys.stderr.flush()
+        print(json.dumps(metrics), flush=True)  # the last stdout line, for scripts
+    return metrics
+
+
+def build_parser():
+    parser = cli.build_parser("rebm.eval.evaluate", __doc__.splitlines()[0])
+    parser.add_argument("--samples", action="store_true",
+                        help="generate class-conditional samples (saved to <run_dir>/samples; "
+                             "FID when image_log.log_fid)")
+    parser.add_argument("--no-ece", action="store_true", help="skip the calibration error")
+    parser.add_argument("--ood", action="store_true",
+                        help="OOD-detection AUROC against data.outdist_dataset")
+    parser.add_argument("--autoattack", action="store_true",
+                        help="also AutoAttack accuracy (needs the torchattacks package)")
+    return parser
+
+
+@record
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    with cli.user_errors_exit():
+        args, cfg = cli.parse_and_load(parser, argv)
+        if args.check:
+            return cli.check_config(cfg)
+        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
+                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
+        try:
+            run(cfg, runtime, args)
+        finally:
+            teardown(runtime)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Class-conditional samples: PGD ascent on f_y(x) from fixed seed images (DESIGN.md §1).
+
+Sample i starts from seed image i with target label i % num_classes (balanced classes), and runs
+`image_log.num_steps` L2 steps of `image_log.step_size` inside radius `image_log.eps`.
+
+Seeds (`image_log.seed_images`):
+- "noise": uniform [0, 1] noise that is a pure function of (rand_seed, i) — the same on any world
+  size and in any batch;
+- a .pt/.npz/.npy image tensor file, or a folder of images: image i is seed i (cycled when there
+  are fewer seeds than samples), resized to data.image_size.
+
+The samples are sharded over ranks by index (i = rank, rank+W, ...) and all-gathered, so every
+rank holds the full, index-ordered set (rank 0 saves it; FID needs it) and the result does not
+depend on the world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rebm.attacks.pgd import keyed_uniform, pgd_attack
+from rebm.distributed import Runtime, all_gather_cat
+from rebm.errors import UserError
+from rebm.eval.accuracy import eval_mode
+from rebm.training.sampling import sample_keys
+
+LOGGER = logging.getLogger("rebm")
+
+SEED_PURPOSE = 2  # sample_keys salt for seed noise, distinct from attack starts and augmentation
+
+
+class SeedImageError(UserError, ValueError):
+    """`image_log.seed_images` points at nothing usable; the message names the path."""
+
+
+def _resize(images: Tensor, size: int) -> Tensor:
+    if images.shape[-2:] == (size, size):
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False,
+                         antialias=True).clamp(0.0, 1.0)
+
+
+class SeedImages:
+    """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source."""
+
+    def __init__(self, spec: str, image_size: int, rand_seed: int):
+        self.spec = spec
+        self.size = image_size
+        self.rand_seed = rand_seed
+        self._tensor: Optional[Tensor] = None  # tensor-file seeds, loaded once
+        self._folder = None  # folder seeds, decoded per index
+        if spec != "noise":
+            self._open(spec)
+
+    def _open(self, path: str) -> None:
+        # Imported here: the data module is heavy and only file/folder seeds need it.
+        from rebm.training.datasets import ImageFileSource, image_tensor_file, list_image_files
+
+        if os.path.isdir(path):
+            files = list_image_files(path)
+            if not files:
+                raise SeedImageError(
+                    f"image_log.seed_images: folder '{path}' holds no images; put .png/.jpg "
+                    "files in it, or set image_log.seed_images=noise")
+            self._folder = ImageFileSource(files, None, self.size, f"seed images {path}")
+        elif os.path.isfile(path):
+            try:
+                images = image_tensor_file(path)
+            except ValueError as err:  # DataError: bad shape / dtype / extension
+                raise SeedImageError(f"image_log.seed_images: {err}") from None
+            if images.shape[0] == 0:
+                raise SeedImageError(f"image_log.seed_images: '{path}' holds no images")
+            self._tensor = _resize(images, self.size)
+        else:
+            raise SeedImageError(
+                f"image_log.seed_images: '{path}' does not exist; use 'noise', a .pt/.npz "
+                "image tensor file or a folder of images")
+
+    def __call__(self, indices: Tensor) -> Tensor:
+        """(k, 3, S, S) float seeds for the sample indices (cpu)."""
+        idx = np.asarray(indices.cpu(), dtype=np.int64)
+        if self._tensor is not None:
+            return self._tensor[torch.from_numpy(idx % self._tensor.shape[0])]
+        if self._folder is not None:
+            images = self._folder.images(idx % len(self._folder))
+            return images.float().div(255.0) if images.dtype == torch.uint8 else images.float()
+        keys = torch.from_numpy(sample_keys(self.rand_seed, "eval", 0, idx, SEED_PURPOSE))
+        return keyed_uniform(keys, 3 * self.size * self.size).view(-1, 3, self.size, self.size)
+
+
+def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
+    return indices.to(torch.int64) % num_classes
+
+
+def gather_by_index(runtime: Runtime, values: Tensor, indices: Tensor, total: int) -> Tensor:
+    """All-gather per-rank rows and put row j at position indices[j] (every rank gets all).
+
+    all_gather needs equal shapes: each rank pads to the largest shard ceil(total / W) with
+    index -1, and padded rows are dropped after the gather.
+    """
+    pad = math.ceil(total / runtime.world_size) - values.shape[0]
+    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
+    indices = torch.cat([indices, indices.new_full((pad,), -1)])
+    all_values = all_gather_cat(runtime, values)
+    all_indices = all_gather_cat(runtime, indices.to(values.device))
+    keep = all_indices >= 0
+    out = values.new_empty((total, *values.shape[1:]))
+    out[all_indices[keep]] = all_values[keep]
+    return out
+
+
+def generate_samples(
+    model: nn.Module,
+    cfg,
+    runtime: Runtime,
+    num_samples: Optional[int] = None,
+    batch_size: int = 128,
+) -> Tuple[Tensor, Tensor]:
+    """(images (N, 3, S, S) float [0, 1], labels (N,)) on every rank, index-ordered.
+
+    model: the unwrapped module (eval mode for the call). Every rank must call this: it ends
+    with all-gathers.
+    """
+    log = cfg.image_log
+    n = log.num_samples if num_samples is None else num_samples
+    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed)
+    local = torch.arange(runtime.rank, n, runtime.world_size, dtype=torch.int64)
+    chunks = []
+    with eval_mode(model):
+        for start in range(0, len(local), batch_size):
+            idx = local[start:start + batch_size]
+            x = seeds(idx).to(runtime.device)
+            y = balanced_labels(idx, cfg.data.num_classes).to(runtime.device)
+            chunks.append(pgd_attack(model, x, steps=log.num_steps, step_size=log.step_size,
+                                     eps=log.eps, norm="L2", objective="logit", y=y))
+    size = cfg.data.image_size
+    mine = torch.cat(chunks) if chunks else torch.zeros(0, 3, size, size, device=runtime.device)
+    images = gather_by_index(runtime, mine, local.to(runtime.device), n)
+    return images, balanced_labels(torch.arange(n), cfg.data.num_classes)
+
+
+def save_grid(images: Tensor, run_dir: str, num_classes: int, step: Optional[int] = None) -> str:
+    """PNG grid under <run_dir>/samples/ with one column per class (rank 0 only calls this)."""
+    from torchvision.utils import save_image
+
+    folder = os.path.join(run_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    name = "samples.png" if step is None else f"samples_step{step:08d}.png"
+    path = os.path.join(folder, name)
+    # label i = i % num_classes, so num_classes images per row puts each class in one column
+    save_image(images.detach().float().cpu(), path, nrow=max(1, min(num_classes, len(images))),
+               padding=1)
+    return path

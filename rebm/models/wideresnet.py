@@ -1,0 +1,181 @@
+"""Pre-activation WideResNet with the state-dict names of the original DAT / In-N-Out code.
+
+The names (`conv1`, `blockS.layer.I.{bn1,conv1,bn2,conv2,convShortcut}`, `bn1`, `fc`) are part of
+the contract (DESIGN.md §1): checkpoints of the original code must load unchanged and give the
+same logits. Input normalisation lives inside the model as non-persistent buffers, so it never
+appears in (or is expected from) a state dict.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# CIFAR-10 training-set statistics, to full precision; the original uses them for CIFAR-100 too.
+CIFAR10_MEAN = (0.4913997551666284, 0.48215855929893703, 0.4465309133731618)
+CIFAR10_STD = (0.24703225141799082, 0.24348516474564, 0.26158783926049628)
+# Digits are grey images replicated to 3 channels by the data pipeline.
+DIGITS_MEAN = (0.5, 0.5, 0.5)
+DIGITS_STD = (0.5, 0.5, 0.5)
+
+# name -> (depth, widen factor); keep in sync with rebm.models.MODEL_NAMES (tested)
+ARCHITECTURES = {
+    "WideResNet34x10": (34, 10),
+    "WideResNet28x10": (28, 10),
+    "WideResNet16x4": (16, 4),
+    "WideResNet16x2": (16, 2),
+    "WideResNet10x1": (10, 1),
+}
+
+
+def dataset_stats(indist_dataset: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """(mean, std) used for input normalisation of a model trained on `indist_dataset`."""
+    if indist_dataset == "digits":
+        return DIGITS_MEAN, DIGITS_STD
+    if indist_dataset.startswith("cifar") or indist_dataset == "imagefolder":
+        return CIFAR10_MEAN, CIFAR10_STD
+    raise ValueError(f"no normalisation statistics for data.indist_dataset '{indist_dataset}'")
+
+
+class BasicBlock(nn.Module):
+    """BN -> ReLU -> conv3x3 -> BN -> ReLU -> conv3x3, plus the shortcut.
+
+    Where widths differ, the *pre-activated* input feeds the 1x1 `convShortcut` (as in the
+    original); otherwise the raw input is added back.
+    """
+
+    def __init__(self, in_planes: int, out_planes: int, stride: int):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(in_planes)
+        self.conv1 = nn.Conv2d(in_planes, out_planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_planes)
+        self.conv2 = nn.Conv2d(out_planes, out_planes, 3, stride=1, padding=1, bias=False)
+        self.convShortcut: Optional[nn.Conv2d] = None
+        if in_planes != out_planes:
+            self.convShortcut = nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = F.relu(self.bn1(x))
+        out = self.conv2(F.relu(self.bn2(self.conv1(pre))))
+        shortcut = x if self.convShortcut is None else self.convShortcut(pre)
+        return shortcut + out
+
+
+class NetworkBlock(nn.Module):
+    """One stage; the `layer` attribute name is part of the state-dict contract."""
+
+    def __init__(self, num_blocks: int, in_planes: int, out_planes: int, stride: int):
+        super().__init__()
+        self.layer = nn.Sequential(
+            *[
+                BasicBlock(in_planes if i == 0 else out_planes, out_planes, stride if i == 0 else 1)
+                for i in range(num_blocks)
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class WideResNet(nn.Module):
+    def __init__(
+        self,
+        depth: int = 34,
+        widen_factor: int = 10,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        normalize_input: bool = True,
+        mean: Optional[Sequence[float]] = None,
+        std: Optional[Sequence[float]] = None,
+        use_batchnorm: bool = False,
+    ):
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ValueError(f"WideResNet depth must be 6n+4, got {depth}")
+        n = (depth - 4) // 6
+        widths = [16, 16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
+        self.use_batchnorm = use_batchnorm
+        self.normalize_input = normalize_input
+        mean = CIFAR10_MEAN if mean is None else tuple(mean)
+        std = CIFAR10_STD if std is None else tuple(std)
+        # persistent=False: constants of the data, not weights; original checkpoints lack them.
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=1, padding=1, bias=False)
+        self.block1 = NetworkBlock(n, widths[0], widths[1], 1)
+        self.block2 = NetworkBlock(n, widths[1], widths[2], 2)
+        self.block3 = NetworkBlock(n, widths[2], widths[3], 2)
+        self.bn1 = nn.BatchNorm2d(widths[3])
+        self.fc = nn.Linear(widths[3], num_classes)
+        self.num_features = widths[3]
+        self._init_weights()
+        self.train()  # applies the frozen-BatchNorm rule from the start
+
+    def _init_weights(self) -> None:
+        # Same scheme as the original: He-normal (fan_out) convs, BN = identity, zero fc bias.
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def train(self, mode: bool = True) -> "WideResNet":
+        """With use_batchnorm=False every BatchNorm stays in eval mode: its running stats act as a
+        fixed affine map (gamma/beta still learn). Wrappers (DDP, DataParallel, compile, EMA
+        copies) call this method recursively, so the rule holds through them."""
+        super().train(mode)
+        if mode and not self.use_batchnorm:
+            for m in self.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):  # includes SyncBatchNorm
+                    m.eval()
+        return self
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalize_input:
+            x = (x - self.mean) / self.std
+        out = self.conv1(x)
+        out = self.block3(self.block2(self.block1(out)))
+        out = F.relu(self.bn1(out))
+        # Pool over the whole map: 8x8 at 32 px as in the original, 4x4 at 16 px.
+        out = F.avg_pool2d(out, kernel_size=out.shape[-2:])
+        return out.flatten(1)
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.fc(self.features(x))
+        if y is None:
+            return logits
+        return logits[torch.arange(logits.shape[0], device=logits.device), y]
+
+
+def build_model(
+    model_type: str,
+    num_classes: int,
+    normalize_input: bool = True,
+    mean: Optional[Sequence[float]] = None,
+    std: Optional[Sequence[float]] = None,
+    use_batchnorm: bool = False,
+    in_channels: int = 3,
+) -> nn.Module:
+    """Model by its `model.model_type` name (see MODEL_NAMES)."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown model_type '{model_type}'; use one of {', '.join(ARCHITECTURES)}"
+        )
+    depth, widen = ARCHITECTURES[model_type]
+    return WideResNet(
+        depth=depth,
+        widen_factor=widen,
+        num_classes=num_classes,
+        in_channels=in_channels,
+        normalize_input=normalize_input,
+        mean=mean,
+        std=std,
+        use_batchnorm=use_batchnorm,
+    )

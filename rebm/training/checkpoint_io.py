@@ -1,0 +1,257 @@
+"""Universal model-checkpoint loading and atomic saving.
+
+`load_checkpoint` accepts every layout this project and the original code write (DESIGN.md §5):
+  - a plain state dict;
+  - wrapper prefixes, nested in any order: `module.` (DataParallel / DDP / AveragedModel),
+    `_orig_mod.` (torch.compile), `base_model.`, `ema_model.` (ema-pytorch);
+  - the metadata entries of averaging wrappers (`n_averaged`, ema-pytorch `initted`, `step`),
+    e.g. the original EMA layout `module.n_averaged` + `module.module.*`;
+  - ema-pytorch state dicts: the `ema_model.` weights are loaded, `online_model.` is dropped;
+  - containers: `state_dict`, `model_state_dict`, `model`, `ema_state_dict`, `ema` (a full
+    training state is such a container).
+
+Container choice: the model weights by default; `prefer_ema=True` takes `ema_state_dict`/`ema`
+first. A container with only EMA weights loads them either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from rebm.errors import UserError
+from rebm.training.modeling import unwrap
+
+LOGGER = logging.getLogger("rebm")
+
+WRAPPER_PREFIXES = ("module", "_orig_mod", "base_model", "ema_model")
+METADATA_KEYS = ("n_averaged", "initted", "step")
+MODEL_ENTRIES = ("state_dict", "model_state_dict", "model")
+EMA_ENTRIES = ("ema_state_dict", "ema")
+_SHOW = 4  # example key names per category in a mismatch report
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be read or does not fit the model; the message is short and names
+    the path."""
+
+
+@dataclass
+class LoadReport:
+    path: str
+    layout: str  # how the weights were found, e.g. "['model_state_dict'] > module."
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+    mismatched: List[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def _unreadable(path: str, err: BaseException) -> CheckpointError:
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(2)
+    if size == 0:
+        what = "the file is empty"
+    elif head == b"PK" and not zipfile.is_zipfile(path):
+        what = "the file is truncated (incomplete zip archive)"
+    elif head == b"PK" or head[:1] == b"\x80":
+        what = "the file is corrupted"
+    else:
+        what = "this is not a torch.save file"
+    reason = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:100]
+    return CheckpointError(
+        f"cannot load checkpoint '{path}': {what} ({size} bytes; {type(err).__name__}: {reason})"
+    )
+
+
+def read_checkpoint(path: str, allow_pickle: bool = True) -> Any:
+    """torch.load to CPU with weights_only=True. Files that hold other Python objects (the
+    original training states pickle e.g. their argparse/config objects) are re-read with
+    weights_only=False when `allow_pickle`, with a warning: only do that with trusted files."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint '{path}' does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint '{path}' is a directory, not a file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # Only a well-formed file refused for its Python objects may fall back; a corrupt file
+        # must not be handed to the full unpickler.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if not (allow_pickle and found):
+            raise _unreadable(path, err) from None
+        LOGGER.warning(
+            "checkpoint '%s' holds Python objects (%s) that weights_only=True refuses; "
+            "loading it with weights_only=False (trusted files only)",
+            path,
+            found.group(1),
+        )
+    except Exception as err:  # truncated zip, text file, empty file, ...
+        raise _unreadable(path, err) from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise _unreadable(path, err) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the weights
+# --------------------------------------------------------------------------------------------
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )
+
+
+def _select_weights(obj: Any, prefer_ema: bool, path: str, trail: List[str]) -> Dict[str, Any]:
+    """Descend through containers to a flat {name: tensor} dict."""
+    if isinstance(obj, nn.Module):  # a pickled module (weights_only=False files)
+        trail.append(f"{type(obj).__name__}.state_dict()")
+        return dict(obj.state_dict())
+    if _is_state_dict(obj):
+        return dict(obj)
+    if isinstance(obj, Mapping):
+        order = EMA_ENTRIES + MODEL_ENTRIES if prefer_ema else MODEL_ENTRIES + EMA_ENTRIES
+        for key in order:
+            if isinstance(obj.get(key), (Mapping, nn.Module)):
+                trail.append(f"['{key}']")
+                return _select_weights(obj[key], prefer_ema, path, trail)
+        keys = ", ".join(map(str, list(obj)[:8])) + (", ..." if len(obj) > 8 else "")
+        raise CheckpointError(
+            f"checkpoint '{path}' holds a dict without model weights (keys: {keys}); expected a "
+            f"state dict or one of the entries {', '.join(MODEL_ENTRIES + EMA_ENTRIES)}"
+        )
+    raise CheckpointError(f"checkpoint '{path}' holds a {type(obj).__name__}, not model weights")
+
+
+def _strip_wrappers(sd: Dict[str, Any], target: Set[str], trail: List[str]) -> Dict[str, Any]:
+    """Remove wrapper prefixes (and wrapper metadata) until the names stop changing or fit the
+    target; works for any nesting order, e.g. module._orig_mod.module.<name>."""
+    while set(sd) != target:
+        body = {k: v for k, v in sd.items() if k not in METADATA_KEYS}
+        if not body or any("." not in k for k in body):
+            break
+        heads = {k.split(".", 1)[0] for k in body}
+        if "ema_model" in heads and heads <= {"ema_model", "online_model"}:
+            keep = "ema_model"  # ema-pytorch: the averaged weights, not the online copy
+        elif len(heads) == 1 and next(iter(heads)) in WRAPPER_PREFIXES:
+            keep = next(iter(heads))
+        else:
+            break
+        sd = {k[len(keep) + 1 :]: v for k, v in body.items() if k.startswith(keep + ".")}
+        trail.append(f"{keep}.")
+    return sd
+
+
+def extract_state_dict(
+    obj: Any, target_keys: Optional[Set[str]] = None, prefer_ema: bool = False, path: str = "?"
+) -> Tuple[Dict[str, Any], str]:
+    """(plain state dict, description of the layout) from anything `read_checkpoint` returns."""
+    trail: List[str] = []
+    sd = _select_weights(obj, prefer_ema, path, trail)
+    sd = _strip_wrappers(sd, target_keys or set(), trail)
+    return sd, " > ".join(trail) or "plain"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading into a model
+# --------------------------------------------------------------------------------------------
+def _examples(items: List[str]) -> str:
+    more = f", ... (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return ", ".join(items[:_SHOW]) + more
+
+
+def load_checkpoint(
+    model: nn.Module, path: str, strict: bool = True, prefer_ema: bool = False
+) -> LoadReport:
+    """Load the weights in `path` into `model` (wrapped or not; they go into `unwrap(model)`).
+
+    strict=True: any missing / unexpected / shape-mismatched key raises CheckpointError with a
+    short diff. strict=False: loads the keys that fit and logs the same diff as a warning.
+    """
+    path = os.fspath(path)
+    target = unwrap(model)
+    own = target.state_dict()
+    sd, layout = extract_state_dict(read_checkpoint(path), set(own), prefer_ema, path)
+
+    # num_batches_tracked is absent from very old checkpoints; BatchNorm fills it in itself.
+    missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in sd if k not in own]
+    bad_shape = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+    mismatched = [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in bad_shape]
+    report = LoadReport(path, layout, missing, unexpected, mismatched)
+    if missing or unexpected or mismatched:
+        lines = [
+            f"checkpoint '{path}' does not fit {type(target).__name__} (layout: {layout}): "
+            f"{len(missing)} missing, {len(unexpected)} unexpected, "
+            f"{len(mismatched)} shape-mismatched keys"
+        ]
+        for name, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape mismatch", mismatched),
+        ):
+            if items:
+                lines.append(f"  {name} ({len(items)}): {_examples(items)}")
+        if strict:
+            lines.append("  check model.model_type and data.num_classes against the checkpoint")
+            raise CheckpointError("\n".join(lines))
+        LOGGER.warning(
+            "%s\n  loading the %d matching keys (strict=False)",
+            "\n".join(lines),
+            len(sd) - len(unexpected) - len(mismatched),
+        )
+        sd = {k: v for k, v in sd.items() if k in own and k not in bad_shape}
+    target.load_state_dict(sd, strict=strict)
+    LOGGER.info("loaded checkpoint '%s' (layout: %s)", path, layout)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """torch.save that never leaves a partial file at `path`: write a temp file in the same
+    directory (same filesystem, so os.replace is atomic), fsync it, then rename over `path`."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # persist the rename itself (best effort: not every filesystem allows it)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def save_model(model: nn.Module, path: str) -> None:
+    """Plain, unprefixed state dict of the unwrapped model (loads anywhere with
+    `load_state_dict` or `load_checkpoint`)."""
+    atomic_torch_save(unwrap(model).state_dict(), path)

@@ -1,0 +1,94 @@
+"""Shared command-line plumbing of the entry points (train, evaluate): arguments, config loading,
+`--check`, and turning the user-fixable errors into one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+import torch
+
+from rebm.errors import UserError
+from rebm.training.config_classes import (
+    TrainConfig,
+    ignored_fields_set,
+    load_config,
+    plan_batches,
+    to_yaml,
+)
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "overrides: key=value or a.b=value (OmegaConf dot-list), e.g. lr=0.01 "
+            "data.num_workers=0 attack.max_steps=5\n"
+            "launch on N processes with: torchrun --nproc_per_node=N -m " + prog + " CONFIG ..."
+        ),
+    )
+    parser.add_argument("config", help="experiment YAML file")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config, print it resolved as YAML, and exit")
+    return parser
+
+
+def environment_warnings(cfg: TrainConfig) -> List[str]:
+    """Things this machine lacks; warnings under --check (login nodes have no data or GPUs)."""
+    problems = []
+    file_datasets = {"cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional",
+                     "imagefolder"}
+    if cfg.data.indist_dataset in file_datasets and not os.path.exists(cfg.data.indist_ds_dir):
+        problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
+    if "noise" not in cfg.data.outdist_dataset and not os.path.exists(cfg.data.outdist_std_dir):
+        problems.append(f"data.outdist_std_dir '{cfg.data.outdist_std_dir}' does not exist here")
+    if cfg.model.ckpt_path and not os.path.exists(cfg.model.ckpt_path):
+        problems.append(f"model.ckpt_path '{cfg.model.ckpt_path}' does not exist here")
+    if cfg.ddp_backend == "nccl" and not torch.cuda.is_available():
+        problems.append("ddp_backend: nccl needs CUDA, which this machine does not have")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        problems.append("device: cuda but CUDA is not available on this machine")
+    return problems
+
+
+def check_config(cfg: TrainConfig) -> int:
+    """--check: validate what can be validated here, print the resolved YAML, exit 0."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = plan_batches(cfg, world_size)
+    for problem in environment_warnings(cfg):
+        print(f"warning: {problem}", file=sys.stderr)
+    for key in ignored_fields_set(cfg):
+        print(f"note: '{key}' is accepted for compatibility but not used", file=sys.stderr)
+    print(to_yaml(cfg), end="")
+    print(
+        f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
+        f"{plan.accumulation_steps} accumulation step(s) x {world_size} = {plan.global_batch_size}"
+    )
+    return 0
+
+
+@contextmanager
+def user_errors_exit() -> Iterator[None]:
+    """A user-fixable error prints one line (no traceback) and exits with code 2."""
+    try:
+        yield
+    except UserError as err:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def parse_and_load(parser: argparse.ArgumentParser,
+                   argv: Optional[List[str]] = None) -> tuple:
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    return args, cfg

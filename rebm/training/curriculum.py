@@ -1,0 +1,102 @@
+"""The out-distribution attack curriculum (DESIGN.md section 1, step 5) and its AUC statistic.
+
+The trainer feeds `Curriculum.update` the AUC of the *global* batch (the same number on every
+rank), so every rank takes the same decision without a collective here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+
+def binary_auc(pos_scores: Tensor, neg_scores: Tensor) -> Tensor:
+    """ROC-AUC of positives vs negatives (Mann-Whitney U, ties count 1/2), a float64 scalar.
+
+    Equals sklearn.metrics.roc_auc_score on [pos; neg] with labels [1..1; 0..0]. Fully in torch
+    and without host synchronisation: for every positive, count the negatives below it and
+    those equal to it by binary search in the sorted negatives.
+    """
+    pos, neg = pos_scores.detach().flatten(), neg_scores.detach().flatten()
+    if pos.numel() == 0 or neg.numel() == 0:
+        raise ValueError("binary_auc needs at least one positive and one negative score")
+    neg = torch.sort(neg.to(pos.dtype)).values
+    below = torch.searchsorted(neg, pos, right=False)  # negatives < p
+    below_or_equal = torch.searchsorted(neg, pos, right=True)  # negatives <= p
+    twice_u = (below + below_or_equal).sum()  # exact in int64: 2*U = sum(2*below + equal)
+    return twice_u.to(torch.float64) / (2.0 * pos.numel() * neg.numel())
+
+
+class Curriculum:
+    """Number T of PGD steps for the negatives, raised while the model separates them well.
+
+    Window mode (default): keep the AUCs of the last `window_size` steps; when the window is full
+    and its mean >= `auc_threshold`, T <- T + 1 and the window starts empty. With
+    `samples_per_attack_step`, T instead rises after that many images at the current T. T never
+    exceeds `max_steps`.
+    """
+
+    def __init__(
+        self,
+        start_step: int,
+        max_steps: int,
+        auc_threshold: float,
+        window_size: int,
+        samples_per_attack_step: Optional[int] = None,
+    ):
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        if not 0 <= start_step <= max_steps:
+            raise ValueError(f"need 0 <= start_step ({start_step}) <= max_steps ({max_steps})")
+        self.T = start_step
+        self.max_steps = max_steps
+        self.auc_threshold = auc_threshold
+        self.samples_per_attack_step = samples_per_attack_step
+        self.window: deque = deque(maxlen=window_size)
+        self.images_at_T = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Curriculum":
+        """From a TrainConfig: window = ceil(min_imgs_per_threshold / global batch_size) steps."""
+        return cls(
+            start_step=cfg.attack.start_step,
+            max_steps=cfg.attack.max_steps,
+            auc_threshold=cfg.AUC_th,
+            window_size=math.ceil(cfg.min_imgs_per_threshold / cfg.batch_size),
+            samples_per_attack_step=cfg.samples_per_attack_step,
+        )
+
+    @property
+    def window_mean(self) -> float:
+        return sum(self.window) / len(self.window) if self.window else math.nan
+
+    def update(self, adv_auc: float, n_images: int) -> bool:
+        """Record one optimizer step (its AUC and global image count); True when T advanced."""
+        self.window.append(float(adv_auc))
+        self.images_at_T += int(n_images)
+        if self.T >= self.max_steps:
+            return False
+        if self.samples_per_attack_step:
+            advance = self.images_at_T >= self.samples_per_attack_step
+        else:
+            advance = (
+                len(self.window) == self.window.maxlen and self.window_mean >= self.auc_threshold
+            )
+        if advance:
+            self.T += 1
+            self.window.clear()
+            self.images_at_T = 0
+        return advance
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.T = min(int(state["T"]), self.max_steps)  # a lowered max_steps caps a resumed T
+        self.window.clear()
+        self.window.extend(float(a) for a in state["window"])  # keeps the newest if maxlen shrank
+        self.images_at_T = int(state["images_at_T"])

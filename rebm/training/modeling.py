@@ -1,0 +1,92 @@
+"""Build, load and wrap the model; the one place that knows about DDP / DataParallel / compile.
+
+Order in `get_model` matters:
+  build -> load `model.ckpt_path` (names carry no wrapper prefixes yet) -> channels_last ->
+  .to(device) -> SyncBatchNorm -> torch.compile -> DDP / DataParallel (DDP must see the final
+  device placement, and wraps the compiled module).
+Attacks, EMA and checkpoint saving use `unwrap(model)`, never the DDP wrapper (DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Tuple
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+LOGGER = logging.getLogger("rebm")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under any nesting of DDP, DataParallel and torch.compile wrappers."""
+    while True:
+        if isinstance(model, (DDP, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def get_model(cfg, runtime) -> Tuple[nn.Module, nn.Module]:
+    """(wrapped model for the training forward/backward, raw module sharing its parameters).
+
+    `raw` is the uncompiled, unwrapped module: use it for attacks, evaluation, EMA and saving.
+    """
+    from rebm.models import build_model, dataset_stats
+    from rebm.training.checkpoint_io import load_checkpoint
+
+    mean, std = dataset_stats(cfg.data.indist_dataset)
+    model = build_model(
+        cfg.model.model_type,
+        cfg.data.num_classes,
+        normalize_input=cfg.model.normalize_input,
+        mean=mean,
+        std=std,
+        use_batchnorm=cfg.model.use_batchnorm,
+    )
+    if cfg.model.ckpt_path:
+        # Every rank reads the file itself: no broadcast needed, and no rank-0-only branch.
+        load_checkpoint(model, cfg.model.ckpt_path)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = model.to(runtime.device)
+
+    if cfg.sync_batchnorm:
+        if not cfg.model.use_batchnorm:
+            LOGGER.info("sync_batchnorm ignored: BatchNorm is frozen (model.use_batchnorm=false)")
+        elif not runtime.distributed:
+            pass  # one process: nothing to synchronise
+        elif runtime.device.type == "cpu":
+            # SyncBatchNorm has no CPU kernel; statistics stay per rank on CPU runs.
+            LOGGER.warning("sync_batchnorm ignored on CPU (SyncBatchNorm needs an accelerator)")
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    raw = model
+
+    if cfg.model.compile:
+        model = torch.compile(model)
+    if runtime.distributed:
+        model = DDP(
+            model,
+            device_ids=[runtime.local_rank] if runtime.device.type == "cuda" else None,
+            # Frozen BN: running stats never change, so broadcasting them every forward is waste.
+            broadcast_buffers=cfg.model.use_batchnorm,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
+    elif runtime.data_parallel:
+        model = nn.DataParallel(model)
+    return model, raw
+
+
+def get_optimizer(cfg, params: Iterable) -> torch.optim.Optimizer:
+    name = cfg.optimizer.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=(0.0, 0.99), weight_decay=cfg.wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.wd)
+    raise ValueError(f"unknown optimizer '{cfg.optimizer}'; use one of sgd, adam, adamw")

@@ -1,0 +1,146 @@
+"""Full training state: save atomically, keep the last few, find and load the newest valid one.
+
+A state holds everything that decides what happens next (model, optimizer, EMA, GradScaler,
+step, curriculum, metric bests, RNG, wandb id, config); the data position is the step itself,
+because the samplers seek to any step in O(1) (rebm/training/sampling.py)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from rebm.distributed import Runtime, all_gather_cat, broadcast_object
+from rebm.errors import UserError
+from rebm.training.checkpoint_io import atomic_torch_save
+
+LOGGER = logging.getLogger("rebm")
+STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
+
+
+class StateError(UserError, RuntimeError):
+    """No usable training state, or one could not be written."""
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def state_path(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(run_dir), f"state_{step:09d}.pt")
+
+
+def list_states(run_dir: str) -> List[str]:
+    """Saved states of a run, newest first."""
+    paths = glob.glob(os.path.join(checkpoint_dir(run_dir), "state_*.pt"))
+    paths = [p for p in paths if STATE_PATTERN.search(p)]
+    return sorted(paths, key=lambda p: int(STATE_PATTERN.search(p).group(1)), reverse=True)
+
+
+def read_state(path: str) -> Dict[str, Any]:
+    """Load a state file (CPU, tensors and plain containers only)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise StateError(f"training state '{path}' does not exist") from None
+    except Exception as err:  # truncated zip, unpickling error, ...
+        raise StateError(
+            f"training state '{path}' is unreadable ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    if not isinstance(state, dict) or "step" not in state or "model" not in state:
+        raise StateError(f"'{path}' is not a rebm training state (no 'step'/'model' entries)")
+    return state
+
+
+def save_state(state: Dict[str, Any], run_dir: str, keep_last: int) -> str:
+    """Write atomically (temp file + os.replace), then prune all but the newest `keep_last`.
+    A failed write raises StateError and leaves earlier states untouched."""
+    path = state_path(run_dir, int(state["step"]))
+    try:
+        os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
+        atomic_torch_save(state, path)
+    except OSError as err:
+        previous = list_states(run_dir)
+        raise StateError(
+            f"cannot write training state '{path}' ({err.strerror or err}); free disk space or "
+            f"fix permissions of '{checkpoint_dir(run_dir)}'. Previous state "
+            f"{'%r is intact' % previous[0] if previous else 'none exists'}"
+        ) from None
+    for old in list_states(run_dir)[keep_last:]:
+        try:
+            os.remove(old)
+        except OSError:
+            pass
+    return path
+
+
+def find_resumable(run_dir: Optional[str], explicit: Optional[str]) -> Optional[tuple]:
+    """(path, state) of the newest readable state: the explicit path if given, else the newest
+    in run_dir/checkpoints, skipping (with a warning) any that is unreadable."""
+    if explicit:
+        target = explicit
+        if os.path.isdir(explicit):
+            candidates = list_states(explicit) or list_states(os.path.dirname(explicit))
+            if not candidates:
+                raise StateError(f"resume_from_state '{explicit}' holds no state_*.pt files")
+            target = candidates[0]
+        return target, read_state(target)
+    if not run_dir:
+        return None
+    candidates = list_states(run_dir)
+    for path in candidates:
+        try:
+            return path, read_state(path)
+        except StateError as err:
+            LOGGER.warning("%s; trying the previous state", err)
+    if candidates:
+        raise StateError(
+            f"none of the {len(candidates)} training states in '{checkpoint_dir(run_dir)}' is "
+            "readable; delete them to start afresh, or pass resume_from_state=PATH"
+        )
+    return None
+
+
+def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
+                    allow_auto: bool) -> Optional[Dict[str, Any]]:
+    """Rank 0 picks the state to resume from (or none); every rank then loads that same file.
+    Called by every rank: the decision is a broadcast, never rank 0 alone."""
+    chosen = None
+    if runtime.is_main:
+        found = find_resumable(run_dir if allow_auto else None, explicit)
+        chosen = found[0] if found else None
+    chosen = broadcast_object(runtime, chosen)
+    if chosen is None:
+        return None
+    return read_state(chosen) | {"_path": chosen}
+
+
+def replicas_agree(runtime: Runtime, *modules: torch.nn.Module) -> bool:
+    """Cross-rank checksum of all parameters and buffers: True when every rank holds the same."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for module in modules:
+        for tensor in list(module.state_dict().values()):
+            if torch.is_tensor(tensor) and tensor.is_floating_point():
+                flat = tensor.detach().double().flatten().cpu()
+                weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+                total += (flat * weights.remainder(97)).sum()
+    gathered = all_gather_cat(runtime, total)
+    return bool((gathered == gathered[0]).all())
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

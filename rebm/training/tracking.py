@@ -1,0 +1,126 @@
+"""What a run writes for people to read (DESIGN.md §4): the run directory, config.yaml,
+metrics.jsonl, wandb, PNG grids. Only rank 0 writes; the `Tracker` of other ranks is inert, so
+the training loop calls it unconditionally and never runs a collective inside a rank guard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from rebm.distributed import Runtime, broadcast_object
+from rebm.training.config_classes import TrainConfig, to_dict, to_yaml
+
+LOGGER = logging.getLogger("rebm")
+
+
+def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> str:
+    """Rank 0 chooses the run directory (the configured one, or runs/<time>), all ranks get it.
+    Called by every rank (it contains a broadcast)."""
+    chosen = None
+    if runtime.is_main:
+        chosen = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        chosen = os.path.abspath(chosen)
+        os.makedirs(chosen, exist_ok=True)
+    chosen = broadcast_object(runtime, chosen)
+    cfg.run_dir = chosen
+    return chosen
+
+
+def wandb_mode(cfg: TrainConfig) -> str:
+    """disabled (explicitly, or the original wandb_disabled flag), else online when an API key is
+    configured and offline otherwise, unless wandb_mode / WANDB_MODE says otherwise."""
+    if cfg.wandb_disabled or cfg.wandb_mode == "disabled":
+        return "disabled"
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if cfg.wandb_mode != "auto":
+        return cfg.wandb_mode
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
+        os.path.expanduser("~/.netrc")
+    )
+    return "online" if has_key else "offline"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class Tracker:
+    """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: str,
+                 wandb_run_id: Optional[str] = None):
+        self.runtime = runtime
+        self.active = runtime.is_main
+        self.run_dir = run_dir
+        self.wandb_run = None
+        self.wandb_run_id = wandb_run_id
+        if not self.active:
+            return
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as fh:
+            fh.write(to_yaml(cfg))
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        mode = wandb_mode(cfg)
+        if mode != "disabled":
+            self._init_wandb(cfg, mode)
+
+    def _init_wandb(self, cfg: TrainConfig, mode: str) -> None:
+        try:
+            import wandb
+        except ImportError:
+            LOGGER.warning("wandb is not installed; metrics go to metrics.jsonl only")
+            return
+        self.wandb_run_id = self.wandb_run_id or wandb.util.generate_id()
+        self.wandb_run = wandb.init(
+            project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
+            tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
+        )
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """On resume, drop records newer than the restored state so the log matches a straight
+        run (a preempted run may have logged steps after its last saved state)."""
+        if not self.active or not os.path.exists(self.metrics_path):
+            return
+        with open(self.metrics_path) as fh:
+            lines = [line for line in fh if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = self.metrics_path + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, self.metrics_path)
+
+    def log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
+        if not self.active:
+            return
+        record = {"step": step, "n_imgs": n_imgs, "epoch": epoch}
+        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def save_grid(self, images: torch.Tensor, name: str, nrow: int = 8) -> Optional[str]:
+        if not self.active:
+            return None
+        from torchvision.utils import save_image
+
+        path = os.path.join(self.run_dir, "samples", name)
+        save_image(images.detach().float().cpu().clamp(0, 1), path, nrow=nrow)
+        return path
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

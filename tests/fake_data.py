@@ -1,0 +1,128 @@
+"""Tiny datasets written in the real on-disk formats, so the real loaders run in tests.
+
+- `write_fake_cifar10(root)`: `root/cifar-10-batches-py/{data_batch_1..5, test_batch,
+  batches.meta}` — pickled dicts with `data` (N x 3072 uint8, channel-major rows), `labels`,
+  `filenames`, `batch_label`, exactly the layout of the official archive, so
+  `torchvision.datasets.CIFAR10(root, download=False)` reads them (its md5 check fails on them, so
+  rebm loads them through torchvision's loader with the checksum replaced by an existence check;
+  see rebm/training/datasets.py).
+- `write_fake_cifar100(root)`: `root/cifar-100-python/{train, test, meta}` with `fine_labels` /
+  `coarse_labels`.
+- `write_image_folder`, `write_tiny_images`, `write_tensor_file` for the other sources.
+
+Images are random noise with a per-class colour offset (so they are not all alike).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import List, Optional
+
+import numpy as np
+
+CIFAR10_LABEL_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                       "ship", "truck"]
+
+
+def _fake_images(n: int, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """(n, 3072) uint8 rows: channel-major 32x32x3 like CIFAR's `data` arrays."""
+    noise = rng.integers(0, 200, size=(n, 3, 32, 32), dtype=np.int64)
+    tint = (labels[:, None] * np.array([23, 57, 91])[None, :]) % 56  # per-class colour
+    images = noise + tint[:, :, None, None]
+    return images.astype(np.uint8).reshape(n, 3072)
+
+
+def _dump(path: str, obj: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)  # the official files are Python-2 pickles
+
+
+def write_fake_cifar10(root: str, n_train: int = 500, n_test: int = 101, seed: int = 0) -> str:
+    """Write a tiny CIFAR-10 (n_train split over 5 batches); returns the batch folder."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    per_batch = np.array_split(np.arange(n_train), 5)
+    for number, chunk in enumerate(per_batch, start=1):
+        labels = rng.integers(0, 10, size=len(chunk))
+        _dump(os.path.join(folder, f"data_batch_{number}"), {
+            "batch_label": f"training batch {number} of 5",
+            "labels": labels.tolist(),
+            "data": _fake_images(len(chunk), labels, rng),
+            "filenames": [f"train_{i}.png" for i in chunk],
+        })
+    labels = rng.integers(0, 10, size=n_test)
+    _dump(os.path.join(folder, "test_batch"), {
+        "batch_label": "testing batch 1 of 1",
+        "labels": labels.tolist(),
+        "data": _fake_images(n_test, labels, rng),
+        "filenames": [f"test_{i}.png" for i in range(n_test)],
+    })
+    _dump(os.path.join(folder, "batches.meta"), {
+        "num_cases_per_batch": max(len(c) for c in per_batch),
+        "label_names": CIFAR10_LABEL_NAMES,
+        "num_vis": 3072,
+    })
+    return folder
+
+
+def write_fake_cifar100(root: str, n_train: int = 300, n_test: int = 50, seed: int = 0) -> str:
+    """Write a tiny CIFAR-100; returns the folder."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, "cifar-100-python")
+    os.makedirs(folder, exist_ok=True)
+    for name, n in (("train", n_train), ("test", n_test)):
+        fine = rng.integers(0, 100, size=n)
+        _dump(os.path.join(folder, name), {
+            "filenames": [f"{name}_{i}.png" for i in range(n)],
+            "batch_label": f"{name}ing batch 1 of 1",
+            "fine_labels": fine.tolist(),
+            "coarse_labels": (fine // 5).tolist(),
+            "data": _fake_images(n, fine, rng),
+        })
+    _dump(os.path.join(folder, "meta"), {
+        "fine_label_names": [f"fine_{i}" for i in range(100)],
+        "coarse_label_names": [f"coarse_{i}" for i in range(20)],
+    })
+    return folder
+
+
+def write_image_folder(root: str, n_per_class: int = 3, classes: Optional[List[str]] = None,
+                       size: int = 20, seed: int = 0) -> str:
+    """root/<class>/<i>.png RGB images (non-square sizes are fine too)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for cls in classes or ["a", "b"]:
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        for i in range(n_per_class):
+            pixels = rng.integers(0, 256, size=(size, size + 4, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(root, cls, f"{i}.png"))
+    return root
+
+
+def write_tiny_images(path: str, n_records: int, seed: int = 0) -> np.ndarray:
+    """A TinyImages-format file of random records; returns the images as (n, 3, 32, 32) CHW."""
+    rng = np.random.default_rng(seed)
+    chw = rng.integers(0, 256, size=(n_records, 3, 32, 32), dtype=np.uint8)
+    # stored per record as reshape(32, 32, 3, order="F") of HWC, i.e. channel, column, row
+    records = chw.transpose(0, 1, 3, 2).reshape(n_records, 3072)
+    records.tofile(path)
+    return chw
+
+
+def write_tensor_file(path: str, n: int = 40, layout: str = "NHWC", seed: int = 0) -> np.ndarray:
+    """uint8 images in .npy/.npz/.pt; returns them as (n, 3, 32, 32)."""
+    rng = np.random.default_rng(seed)
+    chw = rng.integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
+    array = chw.transpose(0, 2, 3, 1) if layout == "NHWC" else chw
+    if path.endswith(".npy"):
+        np.save(path, array)
+    elif path.endswith(".npz"):
+        np.savez(path, images=array)
+    else:
+        import torch
+
+        torch.save(torch.from_numpy(np.ascontiguousarray(array)), path)
+    return chw

@@ -1,0 +1,124 @@
+"""Typed config: loading, overrides, validation errors, --check on every experiment file."""
+
+import glob
+import math
+import sys
+
+import pytest
+
+from rebm.training import train as train_entry
+from rebm.training.config_classes import (
+    ConfigError,
+    ignored_fields_set,
+    load_config,
+    plan_batches,
+)
+from tests.helpers import REPO, run_command
+
+EXPERIMENTS = sorted(glob.glob(str(REPO / "experiments" / "**" / "*.yaml"), recursive=True))
+
+
+def run_main(capsys, *argv):
+    """The real entry function, in process; returns (exit code, stdout, stderr)."""
+    try:
+        code = train_entry.main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    # elastic's @record turns SystemExit(0) (e.g. from --help) into a None return
+    return (0 if code is None else code), out.out, out.err
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.split("experiments/")[-1])
+def test_every_experiment_passes_check(capsys, path):
+    code, out, err = run_main(capsys, path, "--check")
+    assert code == 0, err
+    assert "batch_size:" in out and "Traceback" not in err
+
+
+def test_original_format_keeps_fields():
+    cfg = load_config(str(REPO / "experiments/cifar10/dat_wrn34x10_seed0.yaml"))
+    assert math.isinf(cfg.attack.eps) and cfg.tags == ["dat", "cifar10", "wrn34x10"]
+    assert cfg.data.indist_dataset == "cifar10-conditional" and cfg.batch_size == 128
+    # unused original fields are accepted and reported
+    assert "tinyimages_loader" in ignored_fields_set(cfg)
+    assert "attack.fixed_steps" in ignored_fields_set(cfg)
+
+
+def test_overrides_nested_and_top_level():
+    cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"),
+                      ["lr=0.1", "attack.max_steps=3", "tags=[a,b]", "data.num_workers=1"])
+    assert (cfg.lr, cfg.attack.max_steps, cfg.tags, cfg.data.num_workers) == (0.1, 3, ["a", "b"], 1)
+
+
+def test_check_via_subprocess_prints_yaml():
+    result = run_command([sys.executable, "-m", "rebm.training.train",
+                          "experiments/quickstart/digits.yaml", "--check"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert "model_type: WideResNet10x1" in result.output
+
+
+def test_help(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0 and "--check" in out and "key=value" in out
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optimiser=sgd", "unknown config key 'optimiser'. Did you mean 'optimizer'?"),
+        ("attack.max_step=3", "Did you mean 'attack.max_steps'?"),
+        ("lr=fast", "wrong type for 'lr'"),
+        ("batch_size=1.5", "wrong type for 'batch_size'"),
+        ("model.model_type=ResNet9000", "'model.model_type: ResNet9000' is not a valid choice"),
+        ("data.indist_dataset=mnist", "'data.indist_dataset: mnist' is not a valid choice"),
+        ("optimizer=lion", "'optimizer: lion' is not a valid choice; use one of sgd, adam, adamw"),
+        ("attack.step_size=-1", "'attack.step_size' must be >= 0"),
+        ("per_device_batch_size=48", "not divisible by per_device_batch_size 48"),
+        ("lr", "override 'lr' must look like key=value"),
+    ],
+)
+def test_bad_config_is_one_clear_line(capsys, override, expected):
+    code, out, err = run_main(capsys, "experiments/quickstart/digits.yaml", override, "--check")
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_bad_key_in_file_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  indist_dataset: digits\n  num_clases: 10\n")
+    code, _, err = run_main(capsys, str(bad), "--check")
+    assert code == 2 and str(bad) in err and "data.num_classes" in err
+
+
+def test_missing_config_file(capsys):
+    code, _, err = run_main(capsys, "no/such.yaml", "--check")
+    assert code == 2 and "no/such.yaml" in err
+
+
+def test_check_warns_about_missing_paths_but_passes(capsys):
+    code, out, err = run_main(capsys, "experiments/cifar10/dat_wrn34x10_seed0.yaml", "--check",
+                              "data.indist_ds_dir=/nonexistent/cifar")
+    assert code == 0
+    assert "warning: data.indist_ds_dir '/nonexistent/cifar' does not exist" in err
+    assert "ddp_backend: nccl needs CUDA" in err or "cuda" in err.lower()
+
+
+@pytest.mark.parametrize("batch, world, per_device, expect", [
+    (128, 1, None, (128, 1)), (128, 2, None, (64, 1)), (128, 2, 16, (16, 4)),
+    (128, 4, 32, (32, 1)), (96, 3, None, (32, 1)),
+])
+def test_batch_plan(batch, world, per_device, expect):
+    cfg = load_config(None, [f"batch_size={batch}", f"per_device_batch_size={per_device}"
+                             if per_device else "batch_size=%d" % batch])
+    plan = plan_batches(cfg, world)
+    assert (plan.per_device_batch_size, plan.accumulation_steps) == expect
+    assert plan.per_device_batch_size * plan.accumulation_steps * world == batch
+
+
+def test_batch_not_divisible_by_world_size():
+    cfg = load_config(None, ["batch_size=64"])
+    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+        plan_batches(cfg, 3)

@@ -1,0 +1,122 @@
+"""The distributed runtime with real processes (gloo on CPU)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rebm import distributed as rd
+from tests.helpers import BIN, REPO, base_env, run_command, run_train
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _flag_worker(result_dir: str) -> None:
+    runtime = rd.setup_distributed()
+    # Rank 1 alone raises the flag; both ranks must see it at the same call.
+    seen = []
+    for call in range(3):
+        decision = rd.consensus(runtime, stop=(runtime.rank == 1 and call == 1), other=False)
+        seen.append((call, decision["stop"], decision["other"]))
+    with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
+        fh.write(repr(seen))
+    rd.teardown(runtime)
+
+
+def test_consensus_flag_from_one_rank_reaches_all(tmp_path):
+    rd.spawn(_flag_worker, 2, str(tmp_path))
+    expected = repr([(0, False, False), (1, True, False), (2, False, False)])
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == expected
+
+
+def _collectives_worker(result_dir: str) -> None:
+    runtime = rd.setup_distributed()
+    gathered = rd.all_gather_cat(runtime, torch.full((2, 3), float(runtime.rank)))
+    summed = rd.all_reduce_sum(runtime, torch.tensor([runtime.rank + 1.0]))
+    obj = rd.broadcast_object(runtime, {"run_dir": f"chosen-by-{runtime.rank}"})
+    with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
+        fh.write(repr((gathered[:, 0].tolist(), summed.tolist(), obj)))
+    rd.teardown(runtime)
+
+
+def test_collectives_agree_on_every_rank(tmp_path):
+    rd.spawn(_collectives_worker, 2, str(tmp_path))
+    expected = repr(([0.0, 0.0, 1.0, 1.0], [3.0], {"run_dir": "chosen-by-0"}))
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == expected
+
+
+def test_layout_from_torchrun_env_on_second_node(monkeypatch):
+    # Node 1 of 2, second process: RANK 3 but LOCAL_RANK 1.
+    for key, value in dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    layout = rd.launch_environment()
+    assert layout == dict(rank=3, local_rank=1, world_size=4, local_world_size=2)
+    # The device index comes from LOCAL_RANK: with 2 GPUs per node, RANK 3 would not exist.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rd.choose_device(layout["local_rank"]) == torch.device("cuda", 1)
+    with pytest.raises(rd.LaunchError, match="LOCAL_RANK 3"):
+        rd.choose_device(layout["rank"])
+
+
+def test_layout_from_slurm_env(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in dict(SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
+                           SLURM_NNODES="2").items():
+        monkeypatch.setenv(key, value)
+    assert rd.launch_environment() == dict(rank=5, local_rank=1, world_size=8, local_world_size=4)
+
+
+def test_nccl_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    with pytest.raises(rd.LaunchError, match="ddp_backend"):
+        rd.choose_backend(torch.device("cpu"), "nccl")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_node_rendezvous_on_one_machine():
+    port = _free_port()
+    env = base_env(threads=1)
+    agents = []
+    for node_rank in range(2):
+        cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node_rank={node_rank}",
+               "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=rebm-test", "-m", "rebm.distributed"]
+        agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True))
+    outputs = []
+    try:
+        for agent in agents:
+            out, _ = agent.communicate(timeout=150)
+            outputs.append(out)
+            assert agent.returncode == 0, out
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 4, outputs
+    assert all("/4 " in line and "all_reduce ok" in line for line in lines), lines
+    assert sorted(int(line.split()[1].split("/")[0]) for line in lines) == [0, 1, 2, 3]
+
+
+def test_use_ddp_false_under_torchrun_is_refused(tmp_path):
+    result = run_train(["experiments/quickstart/digits.yaml", "use_ddp=false", "max_steps=1"],
+                       nproc=2, timeout=120, run_dir=tmp_path / "run")
+    assert result.returncode != 0
+    assert "error: use_ddp=false but the launcher started 2 processes" in result.output
+    # torchrun's agent prints its own summary; the workers themselves print no traceback.
+    assert "rebm/training" not in result.output

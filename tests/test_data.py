@@ -222,10 +222,15 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
 # --------------------------------------------------------------------------------------------
 # Shuffles
 # --------------------------------------------------------------------------------------------
-def _order(cfg, step) -> dict:
-    mb, = build_train_data(cfg, Runtime(), plan_batches(cfg, 1)).step_batch(step)
-    return {"in": mb.index_in.tolist(), "clf": mb.index_c.tolist(),
-            "out": mb.index_out.tolist()}
+def _orders(cfg, steps) -> list:
+    """Per step: {stream: dataset indices} of the single-process global batch."""
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    orders = []
+    for step in steps:
+        mb, = data.step_batch(step)
+        orders.append({"in": mb.index_in.tolist(), "clf": mb.index_c.tolist(),
+                       "out": mb.index_out.tolist()})
+    return orders
 
 
 def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
@@ -233,14 +238,15 @@ def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
     data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
     assert data.steps_per_epoch == N_TRAIN // cfg.batch_size == 5
     assert data.epoch_of(4) == 0 and data.epoch_of(5) == 1
-    epoch0 = [_order(cfg, s)["in"] for s in range(5)]
-    epoch1 = [_order(cfg, s)["in"] for s in range(5, 10)]
+    orders = _orders(cfg, range(10))
+    epoch0 = [o["in"] for o in orders[:5]]
+    epoch1 = [o["in"] for o in orders[5:]]
     assert sorted(sum(epoch0, [])) == sorted(sum(epoch1, [])) == list(range(120))
     assert epoch0 != epoch1
-    first = _order(cfg, 0)
+    first = orders[0]
     assert first["in"] != first["clf"] and first["in"] != first["out"]
     cfg.rand_seed = 1
-    assert _order(cfg, 0)["in"] != first["in"]
+    assert _orders(cfg, [0])[0]["in"] != first["in"]
 
 
 def test_same_index_gets_new_augmentation_each_epoch(cifar_root):

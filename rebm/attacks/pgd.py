@@ -153,7 +153,7 @@ def pgd_attack(
     random_start_keys: (B,) int64, one key per sample; the start point is drawn inside the
     eps-ball from that key alone (see `random_start`). steps == 0 returns x unchanged (a detached
     copy), with or without random start. Works under `torch.no_grad()` (grad is re-enabled
-    locally); the model's train/eval mode is not changed.
+    locally) but not under `torch.inference_mode()`; the model's train/eval mode is not changed.
     """
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")

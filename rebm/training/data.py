@@ -31,7 +31,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rebm.distributed import Runtime
-from rebm.training.augmentations import Transform, augment_batch, build_augmentation
+from rebm.training.augmentations import (
+    Transform,
+    augment_batch,
+    build_augmentation,
+    single_threaded,
+)
 from rebm.training.config_classes import BatchPlan, TrainConfig
 from rebm.training.datasets import (
     DEFAULT_NOISE_LENGTH,
@@ -237,7 +242,10 @@ class _MicroBatchDataset(Dataset):
         self.plan = plan
 
     def __getitem__(self, key) -> MicroBatch:
-        step, micro = key
+        with single_threaded():  # tiny per-image ops: threads only add overhead
+            return self._build(*key)
+
+    def _build(self, step: int, micro: int) -> MicroBatch:
         x_in, y_in, key_in, idx_in, ep_in = self.ebm.read(step, micro, self.rank, self.plan)
         x_c, y_c, key_c, idx_c, ep_c = self.clf.read(step, micro, self.rank, self.plan)
         x_out, _, key_out, idx_out, ep_out = self.out.read(step, micro, self.rank, self.plan)

@@ -15,6 +15,7 @@ TinyImages stays on disk (memory-mapped); image folders are decoded per access.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pickle
 from typing import List, Optional, Sequence
@@ -122,7 +123,8 @@ class ImageFileSource(ImageSource):
 
 
 class TinyImagesSource(ImageSource):
-    """80M TinyImages `tiny_images.bin`: 3072-byte uint8 records, memory-mapped (never read whole).
+    """80M TinyImages `tiny_images.bin`: 3072-byte uint8 records, memory-mapped (never read whole;
+    only the records of a batch are touched).
 
     Record layout (as in the original 80M TinyImages loaders,
     `np.frombuffer(record).reshape(32, 32, 3, order="F")`): channel-major, and inside a channel
@@ -147,25 +149,37 @@ class TinyImagesSource(ImageSource):
         self.num_excluded = len(excluded)
         # kept records before each excluded one; searchsorted on it maps virtual -> record
         self._kept_before = excluded - np.arange(len(excluded), dtype=np.int64)
-        self._memmap: Optional[np.memmap] = None  # opened lazily, per process
+        self._records: Optional[np.ndarray] = None  # memory map, opened lazily per process
 
     def __len__(self) -> int:
         return self.num_records - self.num_excluded
 
     def __getstate__(self) -> dict:  # never pickle the mapping (spawned workers reopen it)
         state = self.__dict__.copy()
-        state["_memmap"] = None
+        state["_records"] = None
         return state
+
+    def _open(self) -> np.ndarray:
+        """(num_records, 3072) uint8 view of the file through a read-only memory map.
+
+        mmap + MADV_RANDOM rather than np.memmap: reads are single random records, and the
+        default read-around fetches ~128 KiB per page fault (measured: 0.5 s vs 3 ms for the
+        first batch of 128 records on an 80M-record file)."""
+        with open(self.path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)
+        # the array keeps the mapping alive; nothing is read until records are indexed
+        return np.frombuffer(mapping, dtype=np.uint8).reshape(self.num_records, TINY_RECORD_BYTES)
 
     def record_numbers(self, indices: np.ndarray) -> np.ndarray:
         v = np.asarray(indices, dtype=np.int64)
         return v + np.searchsorted(self._kept_before, v, side="right")
 
     def images(self, indices: np.ndarray) -> Tensor:
-        if self._memmap is None:
-            self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r",
-                                     shape=(self.num_records, TINY_RECORD_BYTES))
-        records = self._memmap[self.record_numbers(indices)]  # fancy index = a copy of k records
+        if self._records is None:
+            self._records = self._open()
+        records = self._records[self.record_numbers(indices)]  # fancy index = a copy of k records
         chw = records.reshape(-1, 3, 32, 32).transpose(0, 1, 3, 2)
         images = torch.from_numpy(np.ascontiguousarray(chw))
         if self.size != 32:

@@ -7,6 +7,7 @@ because the samplers seek to any step in O(1) (rebm/training/sampling.py)."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import re
@@ -120,16 +121,18 @@ def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
     return read_state(chosen) | {"_path": chosen}
 
 
-def replicas_agree(runtime: Runtime, *modules: torch.nn.Module) -> bool:
-    """Cross-rank checksum of all parameters and buffers: True when every rank holds the same."""
-    total = torch.zeros(1, dtype=torch.float64)
+def replicas_identical(runtime: Runtime, *modules: torch.nn.Module) -> bool:
+    """True when every rank holds bit-identical parameters and buffers (a hash of the bytes,
+    all-gathered). Every rank must call it."""
+    digest = hashlib.sha256()
     for module in modules:
-        for tensor in list(module.state_dict().values()):
-            if torch.is_tensor(tensor) and tensor.is_floating_point():
-                flat = tensor.detach().double().flatten().cpu()
-                weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-                total += (flat * weights.remainder(97)).sum()
-    gathered = all_gather_cat(runtime, total)
+        for name, tensor in module.state_dict().items():
+            if torch.is_tensor(tensor):
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                              .tobytes())
+    local = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64)
+    gathered = all_gather_cat(runtime, local)
     return bool((gathered == gathered[0]).all())
 
 

@@ -34,7 +34,7 @@ from rebm.training.modeling import get_model, get_optimizer
 from rebm.training.state import (
     StateError,
     agree_on_resume,
-    replicas_agree,
+    replicas_identical,
     rng_state,
     save_state,
     set_rng_state,
@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
     curriculum = Curriculum.from_config(cfg)
     progress = Progress()
 
+    averaged_and_raw = [raw_model] + ([ema] if ema is not None else [])
     restored = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
                                allow_auto=cfg.resume == "auto")
     if restored is not None:
@@ -91,7 +92,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
         set_rng_state(restored["rng"])
         progress = Progress(step=int(restored["step"]), best=dict(restored.get("best", {})),
                             wandb_run_id=restored.get("wandb_run_id"))
-        if not replicas_agree(runtime, raw_model, *( [ema] if ema is not None else [])):
+        if not replicas_identical(runtime, *averaged_and_raw):
             raise StateError("after loading the state the ranks' weights differ; aborting")
         LOGGER.info("resumed from %s at step %d (T=%d)", restored["_path"], progress.step,
                     curriculum.T)
@@ -129,9 +130,10 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
                 f"{run_dir}/checkpoints is from before it (try a lower lr)")
         if log_now:
             elapsed, timer = time.perf_counter() - timer, time.perf_counter()
-            tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), window.summary(
-                runtime, elapsed, cfg, adv_auc=adv_auc, clean_auc=clean_auc,
-                outdist_steps=outdist_steps))
+            summary = window.summary(runtime, elapsed, cfg, adv_auc=adv_auc,
+                                     clean_auc=clean_auc, outdist_steps=outdist_steps)
+            summary["replicas_identical"] = replicas_identical(runtime, *averaged_and_raw)
+            tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), summary)
             window = StepMetrics.window()
         if crossed(cfg.n_imgs_per_image_log, step, cfg.batch_size):
             tracker.save_grid(metrics.x_adv_preview, f"train_adv_step{step:07d}.png")

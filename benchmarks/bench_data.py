@@ -1,0 +1,144 @@
+"""Data pipeline benchmark (not a test): prints its figures.
+
+1. Loader throughput on CIFAR-shaped fake data (real on-disk format): the classification
+   augmentation alone (autoaugment_cutout, images/s) and the full three-stream training loader
+   (global batches/s and images/s over all three streams) for several worker counts; medians of
+   several repetitions.
+2. 80M TinyImages: a SPARSE tiny_images.bin of 80M x 3072 bytes (truncate, nothing written) —
+   time to the first global batch of the out-distribution stream and of the whole pipeline, and
+   the extra resident memory (targets: < 10 s, < 1 GiB).
+
+    .venv/bin/python benchmarks/bench_data.py [--reps 5] [--steps 20] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import torch  # noqa: E402
+from fake_data import write_fake_cifar10  # noqa: E402
+
+from rebm.distributed import Runtime  # noqa: E402
+from rebm.training.augmentations import augment_batch, build_augmentation  # noqa: E402
+from rebm.training.config_classes import TrainConfig, plan_batches  # noqa: E402
+from rebm.training.data import build_train_data, load_indist, outdist_source  # noqa: E402
+from rebm.training.sampling import StreamSchedule  # noqa: E402
+
+TINY_RECORDS = 80_000_000
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_cfg(root: str, batch_size: int, workers: int) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.data.indist_dataset = "cifar10"
+    cfg.data.indist_ds_dir = root
+    cfg.data.num_workers = workers
+    cfg.batch_size = batch_size
+    return cfg
+
+
+def bench_augmentation(root: str, reps: int, batch: int = 256) -> float:
+    images = load_indist(make_cfg(root, 128, 0), "train").source.data[:batch]
+    transform = build_augmentation("autoaugment_cutout", 32)
+    rates = []
+    for rep in range(reps):
+        seeds = np.arange(rep * batch, (rep + 1) * batch)
+        t0 = time.perf_counter()
+        augment_batch(images, transform, seeds)
+        rates.append(batch / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def bench_loader(root: str, workers: int, reps: int, steps: int, batch_size: int) -> tuple:
+    cfg = make_cfg(root, batch_size, workers)
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    rates = []
+    for _ in range(reps):
+        loader = iter(data)
+        next(loader)  # worker start-up and first prefetch are not throughput
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(loader)
+        rates.append(steps / (time.perf_counter() - t0))
+        del loader
+    steps_per_s = statistics.median(rates)
+    return steps_per_s, steps_per_s * batch_size * 3, data._loader_kwargs["num_workers"]
+
+
+def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
+    path = os.path.join(work_dir, "tiny_images.bin")
+    with open(path, "wb") as f:
+        f.truncate(TINY_RECORDS * 3072)  # sparse: no data blocks are written
+    try:
+        cfg = make_cfg(cifar_root, batch_size, 0)
+        cfg.data.outdist_dataset = "80m-tinyimages"
+        cfg.data.outdist_std_dir = work_dir
+        rss0 = rss_bytes()
+        t0 = time.perf_counter()
+        source = outdist_source(cfg)
+        schedule = StreamSchedule(len(source), batch_size, cfg.rand_seed, "out")
+        indices, _ = schedule.rank_indices(0, 0, 1, 0, batch_size)
+        images = source.images(indices)
+        t_out = time.perf_counter() - t0
+        rss_out = rss_bytes() - rss0
+        assert images.shape == (batch_size, 3, 32, 32)
+
+        t0 = time.perf_counter()
+        data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), start_step=123_456)
+        next(iter(data))
+        t_all = time.perf_counter() - t0
+        rss_all = rss_bytes() - rss0
+        print(f"80M TinyImages ({len(source):,} records, sparse {TINY_RECORDS * 3072 / 2**30:.0f}"
+              f" GiB file), global batch {batch_size}:")
+        print(f"  out-dist stream, open + first batch: {t_out * 1e3:.1f} ms, "
+              f"extra RSS {rss_out / 2**20:.1f} MiB")
+        print(f"  whole pipeline (CIFAR + TinyImages), build + first batch at step 123,456: "
+              f"{t_all:.2f} s, extra RSS {rss_all / 2**20:.1f} MiB (includes CIFAR in memory)")
+        ok = t_all < 10 and rss_all < 2**30
+        print(f"  targets < 10 s and < 1 GiB: {'met' if ok else 'MISSED'}")
+    finally:
+        os.remove(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--n-train", type=int, default=5000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--dir", default=None, help="where to put temporary files")
+    args = parser.parse_args()
+
+    print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, "
+          f"torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        write_fake_cifar10(tmp, n_train=args.n_train, n_test=100)
+        rate = bench_augmentation(tmp, args.reps)
+        print(f"autoaugment_cutout, one process: {rate:,.0f} images/s (median of {args.reps})")
+        for workers in args.workers:
+            steps_per_s, images_per_s, used = bench_loader(
+                tmp, workers, args.reps, args.steps, args.batch_size)
+            print(f"training loader, num_workers={used}: {steps_per_s:.2f} global batches/s of "
+                  f"{args.batch_size} = {images_per_s:,.0f} images/s over 3 streams "
+                  f"(original + autoaugment_cutout + uniform noise; median of {args.reps})")
+        bench_tinyimages(tmp, tmp, args.batch_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Evaluation: sharded metrics equal the single-process ones, and the metric math is right.
+
+The multi-rank tests run the real loader (`build_eval_data`) on a tiny CIFAR-10 written in the
+real on-disk format with an odd test set (101 images), in real processes (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rebm import distributed as rd
+from rebm.eval import fid
+from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_calibration_error
+from rebm.eval.generation import SeedImageError, SeedImages
+from rebm.training.config_classes import load_config
+from tests.fake_data import write_fake_cifar10
+from tests.helpers import REPO, base_env, run_command
+
+N_TEST = 101
+EVAL_OVERRIDES = [
+    "data.indist_dataset=cifar10",
+    "data.num_workers=0",
+    "data.outdist_dataset=noise",
+    "model.model_type=WideResNet10x1",
+    "indist_attack_clf.max_steps=2",
+    "indist_attack_clf.step_size=0.5",
+    "indist_attack_clf.eps=1.0",
+    "indist_attack_clf.random_start=true",
+    "image_log.num_steps=3",
+    "image_log.step_size=0.5",
+    "image_log.num_samples=13",
+    "rand_seed=3",
+]
+
+
+def _eval_cfg(root: str, *extra: str):
+    return load_config(None, [*EVAL_OVERRIDES, f"data.indist_ds_dir={root}", *extra])
+
+
+def _fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Least-squares fc on random features, so predictions depend on the input (a random
+    WideResNet predicts nearly one class) and the attack has something to flip."""
+    with torch.no_grad():
+        feats = model.features(x)
+        feats = torch.cat([feats, torch.ones(len(feats), 1)], dim=1)
+        target = torch.nn.functional.one_hot(y, 10).float() * 10.0
+        ridge = 1e-3 * torch.eye(feats.shape[1])
+        w = torch.linalg.solve(feats.T @ feats + ridge, feats.T @ target)
+        model.fc.weight.copy_(w[:-1].T)
+        model.fc.bias.copy_(w[-1])
+
+
+@pytest.fixture(scope="module")
+def fake_cifar(tmp_path_factory):
+    """(data root, checkpoint path) of a tiny CIFAR-10 and a model that fits part of its test set."""
+    from rebm.models import build_model
+    from rebm.training.data import load_indist
+
+    root = tmp_path_factory.mktemp("cifar")
+    write_fake_cifar10(str(root), n_train=10, n_test=N_TEST)
+    cfg = _eval_cfg(str(root))
+    test = load_indist(cfg, "test")
+    x = torch.stack([test[i][0] for i in range(len(test))])
+    y = torch.tensor([test[i][1] for i in range(len(test))])
+    torch.manual_seed(0)
+    model = build_model("WideResNet10x1", 10).eval()
+    _fit_head(model, x[::2], y[::2])  # half the images: accuracy well between 0 and 1
+    ckpt = root / "model.pth"
+    torch.save(model.state_dict(), ckpt)
+    return str(root), str(ckpt)
+
+
+def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
+    from rebm.eval.accuracy import evaluate_accuracy
+    from rebm.eval.calibration import evaluate_ece
+    from rebm.eval.evaluate import load_eval_model
+    from rebm.eval.generation import generate_samples
+    from rebm.eval.ood import build_ood_data, evaluate_ood
+    from rebm.training.data import build_eval_data
+
+    runtime = rd.setup_distributed()
+    cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
+    model = load_eval_model(cfg, runtime)
+    loader = build_eval_data(cfg, runtime, batch_size=8)
+    result = evaluate_accuracy(model, loader, runtime, cfg.indist_attack_clf, robust=True,
+                               seed=cfg.rand_seed)
+    result["ece"] = evaluate_ece(model, loader, runtime)
+    ood_loader = build_ood_data(cfg, runtime, batch_size=8, num_samples=37)
+    result.update(evaluate_ood(model, loader, ood_loader, runtime, score="lse",
+                               attack_cfg=cfg.indist_attack_clf, seed=cfg.rand_seed))
+    images, labels = generate_samples(model, cfg, runtime, batch_size=4)
+    result["images"], result["labels"] = images, labels
+    torch.save(result, os.path.join(out_dir, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
+    rd.teardown(runtime)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(fake_cifar, tmp_path_factory):
+    """The worker's results on 1, 2 and 3 ranks: {world_size: [result of each rank]}."""
+    out = tmp_path_factory.mktemp("results")
+    for world in (1, 2, 3):
+        rd.spawn(_metrics_worker, world, *fake_cifar, str(out))
+    return {w: [torch.load(out / f"w{w}_rank{r}.pt") for r in range(w)] for w in (1, 2, 3)}
+
+
+@pytest.mark.timeout(180)
+def test_accuracy_identical_on_1_2_3_ranks(sharded_results):
+    single = sharded_results[1][0]
+    assert single["n_test"] == N_TEST
+    # The fixture model is neither trivial nor unattackable, so these numbers mean something.
+    assert 0.2 < single["test_acc"] < 1.0
+    assert single["robust_test_acc"] < single["test_acc"]
+    for world in (2, 3):
+        for rank_result in sharded_results[world]:
+            for key in ("test_acc", "robust_test_acc", "n_test"):
+                assert rank_result[key] == single[key], (world, key)
+            assert rank_result["ece"] == pytest.approx(single["ece"], abs=1e-12)
+            assert rank_result["ood_auroc"] == pytest.approx(single["ood_auroc"], abs=1e-12)
+            assert rank_result["adv_ood_auroc"] == pytest.approx(single["adv_ood_auroc"],
+                                                                 abs=1e-12)
+
+
+@pytest.mark.timeout(180)
+def test_samples_identical_on_1_and_2_ranks(sharded_results):
+    single = sharded_results[1][0]
+    assert single["images"].shape == (13, 3, 32, 32)
+    assert single["labels"].tolist() == [i % 10 for i in range(13)]
+    for world in (2, 3):
+        for rank_result in sharded_results[world]:
+            assert torch.equal(rank_result["images"], single["images"]), world
+    # the attack moved the seeds, and stayed in [0, 1]
+    seeds = SeedImages("noise", 32, rand_seed=3)(torch.arange(13))
+    assert not torch.equal(single["images"], seeds)
+    assert 0.0 <= float(single["images"].min()) and float(single["images"].max()) <= 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Metric math
+# --------------------------------------------------------------------------------------------
+def test_ece_hand_example():
+    probs = torch.tensor([
+        [0.93, 0.07],  # label 0: correct, conf .93  -> bin (0.90, 0.95]
+        [0.91, 0.09],  # label 1: wrong,   conf .91  -> same bin
+        [0.36, 0.64],  # label 1: correct, conf .64  -> bin (0.60, 0.65]
+        [0.34, 0.66],  # label 0: wrong,   conf .66  -> bin (0.65, 0.70] (same bin with 10 bins)
+        [0.22, 0.78],  # label 0: wrong,   conf .78  -> bin (0.75, 0.80]
+    ])
+    labels = torch.tensor([0, 1, 1, 0, 0])
+    # (2|0.5 - 0.92| + |1 - .64| + |0 - .66| + |0 - .78|) / 5
+    assert expected_calibration_error(probs, labels) == pytest.approx(0.528)
+    assert expected_calibration_error(probs, labels, n_bins=10) == pytest.approx(0.384)
+    # bin sums add up over shards, so a sharded ECE is exact
+    halves = calibration_bins(probs[:2], labels[:2]) + calibration_bins(probs[2:], labels[2:])
+    assert ece_from_bins(halves) == pytest.approx(0.528)
+
+
+def test_frechet_distance_closed_form():
+    rng = np.random.default_rng(0)
+    mu1, mu2 = rng.normal(size=6), rng.normal(size=6)
+    s1, s2 = rng.uniform(0.1, 3.0, size=6), rng.uniform(0.1, 3.0, size=6)
+    expected = np.sum((mu1 - mu2) ** 2) + np.sum(s1 + s2 - 2 * np.sqrt(s1 * s2))
+    assert fid.frechet_distance(mu1, np.diag(s1), mu2, np.diag(s2)) == pytest.approx(expected)
+    a = rng.normal(size=(6, 6))
+    sigma = a @ a.T
+    assert fid.frechet_distance(mu1, sigma, mu1, sigma) == pytest.approx(0.0, abs=1e-6)
+    # rank-deficient covariances (fewer samples than dimensions) still give a finite number
+    feats = rng.normal(size=(3, 6))
+    mu, cov = fid.feature_statistics(feats)
+    assert np.isfinite(fid.frechet_distance(mu, cov, mu2, np.diag(s2)))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def rebm_warnings(monkeypatch):
+    """Warnings of the 'rebm' logger (it may not propagate to caplog), with FID's
+    warn-once memory reset."""
+    monkeypatch.setattr(fid, "_warned", set())
+    handler = _Records()
+    logger = logging.getLogger("rebm")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def test_fid_missing_reference_is_skipped_with_warning(rebm_warnings, tmp_path):
+    missing = tmp_path / "nope" / "cifar10_stats.npz"
+    assert fid.compute_fid(torch.rand(4, 3, 8, 8), str(missing), "cpu") is None
+    assert any(str(missing) in m for m in rebm_warnings), rebm_warnings
+
+
+def test_fid_without_inception_weights_is_skipped_with_one_warning(rebm_warnings, tmp_path,
+                                                                   monkeypatch):
+    ref = tmp_path / "stats.npz"
+    np.savez(ref, mu=np.zeros(2048), sigma=np.eye(2048))
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "empty_hub"))
+    for _ in range(2):
+        assert fid.compute_fid(torch.rand(4, 3, 8, 8), str(ref), "cpu") is None
+    inception = [m for m in rebm_warnings if "Inception" in m]
+    assert len(inception) == 1, rebm_warnings
+    assert "FID skipped" in inception[0]
+
+
+def test_seed_images_errors_name_the_path(tmp_path):
+    empty = tmp_path / "empty_seeds"
+    empty.mkdir()
+    with pytest.raises(SeedImageError, match=str(empty)):
+        SeedImages(str(empty), 16, rand_seed=0)
+    missing = tmp_path / "missing.pt"
+    with pytest.raises(SeedImageError, match=str(missing)):
+        SeedImages(str(missing), 16, rand_seed=0)
+
+
+def test_seed_images_from_tensor_file_and_noise(tmp_path):
+    path = tmp_path / "seeds.pt"
+    stored = torch.rand(5, 3, 16, 16)
+    torch.save(stored, path)
+    seeds = SeedImages(str(path), 16, rand_seed=0)
+    assert torch.equal(seeds(torch.tensor([1, 6])), stored[[1, 1]])  # cycled
+    noise = SeedImages("noise", 16, rand_seed=0)
+    # noise of an index does not depend on the batch it is drawn in
+    assert torch.equal(noise(torch.arange(6))[4:], noise(torch.tensor([4, 5])))
+    assert not torch.equal(noise(torch.tensor([0])), SeedImages("noise", 16, 1)(torch.tensor([0])))
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point
+# --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_evaluate_entry_point_prints_json(tmp_path):
+    from rebm.models import build_model, dataset_stats
+    from rebm.training.data import load_indist
+
+    config = str(REPO / "experiments" / "quickstart" / "digits.yaml")
+    cfg = load_config(config)
+    mean, std = dataset_stats("digits")
+    model = build_model(cfg.model.model_type, 10, mean=mean, std=std)
+    ckpt = tmp_path / "model_final.pth"
+    torch.save(model.state_dict(), ckpt)
+    cmd = [sys.executable, "-m", "rebm.eval.evaluate", config, f"model.ckpt_path={ckpt}",
+           "indist_attack_clf.max_steps=2", "image_log.num_steps=2", "image_log.num_samples=10",
+           "--samples"]
+    result = run_command(cmd, timeout=150, env=base_env(threads=2)).assert_ok()
+    last = result.output.strip().splitlines()[-1]
+    metrics = json.loads(last)
+    assert metrics["n_test"] == len(load_indist(cfg, "test"))
+    for key in ("test_acc", "robust_test_acc", "ece"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text()) == metrics
+    assert (tmp_path / "samples" / "samples.png").is_file()
+
+
+def test_evaluate_missing_checkpoint_is_one_line_error(tmp_path):
+    from rebm.eval.evaluate import main
+
+    config = str(REPO / "experiments" / "quickstart" / "digits.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        main([config, f"model.ckpt_path={tmp_path / 'absent.pth'}"])
+    assert exit_info.value.code == 2

@@ -1,0 +1,104 @@
+"""The DAT training loop through the real entry point (python -m / torchrun, gloo on CPU)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.helpers import run_train
+
+pytestmark = pytest.mark.timeout(400)
+
+CONFIG = "experiments/quickstart/digits.yaml"
+# Small and fast, but every part of the method is on: curriculum, both attacks, EMA.
+FAST = ["batch_size=32", "attack.max_steps=3", "attack.start_step=1", "indist_attack_clf.max_steps=2",
+        "min_imgs_per_threshold=64", "n_imgs_per_metrics_log=32", "n_imgs_per_image_log=320",
+        "n_imgs_per_ckpt_save=32", "keep_last_states=100", "n_imgs_per_evaluation_log=null",
+        "AUC_th=0.6"]
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def load_state(run_dir, step):
+    path = os.path.join(run_dir, "checkpoints", f"state_{step:09d}.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def max_param_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item()
+               for k in a if a[k].is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """20 steps: one process, torchrun with 2 processes, and one process accumulating 4
+    micro-batches. Kept for several tests (each run costs tens of seconds)."""
+    root = tmp_path_factory.mktemp("train")
+    out = {}
+    for name, nproc, extra in [("single", 1, []), ("ddp2", 2, []),
+                               ("accum4", 1, ["per_device_batch_size=8"])]:
+        run_dir = root / name
+        run_train([CONFIG, *FAST, "max_steps=20", *extra], nproc=nproc, run_dir=run_dir,
+                  timeout=400).assert_ok()
+        out[name] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("other", ["ddp2", "accum4"])
+def test_same_result_as_single_process_full_batch(runs, other):
+    for step, bound in ((1, 1e-6), (20, 1e-4)):
+        a = load_state(runs["single"], step)
+        b = load_state(runs[other], step)
+        assert max_param_diff(a["model"], b["model"]) <= bound, (other, step)
+        assert max_param_diff(
+            {k: v for k, v in a["ema"].items() if torch.is_tensor(v)},
+            {k: v for k, v in b["ema"].items() if torch.is_tensor(v)}) <= bound
+    schedule = [r["cur_outdist_steps"] for r in read_metrics(runs["single"])]
+    assert schedule == [r["cur_outdist_steps"] for r in read_metrics(runs[other])]
+
+
+def test_replicas_identical_across_ranks(runs):
+    last = read_metrics(runs["ddp2"])[-1]
+    assert last["replicas_identical"] is True
+
+
+def test_metrics_contract_and_rank0_only_outputs(runs):
+    records = read_metrics(runs["ddp2"])
+    assert [r["step"] for r in records] == list(range(1, 21))  # every 32 images = every step
+    required = {"step", "n_imgs", "epoch", "train_adv_auc", "train_clean_auc",
+                "train_ebm_binary_loss", "train_clf_loss", "cur_outdist_steps",
+                "learning_rate", "imgs_per_s", "max_rss_mib"}
+    for record in records:
+        assert required <= set(record), required - set(record)
+        assert record["n_imgs"] == 32 * record["step"]
+    run_dir = runs["ddp2"]
+    assert sorted(os.listdir(run_dir / "logs")) == ["rank0.log", "rank1.log"]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "model_final.pth").exists()
+    assert sorted(os.listdir(run_dir / "samples")) == ["train_adv_step0000010.png",
+                                                       "train_adv_step0000020.png"]
+    # model_final.pth is the plain (unprefixed) EMA state dict
+    final = torch.load(run_dir / "model_final.pth", weights_only=True)
+    ema = load_state(run_dir, 20)["ema"]
+    assert set(final) == {k[len("ema_model."):] for k in ema if k.startswith("ema_model.")}
+    assert all(torch.equal(final[k], ema["ema_model." + k]) for k in final)
+
+
+def test_curriculum_advances_and_stops_at_max(tmp_path):
+    # AUC_th=0 forces an advance whenever the window (2 steps) is full.
+    run_dir = tmp_path / "run"
+    run_train([CONFIG, *FAST, "AUC_th=0.0", "attack.max_steps=3", "attack.start_step=0",
+               "max_steps=10"], run_dir=run_dir, timeout=300).assert_ok()
+    schedule = [r["cur_outdist_steps"] for r in read_metrics(run_dir)]
+    assert schedule == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
+
+
+def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
+    run_dir = tmp_path / "run"
+    run_train([CONFIG, *FAST, "max_steps=2", "use_ddp=false"], run_dir=run_dir,
+              timeout=300).assert_ok()
+    a, b = load_state(runs["single"], 2), load_state(run_dir, 2)
+    assert max_param_diff(a["model"], b["model"]) == 0.0

@@ -16,7 +16,8 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -244,6 +245,55 @@ def set_collective_timeout(runtime: Runtime, timeout_s: float) -> None:
         dist.set_timeout(datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, AttributeError) as err:  # not every backend supports it
         LOGGER.warning("could not shorten the collective timeout (%s)", err)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time; the message names the ranks that did not arrive."""
+
+
+def _looks_like_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]:
+    """Ranks that do not check in within `wait_s`, through the launcher's key-value store
+    (which lives outside the process group, so it still works when a collective is stuck).
+    Called by the ranks that saw a collective time out: the live ones all check in."""
+    import time as _time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    store.set(f"rebm/alive/{tag}/{runtime.rank}", "1")
+    deadline = _time.monotonic() + wait_s
+    missing = list(range(runtime.world_size))
+    while missing and _time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"rebm/alive/{tag}/{r}"])]
+        _time.sleep(0.2)
+    return missing
+
+
+@contextmanager
+def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]) -> Iterator[None]:
+    """Turn a collective timeout into an error that says which rank(s) did not arrive (a
+    stopped, hung or dead process), instead of the backend's bare timeout."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not runtime.distributed or not _looks_like_timeout(err):
+            raise
+        step = current_step()
+        try:
+            missing = missing_ranks(runtime, tag=f"step{step}")
+        except Exception:  # the store may be gone too; keep the original error
+            raise err from None
+        who = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
+        raise CollectiveTimeout(
+            f"collective timed out at step {step} on rank {runtime.rank}: {who} did not arrive "
+            "(stopped, hung or too slow; see its log in <run_dir>/logs). Raise ddp_step_timeout_s "
+            "if steps are legitimately slower."
+        ) from err
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,27 +7,16 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from fake_data import (  # noqa: E402
-    write_fake_cifar10,
-    write_fake_cifar100,
-    write_image_folder,
-    write_tensor_file,
-    write_tiny_images,
-)
-
-from rebm.distributed import Runtime  # noqa: E402
-from rebm.training.augmentations import augment_batch, build_augmentation  # noqa: E402
-from rebm.training.config_classes import TrainConfig, plan_batches  # noqa: E402
-from rebm.training.data import (  # noqa: E402
+from rebm.distributed import Runtime
+from rebm.training.augmentations import augment_batch, build_augmentation
+from rebm.training.config_classes import TrainConfig, plan_batches
+from rebm.training.data import (
     DataError,
     build_eval_data,
     build_train_data,
@@ -36,8 +25,15 @@ from rebm.training.data import (  # noqa: E402
     load_outdist,
     loader_workers,
 )
-from rebm.training.datasets import TinyImagesSource, _UncheckedCIFAR10  # noqa: E402
-from rebm.training.sampling import KeyedPermutation, rank_positions  # noqa: E402
+from rebm.training.datasets import TinyImagesSource, _UncheckedCIFAR10
+from rebm.training.sampling import KeyedPermutation, rank_positions
+from tests.fake_data import (
+    write_fake_cifar10,
+    write_fake_cifar100,
+    write_image_folder,
+    write_tensor_file,
+    write_tiny_images,
+)
 
 N_TRAIN = 120  # 120 / 24 = 5 steps per epoch
 
@@ -79,7 +75,7 @@ def step_pairs(cfg: TrainConfig, step: int, rank: int = 0, world_size: int = 1,
         assert mb.x_in.shape[0] == plan.per_device_batch_size
         for name, x, idx in (("in", mb.x_in, mb.index_in), ("clf", mb.x_c, mb.index_c),
                              ("out", mb.x_out, mb.index_out)):
-            pairs[name] += [(int(i), image_hash(img)) for i, img in zip(idx, x)]
+            pairs[name] += [(int(i), image_hash(img)) for i, img in zip(idx, x, strict=True)]
     return pairs
 
 
@@ -151,7 +147,7 @@ def test_worker_count_does_not_change_batches(cifar_root):
     with_workers = build_train_data(cfg, Runtime(), plan, start_step=3)
     assert with_workers._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
     in_process = build_train_data(make_cfg(cifar_root), Runtime(), plan, start_step=3)
-    for a, b in zip(iter(with_workers), [in_process.step_batch(s) for s in (3, 4, 5)]):
+    for a, b in zip(iter(with_workers), [in_process.step_batch(s) for s in (3, 4, 5)], strict=False):
         assert torch.equal(a[0].x_c, b[0].x_c) and torch.equal(a[0].index_out, b[0].index_out)
 
 
@@ -168,8 +164,8 @@ def _rank_main(local_rank: int, world_size: int, port: int, root: str, out_path:
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(root)
     mb, = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size)).step_batch(step)
-    mine = [(int(i), image_hash(x)) for i, x in zip(mb.index_c, mb.x_c)]
-    mine += [(int(i), image_hash(x)) for i, x in zip(mb.index_in, mb.x_in)]
+    mine = [(int(i), image_hash(x)) for i, x in zip(mb.index_c, mb.x_c, strict=True)]
+    mine += [(int(i), image_hash(x)) for i, x in zip(mb.index_in, mb.x_in, strict=True)]
     gathered = [None] * runtime.world_size
     dist.all_gather_object(gathered, mine)
     if runtime.rank == 0:
@@ -206,14 +202,14 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
     cfg = make_cfg(str(tmp_path))
     single = {}
     for x, y, index in build_eval_data(cfg, Runtime(), batch_size=8):
-        single.update({int(i): (image_hash(xi), int(yi)) for xi, yi, i in zip(x, y, index)})
+        single.update({int(i): (image_hash(xi), int(yi)) for xi, yi, i in zip(x, y, index, strict=True)})
     assert sorted(single) == list(range(n_test))
     for world_size in (2, 3):
         seen = {}
         for rank in range(world_size):
             runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
             for x, y, index in build_eval_data(cfg, runtime, batch_size=8):
-                for xi, yi, i in zip(x, y, index):
+                for xi, yi, i in zip(x, y, index, strict=True):
                     assert int(i) not in seen, "an index on two ranks (padding duplicate)"
                     seen[int(i)] = (image_hash(xi), int(yi))
         assert seen == single
@@ -255,7 +251,7 @@ def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
     images = {}
     for step in range(10):  # two epochs: every index once per epoch
         mb, = data.step_batch(step)
-        for i, x in zip(mb.index_c.tolist(), mb.x_c):
+        for i, x in zip(mb.index_c.tolist(), mb.x_c, strict=True):
             images.setdefault(i, []).append(image_hash(x))
     assert all(len(h) == 2 for h in images.values())
     assert sum(h[0] != h[1] for h in images.values()) > 100
@@ -276,6 +272,15 @@ def test_resume_yields_the_same_batches(cifar_root):
         got = next(resumed)
         for name in ("x_in", "y_in", "x_c", "y_c", "x_out", "key_in", "key_c", "key_out"):
             assert torch.equal(getattr(got[0], name), getattr(expected[0], name)), name
+
+
+def test_loading_leaves_the_global_rng_alone(cifar_root):
+    cfg = make_cfg(cifar_root, outdist_dataset="lowfreq-noise")
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    next(iter(build_train_data(cfg, Runtime(), plan_batches(cfg, 1), start_step=2)))
+    next(iter(build_eval_data(cfg, Runtime(), batch_size=8)))
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_resume_is_o1(cifar_root, monkeypatch):

@@ -165,6 +165,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     device=cfg.device, timeout_s=cfg.ddp_timeout_s)
         try:
             run(cfg, runtime, args)
+        except ValueError as err:
+            # Data problems (rebm.training.datasets.DataError) are one-line, user-fixable too.
+            if type(err).__name__ != "DataError" or isinstance(err, UserError):
+                raise
+            raise EvalError(str(err)) from None
         finally:
             teardown(runtime)
     return 0

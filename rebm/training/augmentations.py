@@ -121,7 +121,7 @@ def augment_batch(
             return to_float01(torch.stack([transform(img) for img in images]))
         out = []
         with torch.random.fork_rng(devices=[]):
-            for img, seed in zip(images, seeds):
+            for img, seed in zip(images, seeds, strict=True):
                 torch.default_generator.manual_seed(int(seed))
                 out.append(transform(img))
         return to_float01(torch.stack(out))

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.transforms.v2 import functional as TF
 
 from rebm.distributed import Runtime
 from rebm.training.augmentations import (
@@ -89,9 +90,7 @@ def indist_source(cfg: TrainConfig, split: str) -> ImageSource:
     if name in ("cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional"):
         source = load_cifar(data.indist_ds_dir, 100 if "100" in name else 10, train,
                             data.download)
-        if data.image_size != 32:
-            from torchvision.transforms.v2 import functional as TF
-
+        if data.image_size != 32:  # resized once here, not per sample
             source.data = TF.resize(source.data, [data.image_size] * 2, antialias=True)
     elif name == "digits":
         source = load_digits(data.image_size, train)
@@ -165,6 +164,13 @@ def loader_workers(cfg: TrainConfig, runtime: Runtime) -> int:
     return max(0, min(cfg.data.num_workers, per_process))
 
 
+def _loader_generator() -> torch.Generator:
+    """DataLoader draws its workers' base seed from `generator` (default: torch's global RNG) on
+    every iter(). A private generator keeps the training process's RNG stream independent of
+    when loaders are created (exact resume); the base seed is unused, samples are seeded."""
+    return torch.Generator().manual_seed(0)
+
+
 def _loader_kwargs(cfg: TrainConfig, runtime: Runtime, persistent: bool) -> dict:
     workers = loader_workers(cfg, runtime)
     kwargs = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda",
@@ -192,9 +198,9 @@ class MicroBatch:
     key_in: Tensor
     key_c: Tensor
     key_out: Tensor
-    index_in: Tensor
-    index_c: Tensor
-    index_out: Tensor
+    index_in: Optional[Tensor] = None
+    index_c: Optional[Tensor] = None
+    index_out: Optional[Tensor] = None
     step: int = 0
     micro: int = 0
     epoch_in: int = 0
@@ -302,6 +308,7 @@ class TrainData:
             self._dataset,
             batch_size=None,  # items are already micro-batches
             sampler=_StepSampler(self.start_step, self.plan.accumulation_steps),
+            generator=_loader_generator(),
             **self._loader_kwargs,
         )
         group: List[MicroBatch] = []
@@ -387,5 +394,6 @@ def build_eval_data(cfg: TrainConfig, runtime: Runtime, batch_size: int,
         batch_size=batch_size,
         sampler=ShardSampler(len(dataset), runtime.rank, runtime.world_size),
         drop_last=False,
+        generator=_loader_generator(),
         **_loader_kwargs(cfg, runtime, persistent=True),
     )

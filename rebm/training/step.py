@@ -66,10 +66,6 @@ class StepMetrics:
     x_adv_preview: torch.Tensor
     finite: bool
 
-    @staticmethod
-    def window() -> "MetricsWindow":
-        return MetricsWindow()
-
 
 @dataclass
 class MetricsWindow:

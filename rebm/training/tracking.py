@@ -124,3 +124,33 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+class _ProgressBar:
+    """tqdm on rank 0 (images/s, current T, adversarial AUC); nothing on other ranks."""
+
+    def __init__(self, runtime: Runtime, start: int, total: float, batch_size: int):
+        self.bar = None
+        if runtime.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                initial=start * batch_size, total=None if math.isinf(total) else total * batch_size,
+                unit="img", unit_scale=True, dynamic_ncols=True, mininterval=2.0,
+                disable=os.environ.get("REBM_NO_PROGRESS") == "1",
+            )
+        self.batch_size = batch_size
+
+    def update(self, **postfix: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: (round(v, 3) if isinstance(v, float) else v)
+                                  for k, v in postfix.items()}, refresh=False)
+            self.bar.update(self.batch_size)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(runtime: Runtime, start: int, total: float, batch_size: int) -> _ProgressBar:
+    return _ProgressBar(runtime, start, total, batch_size)

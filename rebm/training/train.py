@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ from rebm.training.state import (
     save_state,
     set_rng_state,
 )
-from rebm.training.step import Precision, StepMetrics, dat_step, global_aucs
-from rebm.training.tracking import Tracker, resolve_run_dir
+from rebm.eval.evaluate import evaluate_model
+from rebm.training.step import MetricsWindow, Precision, dat_step, global_aucs
+from rebm.training.tracking import Tracker, progress_bar, resolve_run_dir
 
 LOGGER = logging.getLogger("rebm")
 
@@ -51,7 +53,58 @@ class Progress:
 
     step: int = 0
     best: Dict[str, float] = field(default_factory=dict)
+    window: MetricsWindow = field(default_factory=MetricsWindow)  # sums since the last log
     wandb_run_id: Optional[str] = None
+
+
+@dataclass
+class Parts:
+    """Everything a training state holds, so saving/restoring is one place."""
+
+    model: torch.nn.Module  # what forward/backward goes through (DDP / DataParallel / plain)
+    raw_model: torch.nn.Module  # the unwrapped module: attacks, state dicts
+    optimizer: torch.optim.Optimizer
+    ema: Optional[torch.nn.Module]
+    precision: Precision
+    curriculum: Curriculum
+    progress: Progress
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The model that is evaluated and exported: the EMA average when use_ema."""
+        return self.ema.ema_model if self.ema is not None else self.raw_model
+
+    @property
+    def replicated(self) -> List[torch.nn.Module]:
+        return [self.raw_model] + ([self.ema] if self.ema is not None else [])
+
+    def state_dict(self, cfg: TrainConfig, world_size: int, wandb_run_id: Optional[str]) -> dict:
+        return {
+            "step": self.progress.step,
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "scaler": self.precision.state_dict(),
+            "curriculum": self.curriculum.state_dict(),
+            "best": dict(self.progress.best),
+            "metrics_window": dict(self.progress.window.sums),
+            "rng": rng_state(),
+            "wandb_run_id": wandb_run_id,
+            "world_size": world_size,
+            "config": to_dict(cfg),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.precision.load_state_dict(state.get("scaler"))
+        self.curriculum.load_state_dict(state["curriculum"])
+        set_rng_state(state["rng"])
+        self.progress = Progress(step=int(state["step"]), best=dict(state.get("best", {})),
+                                 window=MetricsWindow(dict(state["metrics_window"])),
+                                 wandb_run_id=state.get("wandb_run_id"))
 
 
 def crossed(interval_imgs: Optional[int], step: int, batch_size: int) -> bool:
@@ -61,7 +114,31 @@ def crossed(interval_imgs: Optional[int], step: int, batch_size: int) -> bool:
     return (step * batch_size) // interval_imgs > ((step - 1) * batch_size) // interval_imgs
 
 
+def build_parts(cfg: TrainConfig, runtime: Runtime) -> Parts:
+    torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
+    model, raw_model = get_model(cfg, runtime)
+    return Parts(model=model, raw_model=raw_model,
+                 optimizer=get_optimizer(cfg, raw_model.parameters()),
+                 ema=build_ema(raw_model, cfg), precision=Precision.from_config(cfg, runtime.device),
+                 curriculum=Curriculum.from_config(cfg), progress=Progress())
+
+
+def restore(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_dir: str) -> None:
+    """Resume from resume_from_state, or from the newest state in run_dir (resume=auto).
+    Every rank takes part: the path is rank 0's decision, broadcast; every rank loads it."""
+    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume == "auto")
+    if state is None:
+        return
+    parts.load_state_dict(state)
+    if not replicas_identical(runtime, *parts.replicated):
+        raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
+    LOGGER.info("resumed from %s at step %d (T=%d)", state["_path"], parts.progress.step,
+                parts.curriculum.T)
+
+
 def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
+    started = time.perf_counter()
     plan = plan_batches(cfg, runtime.world_size)
     run_dir = resolve_run_dir(cfg, runtime)
     dist_utils.setup_logging(runtime, run_dir)
@@ -70,88 +147,95 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
                 plan.accumulation_steps)
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
-    torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
 
-    model, raw_model = get_model(cfg, runtime)
-    optimizer = get_optimizer(cfg, raw_model.parameters())
-    ema = build_ema(raw_model, cfg)
-    precision = Precision.from_config(cfg, runtime.device)
-    curriculum = Curriculum.from_config(cfg)
-    progress = Progress()
-
-    averaged_and_raw = [raw_model] + ([ema] if ema is not None else [])
-    restored = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                               allow_auto=cfg.resume == "auto")
-    if restored is not None:
-        raw_model.load_state_dict(restored["model"])
-        optimizer.load_state_dict(restored["optimizer"])
-        if ema is not None and restored.get("ema") is not None:
-            ema.load_state_dict(restored["ema"])
-        precision.load_state_dict(restored.get("scaler"))
-        curriculum.load_state_dict(restored["curriculum"])
-        set_rng_state(restored["rng"])
-        progress = Progress(step=int(restored["step"]), best=dict(restored.get("best", {})),
-                            wandb_run_id=restored.get("wandb_run_id"))
-        if not replicas_identical(runtime, *averaged_and_raw):
-            raise StateError("after loading the state the ranks' weights differ; aborting")
-        LOGGER.info("resumed from %s at step %d (T=%d)", restored["_path"], progress.step,
-                    curriculum.T)
-
+    parts = build_parts(cfg, runtime)
+    restore(parts, cfg, runtime, run_dir)
+    progress = parts.progress
     tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=progress.wandb_run_id)
     tracker.truncate_metrics_after(progress.step)
     data = build_train_data(cfg, runtime, plan, start_step=progress.step)
     preemption = PreemptionFlag().install()
     last_step = _last_step(cfg, data.steps_per_epoch)
-    state_args = (cfg, run_dir, raw_model, optimizer, ema, precision, curriculum, progress,
-                  tracker)
+    LOGGER.info("data: %s; training to step %s", data.describe(), last_step)
 
-    window = StepMetrics.window()
     timer = time.perf_counter()
     batches = iter(data)
-    while progress.step < last_step:
-        step = progress.step + 1
-        log_now = crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size)
-        metrics = dat_step(model, optimizer, next(batches), curriculum.T, cfg, plan,
-                           precision, want_clean_scores=log_now)
-        if ema is not None:
-            ema.update()
-        progress.step = step
-        adv_auc, clean_auc = global_aucs(runtime, metrics)
-        outdist_steps = curriculum.T  # the T this step trained with
-        curriculum.update(adv_auc, cfg.batch_size)
-        window.add(metrics)
-        if step == 1:  # start-up is over: from now on a missing rank should surface quickly
-            dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
+    bar = progress_bar(runtime, progress.step, last_step, cfg.batch_size)
+    # A collective timeout anywhere in the loop is reported with the rank(s) that did not arrive.
+    with dist_utils.name_stuck_ranks(runtime, lambda: progress.step + 1):
+        while progress.step < last_step:
+            step = progress.step + 1
+            log_now = crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size)
+            outdist_steps = parts.curriculum.T  # the T this step trains with
+            micro_batches = next(batches)
+            if started is not None:  # start-up cost, O(1) in the resumed step (no batch replay)
+                LOGGER.info("first batch after %.2fs", time.perf_counter() - started)
+                started = None
+            metrics = dat_step(parts.model, parts.optimizer, micro_batches, outdist_steps, cfg,
+                               plan, parts.precision, want_clean_scores=log_now)
+            if parts.ema is not None:
+                parts.ema.update()
+            progress.step = step
+            adv_auc, clean_auc = global_aucs(runtime, metrics)
+            parts.curriculum.update(adv_auc, cfg.batch_size)
+            progress.window.add(metrics)
+            bar.update(T=outdist_steps, auc=adv_auc)
+            if step == 1:  # start-up is over: from now on a missing rank should surface quickly
+                dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
 
-        decision = consensus(runtime, preempt=preemption.raised, nonfinite=not metrics.finite)
-        if decision["nonfinite"]:
-            raise FloatingPointError(
-                f"non-finite loss at step {step} on at least one rank; the newest state in "
-                f"{run_dir}/checkpoints is from before it (try a lower lr)")
-        if log_now:
-            elapsed, timer = time.perf_counter() - timer, time.perf_counter()
-            summary = window.summary(runtime, elapsed, cfg, adv_auc=adv_auc,
-                                     clean_auc=clean_auc, outdist_steps=outdist_steps)
-            summary["replicas_identical"] = replicas_identical(runtime, *averaged_and_raw)
-            tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), summary)
-            window = StepMetrics.window()
-        if crossed(cfg.n_imgs_per_image_log, step, cfg.batch_size):
-            tracker.save_grid(metrics.x_adv_preview, f"train_adv_step{step:07d}.png")
-        if decision["preempt"]:
-            _checkpoint(*state_args)
-            LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the same "
-                           "command to resume", preemption.signal_name or "signal", step)
-            return {"step": step, "preempted": True}
-        if crossed(cfg.n_imgs_per_ckpt_save, step, cfg.batch_size):
-            _checkpoint(*state_args)
+            decision = consensus(runtime, preempt=preemption.raised, nonfinite=not metrics.finite)
+            if decision["nonfinite"]:
+                raise FloatingPointError(
+                    f"non-finite loss at step {step} on at least one rank; the newest state in "
+                    f"{run_dir}/checkpoints is from before it (try a lower lr)")
+            if log_now:
+                elapsed, timer = time.perf_counter() - timer, time.perf_counter()
+                summary = progress.window.summary(runtime, elapsed, cfg, adv_auc=adv_auc,
+                                                  clean_auc=clean_auc, outdist_steps=outdist_steps)
+                summary["replicas_identical"] = replicas_identical(runtime, *parts.replicated)
+                tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), summary)
+                progress.window = MetricsWindow()
+            if crossed(cfg.n_imgs_per_image_log, step, cfg.batch_size):
+                tracker.save_grid(metrics.x_adv_preview, f"train_adv_step{step:07d}.png")
+            if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
+                evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(step - 1))
+            if decision["preempt"]:
+                save_training_state(parts, cfg, runtime, run_dir, tracker)
+                LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the same "
+                               "command to resume", preemption.signal_name or "signal", step)
+                bar.close()
+                return {"step": step, "preempted": True}
+            if crossed(cfg.n_imgs_per_ckpt_save, step, cfg.batch_size):
+                save_training_state(parts, cfg, runtime, run_dir, tracker)
 
-    _checkpoint(*state_args)
-    final_model = ema.ema_model if ema is not None else raw_model
+    bar.close()
+    save_training_state(parts, cfg, runtime, run_dir, tracker)
     if runtime.is_main:
-        save_model(final_model, f"{run_dir}/model_final.pth")
+        save_model(parts.eval_model, os.path.join(run_dir, "model_final.pth"))
     tracker.close()
     LOGGER.info("finished at step %d", progress.step)
     return {"step": progress.step}
+
+
+def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, runtime: Runtime, tracker: Tracker,
+                           epoch: int) -> Dict[str, float]:
+    """Every rank evaluates its shard; rank 0 records and keeps the best models."""
+    step = parts.progress.step
+    results = evaluate_model(parts.eval_model, cfg, runtime, run_dir=tracker.run_dir, step=step)
+    tracker.log(step, step * cfg.batch_size, epoch, results)
+    for metric, filename, higher_is_better in (
+        ("robust_test_acc" if cfg.robust_eval else "test_acc", "model_bestacc.pth", True),
+        ("fid", "model_bestfid.pth", False),
+    ):
+        value = results.get(metric)
+        if value is None:
+            continue
+        best = parts.progress.best.get(metric)
+        if best is None or (value > best if higher_is_better else value < best):
+            parts.progress.best[metric] = value
+            if runtime.is_main:
+                save_model(parts.eval_model, os.path.join(tracker.run_dir, filename))
+    return results
 
 
 def _last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -163,28 +247,15 @@ def _last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return min(limits) if limits else math.inf  # type: ignore[return-value]
 
 
-def _checkpoint(cfg, run_dir, raw_model, optimizer, ema, precision, curriculum, progress,
-                tracker) -> None:
-    """Rank 0 writes the state; every rank then learns whether the write worked (a consensus,
+def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_dir: str,
+                        tracker: Tracker) -> None:
+    """Rank 0 writes the state; then every rank learns whether the write worked (a consensus,
     so a full disk stops all ranks with the same clear error instead of a hang)."""
     failure: Optional[str] = None
-    runtime = tracker.runtime
     if runtime.is_main:
-        state = {
-            "step": progress.step,
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "ema": ema.state_dict() if ema is not None else None,
-            "scaler": precision.state_dict(),
-            "curriculum": curriculum.state_dict(),
-            "best": dict(progress.best),
-            "rng": rng_state(),
-            "wandb_run_id": tracker.wandb_run_id,
-            "world_size": runtime.world_size,
-            "config": to_dict(cfg),
-        }
         try:
-            save_state(state, run_dir, cfg.keep_last_states)
+            save_state(parts.state_dict(cfg, runtime.world_size, tracker.wandb_run_id), run_dir,
+                       cfg.keep_last_states)
         except StateError as err:
             failure = str(err)
     if consensus(runtime, failed=failure is not None)["failed"]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.distributed import Runtime, all_reduce_sum
+from rebm.training.modeling import unwrap
 from rebm.training.sampling import sample_keys
 
 LOGGER = logging.getLogger("rebm")
@@ -84,6 +85,7 @@ def evaluate_accuracy(
     the call. loader: this rank's shard, yielding (x, y, dataset_index). Every rank must call
     this (it ends with one all-reduce), also a rank whose shard is empty.
     """
+    model = unwrap(model)  # defensive: an attack through DDP could deadlock
     robust = bool(robust and attack_cfg is not None)
     aa = None
     if autoattack and attack_cfg is not None:

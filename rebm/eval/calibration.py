@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from rebm.distributed import Runtime, all_reduce_sum
 from rebm.eval.accuracy import eval_mode
+from rebm.training.modeling import unwrap
 
 N_BINS = 20
 
@@ -46,6 +47,7 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = N_BI
 
 def evaluate_ece(model: nn.Module, loader, runtime: Runtime, n_bins: int = N_BINS) -> float:
     """Clean-data ECE over all ranks' shards (every rank must call this: one all-reduce)."""
+    model = unwrap(model)
     sums = torch.zeros(3, n_bins, dtype=torch.float64, device=runtime.device)
     with eval_mode(model), torch.no_grad():
         for x, y, _index in loader:

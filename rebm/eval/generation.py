@@ -30,6 +30,7 @@ from rebm.attacks.pgd import keyed_uniform, pgd_attack
 from rebm.distributed import Runtime, all_gather_cat
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
+from rebm.training.modeling import unwrap
 from rebm.training.sampling import sample_keys
 
 LOGGER = logging.getLogger("rebm")
@@ -129,6 +130,7 @@ def generate_samples(
     model: the unwrapped module (eval mode for the call). Every rank must call this: it ends
     with all-gathers.
     """
+    model = unwrap(model)  # defensive: never a rank-local forward through DDP
     log = cfg.image_log
     n = log.num_samples if num_samples is None else num_samples
     seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed)

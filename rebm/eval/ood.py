@@ -22,6 +22,7 @@ from rebm.attacks.pgd import pgd_from_config
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.eval.accuracy import eval_mode, index_keys
 from rebm.training.curriculum import binary_auc
+from rebm.training.modeling import unwrap
 from rebm.training.sampling import eval_shard
 
 SCORES = ("max_softmax", "lse")
@@ -86,6 +87,7 @@ def evaluate_ood(
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    model = unwrap(model)
     with eval_mode(model):
         pos = gather_scores(runtime, _local_scores(model, in_loader, runtime, score))
         neg = gather_scores(runtime, _local_scores(model, ood_loader, runtime, score))

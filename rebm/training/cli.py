@@ -89,6 +89,6 @@ def user_errors_exit() -> Iterator[None]:
 
 def parse_and_load(parser: argparse.ArgumentParser,
                    argv: Optional[List[str]] = None) -> tuple:
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
     cfg = load_config(args.config, args.overrides)
     return args, cfg

@@ -209,6 +209,9 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
                 save_training_state(parts, cfg, runtime, run_dir, tracker)
 
     bar.close()
+    if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log,
+                                                     progress.step, cfg.batch_size):
+        evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(progress.step - 1))
     save_training_state(parts, cfg, runtime, run_dir, tracker)
     if runtime.is_main:
         save_model(parts.eval_model, os.path.join(run_dir, "model_final.pth"))

@@ -15,8 +15,8 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -188,7 +188,7 @@ def consensus(runtime: Runtime, **flags: bool) -> Dict[str, bool]:
     values = torch.tensor([int(bool(flags[k])) for k in names], dtype=torch.int32,
                           device=_comm_device(runtime))
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {k: bool(v) for k, v in zip(names, values.tolist())}
+    return {k: bool(v) for k, v in zip(names, values.tolist(), strict=True)}
 
 
 def broadcast_object(runtime: Runtime, obj: Any, src: int = 0) -> Any:

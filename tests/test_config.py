@@ -122,3 +122,12 @@ def test_batch_not_divisible_by_world_size():
     cfg = load_config(None, ["batch_size=64"])
     with pytest.raises(ConfigError, match="not divisible by the world size 3"):
         plan_batches(cfg, 3)
+
+
+def test_configs_doc_is_generated_from_the_dataclasses():
+    from rebm.training.config_docs import render
+
+    committed = (REPO / "docs" / "configs.md").read_text()
+    assert committed == render(), "regenerate: python -m rebm.training.config_docs > docs/configs.md"
+    for key in ("batch_size", "per_device_batch_size", "attack.eps", "data.indist_dataset"):
+        assert f"`{key}`" in committed

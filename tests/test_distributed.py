@@ -3,13 +3,12 @@
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from rebm import distributed as rd
-from tests.helpers import BIN, REPO, base_env, run_command, run_train
+from tests.helpers import BIN, REPO, base_env, run_train
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,8 @@ CONFIG = "experiments/quickstart/digits.yaml"
 FAST = ["batch_size=32", "attack.max_steps=3", "attack.start_step=1", "indist_attack_clf.max_steps=2",
         "min_imgs_per_threshold=64", "n_imgs_per_metrics_log=32", "n_imgs_per_image_log=320",
         "n_imgs_per_ckpt_save=32", "keep_last_states=100", "n_imgs_per_evaluation_log=null",
-        "AUC_th=0.6"]
+        "AUC_th=0.6", "lr=0.005"]
+NO_ATTACKS = ["attack.max_steps=0", "attack.start_step=0", "indist_attack_clf.max_steps=0"]
 
 
 def read_metrics(run_dir):
@@ -40,7 +41,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     out = {}
     for name, nproc, extra in [("single", 1, []), ("ddp2", 2, []),
-                               ("accum4", 1, ["per_device_batch_size=8"])]:
+                               ("accum4", 1, ["per_device_batch_size=8"]),
+                               ("single_no_attacks", 1, NO_ATTACKS),
+                               ("ddp2_no_attacks", 2, NO_ATTACKS)]:
         run_dir = root / name
         run_train([CONFIG, *FAST, "max_steps=20", *extra], nproc=nproc, run_dir=run_dir,
                   timeout=400).assert_ok()
@@ -48,16 +51,22 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("other", ["ddp2", "accum4"])
-def test_same_result_as_single_process_full_batch(runs, other):
-    for step, bound in ((1, 1e-6), (20, 1e-4)):
-        a = load_state(runs["single"], step)
+# Bounds: one step differs only by float reduction order (~1e-8). Over 20 steps, PGD in the
+# loop amplifies that noise (normalised-gradient steps through ReLU kinks): measured 7e-5 at
+# lr 0.005 and 6e-3 at lr 0.05 for DDP vs one process, while the same 20 steps without attacks
+# agree to 5e-8 — so the loop itself adds nothing; the 20-step bound is checked both ways.
+@pytest.mark.parametrize("single, other, bound20", [
+    ("single", "ddp2", 1e-4), ("single", "accum4", 1e-4),
+    ("single_no_attacks", "ddp2_no_attacks", 1e-6)])
+def test_same_result_as_single_process_full_batch(runs, single, other, bound20):
+    for step, bound in ((1, 1e-6), (20, bound20)):
+        a = load_state(runs[single], step)
         b = load_state(runs[other], step)
         assert max_param_diff(a["model"], b["model"]) <= bound, (other, step)
         assert max_param_diff(
             {k: v for k, v in a["ema"].items() if torch.is_tensor(v)},
             {k: v for k, v in b["ema"].items() if torch.is_tensor(v)}) <= bound
-    schedule = [r["cur_outdist_steps"] for r in read_metrics(runs["single"])]
+    schedule = [r["cur_outdist_steps"] for r in read_metrics(runs[single])]
     assert schedule == [r["cur_outdist_steps"] for r in read_metrics(runs[other])]
 
 

@@ -13,6 +13,7 @@ it to <run_dir>/eval.json (run_dir = `run_dir`, else the checkpoint's folder).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -38,6 +39,14 @@ LOGGER = logging.getLogger("rebm")
 
 class EvalError(UserError, ValueError):
     """The evaluation cannot start (no checkpoint, unreadable checkpoint); one line."""
+
+
+def robust_eval_attack(cfg):
+    """The indist_attack_clf threat model, with `robust_eval_steps` PGD steps when set (robust
+    evaluation usually wants more steps than adversarial training uses)."""
+    if cfg.robust_eval_steps is None:
+        return cfg.indist_attack_clf
+    return dataclasses.replace(cfg.indist_attack_clf, max_steps=cfg.robust_eval_steps)
 
 
 def eval_batch_size(cfg, runtime: Runtime) -> int:
@@ -72,7 +81,7 @@ def evaluate_model(
     if loader is None:
         loader = build_eval_data(cfg, runtime, batch_size)
     metrics: Dict[str, Any] = evaluate_accuracy(
-        model, loader, runtime, cfg.indist_attack_clf, robust=cfg.robust_eval,
+        model, loader, runtime, robust_eval_attack(cfg), robust=cfg.robust_eval,
         seed=cfg.rand_seed, autoattack=autoattack, num_classes=cfg.data.num_classes,
     )
     if ece:

@@ -66,71 +66,68 @@ class AttackConfig:
     """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
     training of the classifier."""
 
-    attack_type: str = "pgd"
-    max_steps: int = 0  # curriculum cap (attack) / number of PGD steps K (indist_attack_clf)
-    fixed_steps: Optional[int] = None  # accepted for old configs; unused (see IGNORED_FIELDS)
-    start_step: int = 0  # curriculum start T
-    step_size: float = 0.1  # alpha of the L2 normalised-gradient step (Linf: sign step)
-    eps: float = math.inf  # radius; .inf = only the [0, 1] clamp
-    norm: str = "L2"
-    lr: Optional[float] = None  # Adam attacks of the original; unused with pgd
-    random_start: bool = False  # start from a random point in the eps-ball (per-sample seeded)
+    attack_type: str = "pgd"  # only pgd (the original's adam attack is not supported)
+    max_steps: int = 0  # attack: curriculum cap on T; indist_attack_clf: PGD steps K
+    fixed_steps: Optional[int] = None  # original field, unused
+    start_step: int = 0  # attack: T at the start of training
+    step_size: float = 0.1  # alpha: L2 normalised-gradient step length (Linf: sign step)
+    eps: float = math.inf  # radius around the start point; .inf = only the [0, 1] clamp
+    norm: str = "L2"  # L2 or Linf
+    lr: Optional[float] = None  # Adam-attack step of the original, unused
+    random_start: bool = False  # start at a random point of the eps-ball (seeded per sample)
 
 
 @dataclass
 class ImageLogConfig:
     """Class-conditional sample generation (images and FID)."""
 
-    attack_type: str = "pgd"
-    num_steps: int = 20
-    log_fid: bool = False
+    attack_type: str = "pgd"  # original field, unused (generation is PGD)
+    num_steps: int = 20  # PGD steps from the seed images
+    log_fid: bool = False  # compute FID of the samples (needs local Inception weights)
     data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma)
-    ood_data_dir: Optional[str] = None
-    img_extension: Optional[str] = None
-    num_samples: int = 100
-    save_dir: Optional[str] = None
-    target_class: Optional[int] = None
-    adaptive_steps: bool = False
-    step_sweep_range: Optional[List[int]] = None
-    sweep_num_samples: int = 500
-    lr: Optional[float] = None
-    step_size: float = 0.1
-    eps: float = math.inf
-    # Added: where generation starts. "noise" (uniform, seeded) or a .pt/.npz/folder path.
-    seed_images: str = "noise"
+    ood_data_dir: Optional[str] = None  # original field, unused
+    img_extension: Optional[str] = None  # original field, unused
+    num_samples: int = 100  # samples per evaluation, labels balanced over the classes
+    save_dir: Optional[str] = None  # original field, unused (grids go to <run_dir>/samples)
+    target_class: Optional[int] = None  # original field, unused
+    adaptive_steps: bool = False  # original field, unused
+    step_sweep_range: Optional[List[int]] = None  # original field, unused
+    sweep_num_samples: int = 500  # original field, unused
+    lr: Optional[float] = None  # original field, unused
+    step_size: float = 0.1  # PGD step length of generation
+    eps: float = math.inf  # PGD radius of generation
+    seed_images: str = "noise"  # where generation starts: noise, or a .pt/.npz file or folder
 
 
 @dataclass
 class DataConfig:
-    indist_dataset: str = "cifar10-conditional"
-    indist_ds_dir: str = "./data"
-    mixed_id: bool = False
-    outdist_dataset: str = "noise"
-    outdist_std_dir: str = "./data"
-    num_workers: int = 2
-    num_classes: int = 10
-    image_size: int = 32
-    download: bool = False  # only download datasets when asked
-    outdist_exclude_index: Optional[str] = None  # TinyImages: file of record indices to skip
+    indist_dataset: str = "cifar10-conditional"  # cifar10(-conditional), cifar100(-conditional), digits, imagefolder
+    indist_ds_dir: str = "./data"  # dataset root (torchvision layout; imagefolder: train/ and test/)
+    mixed_id: bool = False  # original field, unused
+    outdist_dataset: str = "noise"  # tinyimages, imagefolder, tensorfile, noise/uniform-noise, lowfreq-noise
+    outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder / tensor file path
+    num_workers: int = 2  # loader workers per process (capped by the cores per process)
+    num_classes: int = 10  # classes of the in-distribution
+    image_size: int = 32  # side of the images fed to the model
+    download: bool = False  # let torchvision download CIFAR if it is missing
+    outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
 
 
 @dataclass
 class ModelConfig:
-    model_type: str = "WideResNet34x10"
-    ckpt_path: Optional[str] = None
-    which_logit: str = "first"
-    normalize_input: bool = True
-    use_batchnorm: bool = False
-    use_layernorm: bool = True
-    # ConvNext fields of the original; accepted so old files load, unused by WideResNets.
-    model_prefix: str = ""
-    drop_path_rate: float = 0.1
-    head_init_scale: float = 1.0
-    model_id: str = "convnextv2_base"
-    use_convstem: bool = True
-    # Speed options (added)
-    channels_last: bool = False
-    compile: bool = False
+    model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES
+    ckpt_path: Optional[str] = None  # weights to start from (any format load_checkpoint reads)
+    which_logit: str = "first"  # original field, unused
+    normalize_input: bool = True  # normalise inputs inside the model (CIFAR-10 statistics)
+    use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
+    use_layernorm: bool = True  # original ConvNext field, unused
+    model_prefix: str = ""  # original ConvNext field, unused
+    drop_path_rate: float = 0.1  # original ConvNext field, unused
+    head_init_scale: float = 1.0  # original ConvNext field, unused
+    model_id: str = "convnextv2_base"  # original ConvNext field, unused
+    use_convstem: bool = True  # original ConvNext field, unused
+    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU)
+    compile: bool = False  # torch.compile the model (before DDP wrapping)
 
 
 @dataclass
@@ -144,93 +141,91 @@ class TrainConfig:
     image_log: ImageLogConfig = field(default_factory=ImageLogConfig)
 
     # Optimisation
-    optimizer: str = "sgd"
-    lr: float = 1e-3
-    wd: float = 5e-4
-    r1reg: float = 0.0
-    fixed_lr: bool = True
-    # Loss weights of the energy term over (in-dist, clean out-dist, adversarial out-dist);
-    # normalised to sum to 1. The default (0.5, 0, 0.5) is DESIGN.md's BCE mean over 2B.
-    clf_indist_weight: float = 0.5
-    clf_outdist_weight: float = 0.0
-    clf_adv_weight: float = 0.5
-    r1_indist_weight: float = 1.0
-    r1_outdist_weight: float = 0.0
-    r1_adv_weight: float = 0.0
-    # Older spelling of the same weights in some original files.
-    xent_indist_weight: Optional[float] = None
-    xent_outdist_weight: Optional[float] = None
-    xent_adv_weight: Optional[float] = None
+    optimizer: str = "sgd"  # sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
+    lr: float = 1e-3  # constant learning rate
+    wd: float = 5e-4  # weight decay
+    r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2
+    fixed_lr: bool = True  # must be true: DAT uses a constant learning rate
+    clf_indist_weight: float = 0.5  # energy-BCE weight of the in-dist term (weights normalised to sum 1)
+    clf_outdist_weight: float = 0.0  # energy-BCE weight of clean out-dist images (costs a forward)
+    clf_adv_weight: float = 0.5  # energy-BCE weight of the PGD negatives
+    r1_indist_weight: float = 1.0  # original field, unused (R1 acts on x_in)
+    r1_outdist_weight: float = 0.0  # original field, unused
+    r1_adv_weight: float = 0.0  # original field, unused
+    xent_indist_weight: Optional[float] = None  # older spelling of clf_indist_weight
+    xent_outdist_weight: Optional[float] = None  # older spelling of clf_outdist_weight
+    xent_adv_weight: Optional[float] = None  # older spelling of clf_adv_weight
 
     # Schedule
     batch_size: int = 128  # GLOBAL images per optimizer step, whatever the world size
     per_device_batch_size: Optional[int] = None  # micro-batch; default batch_size / world_size
-    min_imgs_per_threshold: int = 10000
-    AUC_th: float = 0.8
-    samples_per_attack_step: Optional[int] = None
-    rand_seed: int = 0
-    total_epochs: Optional[int] = None
-    max_steps: Optional[int] = None
+    min_imgs_per_threshold: int = 10000  # curriculum window = ceil(this / batch_size) steps
+    AUC_th: float = 0.8  # T advances when the window's mean adversarial AUC reaches this
+    samples_per_attack_step: Optional[int] = None  # instead: advance T after this many images
+    rand_seed: int = 0  # seeds weights, shuffles, augmentations and attack noise
+    total_epochs: Optional[int] = None  # stop after this many epochs of the in-dist stream
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
 
     # Intervals, in images
-    n_imgs_per_metrics_log: int = 12800
-    n_imgs_per_image_log: int = 128000
-    n_imgs_per_evaluation_log: Optional[int] = None
-    n_imgs_per_ckpt_save: int = 256000
+    n_imgs_per_metrics_log: int = 12800  # metrics.jsonl / wandb record
+    n_imgs_per_image_log: int = 128000  # PNG grid of training negatives
+    n_imgs_per_evaluation_log: Optional[int] = None  # accuracy, robust accuracy, samples, FID
+    n_imgs_per_ckpt_save: int = 256000  # full training state in <run_dir>/checkpoints
 
     # Model averaging / precision
-    use_ema: bool = True
-    ema_decay: float = 0.999
-    amp: str = "none"
+    use_ema: bool = True  # keep an EMA of the weights; evaluate and export it
+    ema_decay: float = 0.999  # EMA decay (warmed up from 0)
+    amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
     fp16: bool = False  # original flag; same as amp=fp16
 
     # Method switches
-    logsumexp: bool = True
-    logsumexp_sampling: bool = False
-    augm_type_classification: str = "autoaugment_cutout"
-    augm_type_generation: str = "original"
-    tinyimages_loader: str = "innout"
-    robust_eval: bool = True
+    logsumexp: bool = True  # energy s(x) = logsumexp_k f_k(x); false: f_y(x)
+    logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
+    augm_type_classification: str = "autoaugment_cutout"  # augmentation of the classifier stream
+    augm_type_generation: str = "original"  # augmentation of the EBM in-dist and out-dist streams
+    tinyimages_loader: str = "innout"  # original field, unused
+    robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
+    robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)
 
     # Accepted from the original, unused here (reported once, see IGNORED_FIELDS)
-    indist_clean_extra: bool = False
-    indist_perturb: bool = False
-    indist_perturb_steps: int = 10
-    indist_perturb_eps: float = 0.5
-    mixup_alpha: float = 5
-    mixup_beta: float = 1
-    indist_train_only: bool = False
-    eval_only: bool = False
-    use_counterfactuals: bool = False
-    evaluate_ood_detection: bool = False
-    ood_detection_logsumexp: bool = False
-    outdist_dataset_ood_detection: str = "noise"
-    openimages_max_samples: Optional[int] = None
-    openimages_augm: Optional[str] = None
-    config_path: Optional[str] = None
+    indist_clean_extra: bool = False  # original field, unused
+    indist_perturb: bool = False  # original field, unused
+    indist_perturb_steps: int = 10  # original field, unused
+    indist_perturb_eps: float = 0.5  # original field, unused
+    mixup_alpha: float = 5  # original field, unused
+    mixup_beta: float = 1  # original field, unused
+    indist_train_only: bool = False  # original field, unused
+    eval_only: bool = False  # original field, unused (use python -m rebm.eval.evaluate)
+    use_counterfactuals: bool = False  # original field, unused
+    evaluate_ood_detection: bool = False  # original field, unused (rebm.eval.evaluate --ood)
+    ood_detection_logsumexp: bool = False  # original field, unused
+    outdist_dataset_ood_detection: str = "noise"  # original field, unused
+    openimages_max_samples: Optional[int] = None  # original field, unused
+    openimages_augm: Optional[str] = None  # original field, unused
+    config_path: Optional[str] = None  # original field, unused
 
     # Tracking
-    wandb_project: str = "rebm"
-    wandb_dir: Optional[str] = None
-    wandb_disabled: bool = False
-    wandb_mode: str = "auto"
-    tags: List[str] = field(default_factory=list)
+    wandb_project: str = "rebm"  # wandb project
+    wandb_dir: Optional[str] = None  # wandb files (default: the run directory)
+    wandb_disabled: bool = False  # original switch; same as wandb_mode=disabled
+    wandb_mode: str = "auto"  # auto (online with an API key, else offline), online, offline, disabled
+    tags: List[str] = field(default_factory=list)  # wandb tags
 
     # Run directory, resume
-    run_dir: Optional[str] = None
-    resume_from_state: Optional[str] = None
+    run_dir: Optional[str] = None  # output directory (default runs/<time>); holds the states
+    resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
     resume_path: Optional[str] = None  # original spelling of resume_from_state
-    resume: str = "auto"
-    keep_last_states: int = 3
+    resume: str = "auto"  # auto: resume from the newest state in run_dir; never: refuse
+    keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
 
     # Distributed
-    use_ddp: bool = True
-    ddp_backend: str = "auto"
-    device: str = "auto"
-    sync_batchnorm: bool = False
-    find_unused_parameters: bool = False
-    ddp_timeout_s: float = 1800.0  # generous for start-up (data, compile) ...
-    ddp_step_timeout_s: float = 180.0  # ... then short, so a stuck rank surfaces
+    use_ddp: bool = True  # DDP under a multi-process launcher; false + 1 process: DataParallel
+    ddp_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), nccl or gloo
+    device: str = "auto"  # auto, cpu or cuda (cuda:LOCAL_RANK)
+    sync_batchnorm: bool = False  # SyncBatchNorm under DDP (only with use_batchnorm)
+    find_unused_parameters: bool = False  # DDP option, for models with unused parameters
+    ddp_timeout_s: float = 1800.0  # collective timeout during start-up (data, compile)
+    ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
 
 
 # Fields the original accepted but this implementation does not use. Setting one to a
@@ -312,7 +307,6 @@ def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
         )
     if isinstance(err, ValidationError):
         value = getattr(err, "value", None)
-        expected = getattr(err, "ref_type", None) or getattr(err, "object_type", None)
         msg = str(err).splitlines()[0]
         return ConfigError(f"{source}: wrong type for '{key}' (value {value!r}): {msg}")
     return ConfigError(f"{source}: invalid value for '{key}': {str(err).splitlines()[0]}")

@@ -27,6 +27,7 @@ from torch import Tensor
 from torchvision import datasets as tv_datasets
 from torchvision.transforms.v2 import functional as TF
 
+from rebm.errors import UserError
 from rebm.training.augmentations import Transform, augment_batch
 from rebm.training.sampling import PURPOSE_AUGMENT, sample_keys
 
@@ -37,7 +38,7 @@ TINY_RECORD_BYTES = 32 * 32 * 3
 DEFAULT_NOISE_LENGTH = 50_000
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data problem the user can fix; the message is one line naming the path and the fix."""
 
 

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rebm import distributed as dist_utils
 from rebm.distributed import PreemptionFlag, Runtime, consensus, setup_distributed, teardown
+from rebm.eval.evaluate import evaluate_model
 from rebm.training import cli
 from rebm.training.checkpoint_io import save_model
 from rebm.training.config_classes import (
@@ -40,7 +41,6 @@ from rebm.training.state import (
     save_state,
     set_rng_state,
 )
-from rebm.eval.evaluate import evaluate_model
 from rebm.training.step import MetricsWindow, Precision, dat_step, global_aucs
 from rebm.training.tracking import Tracker, progress_bar, resolve_run_dir
 

@@ -1,0 +1,50 @@
+"""Baseline for the quickstart's robustness claim: the same WideResNet trained normally (plain
+cross-entropy, no adversarial training, no energy term) on the same digits, evaluated with the
+same robust-accuracy attack as the quickstart (PGD with its indist_attack_clf threat model and
+robust_eval_steps).
+
+    .venv/bin/python benchmarks/quickstart_baseline.py [key=value ...]
+prints one JSON line: {"test_acc": ..., "robust_test_acc": ..., "eps": ..., "steps": ...}
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from rebm.distributed import Runtime
+from rebm.eval.evaluate import eval_batch_size, evaluate_model
+from rebm.models import build_model, dataset_stats
+from rebm.training.config_classes import load_config
+from rebm.training.data import load_indist
+from rebm.training.modeling import get_optimizer
+
+
+def main(overrides):
+    cfg = load_config("experiments/quickstart/digits.yaml", overrides)
+    torch.manual_seed(cfg.rand_seed)
+    mean, std = dataset_stats(cfg.data.indist_dataset)
+    model = build_model(cfg.model.model_type, cfg.data.num_classes, mean=mean, std=std,
+                        use_batchnorm=cfg.model.use_batchnorm)
+    optimizer = get_optimizer(cfg, model.parameters())
+    train = load_indist(cfg, "train", augm="none")
+    loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
+                                         drop_last=True)
+    model.train()
+    for _ in range(cfg.total_epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    runtime = Runtime()
+    metrics = evaluate_model(model, cfg, runtime, samples=False)
+    attack = cfg.indist_attack_clf
+    metrics.update(eps=attack.eps, norm=attack.norm,
+                   steps=cfg.robust_eval_steps or attack.max_steps,
+                   eval_batch=eval_batch_size(cfg, runtime))
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -7,6 +7,7 @@ accumulate under `no_sync()`, so DDP communicates once per optimizer step."""
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -65,6 +66,10 @@ class StepMetrics:
     clean_out_scores: Optional[torch.Tensor]  # f_y(x_out), only when asked
     x_adv_preview: torch.Tensor
     finite: bool
+    # Filled in by the loop after the step (global-batch values):
+    adv_auc: float = float("nan")
+    clean_auc: Optional[float] = None
+    outdist_steps: int = 0
 
 
 @dataclass
@@ -72,6 +77,7 @@ class MetricsWindow:
     """Sums since the last metrics log; reduced over ranks only when logged."""
 
     sums: Dict[str, float] = field(default_factory=lambda: {"ebm": 0.0, "clf": 0.0, "n": 0.0})
+    started: float = field(default_factory=time.perf_counter)  # for images/s (not saved)
 
     def add(self, metrics: StepMetrics) -> None:
         self.sums["ebm"] += float(metrics.ebm_loss)

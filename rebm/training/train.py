@@ -150,74 +150,92 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
 
     parts = build_parts(cfg, runtime)
     restore(parts, cfg, runtime, run_dir)
-    progress = parts.progress
-    tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=progress.wandb_run_id)
-    tracker.truncate_metrics_after(progress.step)
-    data = build_train_data(cfg, runtime, plan, start_step=progress.step)
+    tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=parts.progress.wandb_run_id)
+    tracker.truncate_metrics_after(parts.progress.step)
+    data = build_train_data(cfg, runtime, plan, start_step=parts.progress.step)
+    batches = iter(data)
     preemption = PreemptionFlag().install()
     last_step = _last_step(cfg, data.steps_per_epoch)
+    bar = progress_bar(runtime, parts.progress.step, last_step, cfg.batch_size)
     LOGGER.info("data: %s; training to step %s", data.describe(), last_step)
+    parts.progress.window.started = time.perf_counter()  # images/s counts training only
 
-    timer = time.perf_counter()
-    batches = iter(data)
-    bar = progress_bar(runtime, progress.step, last_step, cfg.batch_size)
     # A collective timeout anywhere in the loop is reported with the rank(s) that did not arrive.
-    with dist_utils.name_stuck_ranks(runtime, lambda: progress.step + 1):
-        while progress.step < last_step:
-            step = progress.step + 1
-            log_now = crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size)
-            outdist_steps = parts.curriculum.T  # the T this step trains with
+    with dist_utils.name_stuck_ranks(runtime, lambda: parts.progress.step + 1):
+        while parts.progress.step < last_step:
             micro_batches = next(batches)
-            if started is not None:  # start-up cost, O(1) in the resumed step (no batch replay)
+            if started is not None:  # start-up cost: O(1) in the resumed step, no batch replay
                 LOGGER.info("first batch after %.2fs", time.perf_counter() - started)
                 started = None
-            metrics = dat_step(parts.model, parts.optimizer, micro_batches, outdist_steps, cfg,
-                               plan, parts.precision, want_clean_scores=log_now)
-            if parts.ema is not None:
-                parts.ema.update()
-            progress.step = step
-            adv_auc, clean_auc = global_aucs(runtime, metrics)
-            parts.curriculum.update(adv_auc, cfg.batch_size)
-            progress.window.add(metrics)
-            bar.update(T=outdist_steps, auc=adv_auc)
-            if step == 1:  # start-up is over: from now on a missing rank should surface quickly
-                dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
-
-            decision = consensus(runtime, preempt=preemption.raised, nonfinite=not metrics.finite)
+            step, metrics = train_one_step(parts, micro_batches, cfg, plan, runtime)
+            bar.update(T=metrics.outdist_steps, auc=metrics.adv_auc)
+            decision = consensus(runtime, preempt=preemption.raised,
+                                 nonfinite=not metrics.finite)
             if decision["nonfinite"]:
                 raise FloatingPointError(
                     f"non-finite loss at step {step} on at least one rank; the newest state in "
                     f"{run_dir}/checkpoints is from before it (try a lower lr)")
-            if log_now:
-                elapsed, timer = time.perf_counter() - timer, time.perf_counter()
-                summary = progress.window.summary(runtime, elapsed, cfg, adv_auc=adv_auc,
-                                                  clean_auc=clean_auc, outdist_steps=outdist_steps)
-                summary["replicas_identical"] = replicas_identical(runtime, *parts.replicated)
-                tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), summary)
-                progress.window = MetricsWindow()
-            if crossed(cfg.n_imgs_per_image_log, step, cfg.batch_size):
-                tracker.save_grid(metrics.x_adv_preview, f"train_adv_step{step:07d}.png")
-            if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
-                evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(step - 1))
+            at_intervals(parts, metrics, cfg, runtime, tracker, data.epoch_of(step - 1))
             if decision["preempt"]:
                 save_training_state(parts, cfg, runtime, run_dir, tracker)
-                LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the same "
-                               "command to resume", preemption.signal_name or "signal", step)
+                LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the "
+                               "same command to resume", preemption.signal_name or "signal", step)
                 bar.close()
                 return {"step": step, "preempted": True}
-            if crossed(cfg.n_imgs_per_ckpt_save, step, cfg.batch_size):
-                save_training_state(parts, cfg, runtime, run_dir, tracker)
-
     bar.close()
-    if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log,
-                                                     progress.step, cfg.batch_size):
-        evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(progress.step - 1))
+
+    final_step = parts.progress.step
+    if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, final_step,
+                                                     cfg.batch_size):
+        evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(final_step - 1))
     save_training_state(parts, cfg, runtime, run_dir, tracker)
     if runtime.is_main:
         save_model(parts.eval_model, os.path.join(run_dir, "model_final.pth"))
     tracker.close()
-    LOGGER.info("finished at step %d", progress.step)
-    return {"step": progress.step}
+    LOGGER.info("finished at step %d", final_step)
+    return {"step": final_step}
+
+
+def train_one_step(parts: Parts, micro_batches, cfg: TrainConfig, plan, runtime: Runtime):
+    """The method, one optimizer step: attacks + losses + update (dat_step), EMA, curriculum."""
+    step = parts.progress.step + 1
+    outdist_steps = parts.curriculum.T  # the T this step trains with
+    log_now = crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size)
+    metrics = dat_step(parts.model, parts.optimizer, micro_batches, outdist_steps, cfg, plan,
+                       parts.precision, want_clean_scores=log_now)
+    if parts.ema is not None:
+        parts.ema.update()
+    parts.progress.step = step
+    # AUCs of the all-gathered global batch: the same T schedule on any number of ranks.
+    metrics.adv_auc, metrics.clean_auc = global_aucs(runtime, metrics)
+    metrics.outdist_steps = outdist_steps
+    parts.curriculum.update(metrics.adv_auc, cfg.batch_size)
+    parts.progress.window.add(metrics)
+    if step == 1:  # start-up is over: from now on a missing rank should surface quickly
+        dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
+    return step, metrics
+
+
+def at_intervals(parts: Parts, metrics, cfg: TrainConfig, runtime: Runtime, tracker: Tracker,
+                 epoch: int) -> None:
+    """Metrics, image grids, evaluation and checkpoints, each every so many images. Every rank
+    calls this: the intervals depend only on the step, so all ranks reach the same collectives."""
+    step = parts.progress.step
+    progress = parts.progress
+    if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size):
+        elapsed = time.perf_counter() - progress.window.started
+        summary = progress.window.summary(runtime, elapsed, cfg, adv_auc=metrics.adv_auc,
+                                          clean_auc=metrics.clean_auc,
+                                          outdist_steps=metrics.outdist_steps)
+        summary["replicas_identical"] = replicas_identical(runtime, *parts.replicated)
+        tracker.log(step, step * cfg.batch_size, epoch, summary)
+        progress.window = MetricsWindow()
+    if crossed(cfg.n_imgs_per_image_log, step, cfg.batch_size):
+        tracker.save_grid(metrics.x_adv_preview, f"train_adv_step{step:07d}.png")
+    if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
+        evaluate_and_keep_best(parts, cfg, runtime, tracker, epoch)
+    if crossed(cfg.n_imgs_per_ckpt_save, step, cfg.batch_size):
+        save_training_state(parts, cfg, runtime, tracker.run_dir, tracker)
 
 
 def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, runtime: Runtime, tracker: Tracker,

@@ -1,0 +1,70 @@
+"""Robustness test of a CIFAR-10/100 checkpoint of either stage; prints one JSON line.
+
+    python InNOutRobustnessMean0_cifar100/cifar10_robustness_test.py CONFIG model.ckpt_path=PATH
+    python ... CONFIG model.ckpt_path=PATH --calibration_only      # ECE (20 bins) only
+    torchrun --nproc_per_node=N InNOutRobustnessMean0_cifar100/cifar10_robustness_test.py ...
+
+Reports clean accuracy, PGD robust accuracy with the config's `indist_attack_clf` threat model
+(`robust_eval_steps=S` for more steps) and, when `torchattacks` is installed, AutoAttack. The test
+set is sharded over the ranks; the numbers equal those of one process (AutoAttack: see
+rebm.eval.accuracy). A thin CLI over rebm.eval.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import List, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from rebm.distributed import setup_distributed, setup_logging, teardown
+from rebm.eval.calibration import evaluate_ece
+from rebm.eval.evaluate import eval_batch_size, evaluate_model, load_eval_model
+from rebm.training import cli
+from rebm.training.data import build_eval_data
+
+
+def run(cfg, runtime, calibration_only: bool) -> dict:
+    setup_logging(runtime)
+    model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
+    if calibration_only:
+        loader = build_eval_data(cfg, runtime, eval_batch_size(cfg, runtime))
+        metrics = {"ece": evaluate_ece(model, loader, runtime)}
+    else:
+        autoattack = importlib.util.find_spec("torchattacks") is not None
+        metrics = evaluate_model(model, cfg, runtime, samples=False, autoattack=autoattack)
+    metrics.update(ckpt_path=os.path.abspath(cfg.model.ckpt_path),
+                   world_size=runtime.world_size)
+    # NaN (an empty test set) is not JSON: report it as null.
+    metrics = {k: None if isinstance(v, float) and math.isnan(v) else v
+               for k, v in metrics.items()}
+    if runtime.is_main:
+        print(json.dumps(metrics), flush=True)
+    return metrics
+
+
+@record
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = cli.build_parser("cifar10_robustness_test.py", __doc__.splitlines()[0])
+    parser.add_argument("--calibration_only", action="store_true",
+                        help="only the expected calibration error (20 equal-width bins)")
+    parser.epilog = __doc__.split("\n", 2)[2]  # usage lines (torchrun runs the script file)
+    with cli.user_errors_exit():
+        args, cfg = cli.parse_and_load(parser, argv)
+        if args.check:
+            return cli.check_config(cfg)
+        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
+                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
+        try:
+            run(cfg, runtime, args.calibration_only)
+        finally:
+            teardown(runtime)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Stage 1: adversarial training with live BatchNorm (In-N-Out style, mean-0 fill augmentation).
+
+    torchrun --nproc_per_node=N InNOutRobustnessMean0_cifar100/train_at.py [CONFIG] [key=value ...]
+    python InNOutRobustnessMean0_cifar100/train_at.py [CONFIG] --nproc N [key=value ...]
+
+Loss per step: CE(f(PGD_K^CE(x_c)), y_c) with the `indist_attack_clf` threat model, on the
+classification stream of rebm's data pipeline (its other streams are ignored). CONFIG defaults to
+configs/cifar100_wrn34x10.yaml (`--dataset cifar10`: configs/cifar10_wrn34x10.yaml). Writes
+<run_dir>/model_final.pth (EMA weights when use_ema), a DAT run's `model.ckpt_path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from rebm import distributed as dist_utils
+from rebm.attacks.pgd import pgd_from_config
+from rebm.eval.evaluate import evaluate_model
+from rebm.training import cli
+from rebm.training.checkpoint_io import save_model
+from rebm.training.config_classes import ConfigError, load_config, plan_batches
+from rebm.training.data import build_train_data
+from rebm.training.ema import build_ema
+from rebm.training.modeling import get_model, get_optimizer
+from rebm.training.step import Precision
+from rebm.training.tracking import Tracker, resolve_run_dir
+from rebm.training.train import crossed
+
+LOGGER = logging.getLogger("rebm")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATASETS = {"cifar100": 100, "cifar10": 10}
+
+
+def lr_factor(schedule: str, last_step: int):
+    """Cosine to 0 over the run (the In-N-Out recipe), or constant."""
+    if schedule == "constant":
+        return lambda step: 1.0
+    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, last_step) / last_step))
+
+
+def train(cfg, runtime, schedule: str) -> None:
+    if not cfg.model.use_batchnorm:
+        raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
+    plan = plan_batches(cfg, runtime.world_size)
+    run_dir = resolve_run_dir(cfg, runtime)
+    dist_utils.setup_logging(runtime, run_dir)
+    torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank
+    model, raw = get_model(cfg, runtime)  # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
+    optimizer = get_optimizer(cfg, raw.parameters())
+    ema = build_ema(raw, cfg)
+    precision = Precision.from_config(cfg, runtime.device)
+    data = build_train_data(cfg, runtime, plan)
+    limits = [cfg.max_steps] if cfg.max_steps else []
+    if cfg.total_epochs:
+        limits.append(cfg.total_epochs * data.steps_per_epoch)
+    if not limits:
+        raise ConfigError("set total_epochs or max_steps (the LR schedule needs a length)")
+    last_step = min(limits)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, last_step))
+    tracker = Tracker(cfg, runtime, run_dir)
+    LOGGER.info("stage 1 | run dir %s | world size %d | %s | %d steps, %s LR", run_dir,
+                runtime.world_size, runtime.device, last_step, schedule)
+
+    def log(step: int, metrics: dict) -> None:  # rank 0 writes metrics.jsonl and prints JSON
+        tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), metrics)
+        if runtime.is_main:
+            print(json.dumps({"step": step, **metrics}), flush=True)
+
+    def evaluate(step: int) -> None:  # every rank evaluates its shard (collectives inside)
+        eval_model = ema.ema_model if ema is not None else raw
+        log(step, evaluate_model(eval_model, cfg, runtime, step=step, samples=False))
+
+    window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, images since last log
+    timer = time.perf_counter()
+    batches = iter(data)
+    for step in range(1, last_step + 1):
+        optimizer.zero_grad(set_to_none=True)
+        micro_batches = next(batches)
+        for index, batch in enumerate(micro_batches):
+            x, y = batch.x_c.to(runtime.device), batch.y_c.to(runtime.device)
+            # Attack in eval mode on the unwrapped module: BN uses its running statistics, so
+            # the K attack forwards neither update them nor run SyncBatchNorm/DDP collectives,
+            # and the adversarial example does not depend on how the batch is split over ranks.
+            raw.eval()
+            with precision.autocast():
+                x_adv = pgd_from_config(raw, x, cfg.indist_attack_clf, objective="ce", y=y,
+                                        random_start_keys=batch.key_c)
+            # The training forward is in train mode through DDP: BN normalises with (synced,
+            # on GPU) batch statistics of the adversarial batch and updates its running stats.
+            model.train()
+            last = index == len(micro_batches) - 1
+            no_sync = getattr(model, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                with precision.autocast():
+                    logits = model(x_adv)
+                    loss = F.cross_entropy(logits.float(), y)
+                precision.backward(loss / plan.accumulation_steps)
+            window += torch.tensor([float(loss.detach()) * len(y), float((logits.argmax(1) == y).sum()),
+                                    len(y)], dtype=torch.float64)
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step used
+        precision.step(optimizer)
+        scheduler.step()
+        if ema is not None:
+            ema.update()
+        # One all-reduce so that every rank stops on a non-finite loss at the same step.
+        if dist_utils.consensus(runtime, nonfinite=not math.isfinite(window[0]))["nonfinite"]:
+            raise FloatingPointError(f"non-finite loss at step {step} (try a lower lr)")
+        if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size) or step == last_step:
+            loss_sum, correct, n = dist_utils.all_reduce_sum(runtime, window).tolist()
+            elapsed, timer = time.perf_counter() - timer, time.perf_counter()
+            log(step, {"train_clf_loss": loss_sum / n, "train_adv_acc": correct / n,
+                       "learning_rate": lr,
+                       "imgs_per_s": n / max(elapsed, 1e-9)})
+            window.zero_()
+        if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
+            evaluate(step)
+    if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, last_step,
+                                                     cfg.batch_size):
+        evaluate(last_step)
+    if runtime.is_main:  # plain state dict: loads as model.ckpt_path of a DAT run
+        save_model(ema.ema_model if ema is not None else raw,
+                   os.path.join(run_dir, "model_final.pth"))
+        LOGGER.info("wrote %s", os.path.join(run_dir, "model_final.pth"))
+    tracker.close()
+
+
+def worker(config: str, overrides: List[str], schedule: str) -> None:
+    """One process (torchrun, spawn or plain python): its rank comes from the environment."""
+    with cli.user_errors_exit():
+        cfg = load_config(config, overrides)
+        runtime = dist_utils.setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
+                                               device=cfg.device, timeout_s=cfg.ddp_timeout_s)
+        try:
+            train(cfg, runtime, schedule)
+        finally:
+            dist_utils.teardown(runtime)
+
+
+def parse(argv: Optional[List[str]]):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n", 2)[2])
+    parser.add_argument("config", nargs="?", help="rebm YAML config (default: see --dataset)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lr=0.05")
+    parser.add_argument("--dataset", choices=tuple(DATASETS),
+                        help="without CONFIG: its bundled config; with CONFIG: overrides "
+                             "data.indist_dataset and data.num_classes (default cifar100)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="start N processes with torch.multiprocessing.spawn (no torchrun)")
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                        help="learning-rate schedule over the run (default cosine)")
+    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    args = parser.parse_intermixed_args(argv)
+    if args.config and "=" in args.config and not os.path.isfile(args.config):
+        args.overrides.insert(0, args.config)  # only overrides were given
+        args.config = None
+    if args.config is None:
+        name = f"{args.dataset or 'cifar100'}_wrn34x10.yaml"
+        args.config = os.path.join(HERE, "configs", name)
+    elif args.dataset:
+        args.overrides[:0] = [f"data.indist_dataset={args.dataset}",
+                              f"data.num_classes={DATASETS[args.dataset]}"]
+    return args
+
+
+@record
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse(argv)
+    with cli.user_errors_exit():
+        cfg = load_config(args.config, args.overrides)  # fail here, once, not in N children
+        if args.check:
+            return cli.check_config(cfg)
+        if args.nproc > 1 and "WORLD_SIZE" in os.environ:
+            raise ConfigError("--nproc starts its own processes: do not combine it with torchrun")
+        plan_batches(cfg, max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))))
+    dist_utils.spawn(worker, args.nproc, args.config, args.overrides, args.schedule)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,8 +51,6 @@ def lr_factor(schedule: str, last_step: int):
 
 
 def train(cfg, runtime, schedule: str) -> None:
-    if not cfg.model.use_batchnorm:
-        raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
     plan = plan_batches(cfg, runtime.world_size)
     run_dir = resolve_run_dir(cfg, runtime)
     dist_utils.setup_logging(runtime, run_dir)
@@ -107,22 +105,22 @@ def train(cfg, runtime, schedule: str) -> None:
                     logits = model(x_adv)
                     loss = F.cross_entropy(logits.float(), y)
                 precision.backward(loss / plan.accumulation_steps)
-            window += torch.tensor([float(loss.detach()) * len(y), float((logits.argmax(1) == y).sum()),
-                                    len(y)], dtype=torch.float64)
+            correct = float((logits.argmax(1) == y).sum())
+            window += torch.tensor([float(loss.detach()) * len(y), correct, len(y)],
+                                   dtype=torch.float64)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step used
         precision.step(optimizer)
         scheduler.step()
         if ema is not None:
             ema.update()
         # One all-reduce so that every rank stops on a non-finite loss at the same step.
-        if dist_utils.consensus(runtime, nonfinite=not math.isfinite(window[0]))["nonfinite"]:
+        if dist_utils.consensus(runtime, nonfinite=not math.isfinite(float(window[0])))["nonfinite"]:
             raise FloatingPointError(f"non-finite loss at step {step} (try a lower lr)")
         if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size) or step == last_step:
             loss_sum, correct, n = dist_utils.all_reduce_sum(runtime, window).tolist()
             elapsed, timer = time.perf_counter() - timer, time.perf_counter()
             log(step, {"train_clf_loss": loss_sum / n, "train_adv_acc": correct / n,
-                       "learning_rate": lr,
-                       "imgs_per_s": n / max(elapsed, 1e-9)})
+                       "learning_rate": lr, "imgs_per_s": n / max(elapsed, 1e-9)})
             window.zero_()
         if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
             evaluate(step)
@@ -180,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     with cli.user_errors_exit():
         cfg = load_config(args.config, args.overrides)  # fail here, once, not in N children
+        if not cfg.model.use_batchnorm:
+            raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
         if args.check:
             return cli.check_config(cfg)
         if args.nproc > 1 and "WORLD_SIZE" in os.environ:

@@ -5,7 +5,9 @@ Sample i starts from seed image i with target label i % num_classes (balanced cl
 
 Seeds (`image_log.seed_images`):
 - "noise": uniform [0, 1] noise that is a pure function of (rand_seed, i) — the same on any world
-  size and in any batch;
+  size and in any batch; "lowfreq-noise": the same at 1/4 resolution, upsampled bilinearly;
+  "gaussian": a normal distribution fitted to the training images (mean, full covariance),
+  sampled from the same per-index keys;
 - a .pt/.npz/.npy image tensor file, or a folder of images: image i is seed i (cycled when there
   are fewer seeds than samples), resized to data.image_size.
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rebm.attacks.pgd import keyed_uniform, pgd_attack
+from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.distributed import Runtime, all_gather_cat
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
@@ -36,6 +38,27 @@ from rebm.training.sampling import sample_keys
 LOGGER = logging.getLogger("rebm")
 
 SEED_PURPOSE = 2  # sample_keys salt for seed noise, distinct from attack starts and augmentation
+NOISE_SEEDS = ("noise", "lowfreq-noise", "gaussian")
+GAUSSIAN_FIT_IMAGES = 5000  # enough for a stable covariance, cheap even at CIFAR size
+
+
+_GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitted once
+
+
+def fitted_gaussian(cfg) -> Tuple[Tensor, Tensor]:
+    """(mean, Cholesky factor of the covariance) of the flattened in-distribution training
+    images (the first GAUSSIAN_FIT_IMAGES of them), fitted once per dataset and size."""
+    from rebm.training.data import indist_source
+
+    key = (cfg.data.indist_dataset, cfg.data.indist_ds_dir, cfg.data.image_size)
+    if key not in _GAUSSIANS:
+        source = indist_source(cfg, "train")
+        images = source.images(np.arange(min(GAUSSIAN_FIT_IMAGES, len(source))))
+        flat = (images.double() / 255.0 if images.dtype == torch.uint8 else images.double())
+        flat = flat.flatten(1)
+        cov = torch.cov(flat.T) + 1e-4 * torch.eye(flat.shape[1], dtype=torch.float64)
+        _GAUSSIANS[key] = (flat.mean(0), torch.linalg.cholesky(cov))
+    return _GAUSSIANS[key]
 
 
 class SeedImageError(UserError, ValueError):
@@ -52,13 +75,14 @@ def _resize(images: Tensor, size: int) -> Tensor:
 class SeedImages:
     """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source."""
 
-    def __init__(self, spec: str, image_size: int, rand_seed: int):
+    def __init__(self, spec: str, image_size: int, rand_seed: int, cfg=None):
         self.spec = spec
+        self.cfg = cfg  # "gaussian" seeds are fitted to cfg's in-distribution training images
         self.size = image_size
         self.rand_seed = rand_seed
         self._tensor: Optional[Tensor] = None  # tensor-file seeds, loaded once
         self._folder = None  # folder seeds, decoded per index
-        if spec != "noise":
+        if spec not in NOISE_SEEDS:
             self._open(spec)
 
     def _open(self, path: str) -> None:
@@ -94,7 +118,24 @@ class SeedImages:
             images = self._folder.images(idx % len(self._folder))
             return images.float().div(255.0) if images.dtype == torch.uint8 else images.float()
         keys = torch.from_numpy(sample_keys(self.rand_seed, "eval", 0, idx, SEED_PURPOSE))
-        return keyed_uniform(keys, 3 * self.size * self.size).view(-1, 3, self.size, self.size)
+        if self.spec == "gaussian":
+            return self._gaussian(keys)
+        # lowfreq-noise: uniform noise at 1/4 resolution, upsampled (smooth, image-like seeds)
+        side = max(1, self.size // 4) if self.spec == "lowfreq-noise" else self.size
+        noise = keyed_uniform(keys, 3 * side * side).view(-1, 3, side, side)
+        if side == self.size:
+            return noise
+        return F.interpolate(noise, size=(self.size, self.size), mode="bilinear",
+                             align_corners=False)
+
+
+    def _gaussian(self, keys: Tensor) -> Tensor:
+        """A normal distribution fitted to the training images (mean and full covariance),
+        sampled per key: image-like seeds that carry no class, so the ascent on f_y decides
+        which digit/object appears."""
+        mean, chol = fitted_gaussian(self.cfg)
+        z = keyed_normal(keys, mean.numel()).double()
+        return (mean + z @ chol.T).float().clamp(0, 1).view(-1, 3, self.size, self.size)
 
 
 def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
@@ -133,7 +174,7 @@ def generate_samples(
     model = unwrap(model)  # defensive: never a rank-local forward through DDP
     log = cfg.image_log
     n = log.num_samples if num_samples is None else num_samples
-    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed)
+    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg)
     local = torch.arange(runtime.rank, n, runtime.world_size, dtype=torch.int64)
     chunks = []
     with eval_mode(model):

@@ -96,7 +96,7 @@ class ImageLogConfig:
     lr: Optional[float] = None  # original field, unused
     step_size: float = 0.1  # PGD step length of generation
     eps: float = math.inf  # PGD radius of generation
-    seed_images: str = "noise"  # where generation starts: noise, or a .pt/.npz file or folder
+    seed_images: str = "noise"  # generation starts from: noise, lowfreq-noise, gaussian (fitted to the data), a .pt/.npz file or a folder
 
 
 @dataclass

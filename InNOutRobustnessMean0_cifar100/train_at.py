@@ -114,7 +114,8 @@ def train(cfg, runtime, schedule: str) -> None:
         if ema is not None:
             ema.update()
         # One all-reduce so that every rank stops on a non-finite loss at the same step.
-        if dist_utils.consensus(runtime, nonfinite=not math.isfinite(float(window[0])))["nonfinite"]:
+        nonfinite = not math.isfinite(float(window[0]))  # NaN stays in the window until logged
+        if dist_utils.consensus(runtime, nonfinite=nonfinite)["nonfinite"]:
             raise FloatingPointError(f"non-finite loss at step {step} (try a lower lr)")
         if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size) or step == last_step:
             loss_sum, correct, n = dist_utils.all_reduce_sum(runtime, window).tolist()

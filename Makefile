@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# Stage 1 (adversarial training, live BatchNorm), then stage 2 (DAT) from its checkpoint;
+# 2 CPU processes each. Results: runs/quickstart/stage2/metrics.jsonl and samples/.
 quickstart: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 -m rebm.training.train experiments/quickstart/digits.yaml run_dir=runs/quickstart
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 InNOutRobustnessMean0_cifar100/train_at.py experiments/quickstart/digits_stage1.yaml run_dir=runs/quickstart/stage1
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 -m rebm.training.train experiments/quickstart/digits_stage2.yaml run_dir=runs/quickstart/stage2
 
 test: setup
 	$(BIN)/python -m pytest -q

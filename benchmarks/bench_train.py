@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (ROOT, os.path.join(ROOT, "tests")):
@@ -61,7 +61,7 @@ from rebm.training.config_classes import (  # noqa: E402
 )
 from rebm.training.modeling import unwrap  # noqa: E402
 from rebm.training.objective import dat_loss  # noqa: E402
-from rebm.training.step import MetricsWindow, StepMetrics, dat_step, global_aucs  # noqa: E402
+from rebm.training.step import MetricsWindow, StepMetrics, global_aucs  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "experiments", "quickstart", "digits.yaml")
 WRN_OVERRIDES = [
@@ -74,7 +74,6 @@ WRN_OVERRIDES = [
     "model.use_batchnorm=false",
     "batch_size=32",
     "attack.max_steps=10",
-    "attack.start_step=10",
     "attack.step_size=1.0",
     "indist_attack_clf.max_steps=10",
     "indist_attack_clf.step_size=0.1",
@@ -90,10 +89,13 @@ WRN_OVERRIDES = [
     "augm_type_classification=autoaugment_cutout",
     "wandb_disabled=true",
 ]
-CONFIG_LABELS = {
-    "quickstart": "quickstart (WRN-10-1, 16 px, batch 64, T=10, K=5)",
-    "wrn": "WRN-16-4 (32 px, batch 32, T=10, K=10)",
-}
+CONFIGS = ("quickstart", "wrn")
+
+
+def describe(cfg: TrainConfig) -> str:
+    """e.g. 'WideResNet16x4, 32 px, batch 32, T=10, K=10, amp none'."""
+    return (f"{cfg.model.model_type}, {cfg.data.image_size} px, batch {cfg.batch_size}, "
+            f"T={cfg.attack.max_steps}, K={cfg.indist_attack_clf.max_steps}, amp {cfg.amp}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +133,10 @@ class Stopwatch:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
-def timed(fn: Callable, device: torch.device = torch.device("cpu")):
+CPU = torch.device("cpu")
+
+
+def timed(fn: Callable, device: torch.device = CPU):
     sync(device)
     t0 = time.perf_counter()
     out = fn()
@@ -185,29 +190,38 @@ def n_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def loop_step(parts, cfg: TrainConfig, plan, runtime: Runtime, micro_batches,
-              watch: Optional[Stopwatch] = None) -> Dict[str, float]:
-    """What train.py does per step after `next(batches)`: dat_step, EMA, global AUCs,
-    curriculum, metrics window, consensus. Returns {"dat_step", "rest"} seconds."""
+def loop_step(parts, cfg: TrainConfig, plan, runtime: Runtime, micro_batches
+              ) -> Dict[str, float]:
+    """What train.py does per step after `next(batches)`: `train_one_step` (dat_step, EMA,
+    global AUCs, curriculum, metrics window) and the consensus all-reduce. Returns seconds:
+    {"dat_step" (timed inside train_one_step), "total"}."""
+    from rebm.training import train as train_module
+
     device = runtime.device
-    sync(device)
-    t0 = time.perf_counter()
-    metrics = dat_step(parts.model, parts.optimizer, micro_batches, parts.curriculum.T, cfg, plan,
-                       parts.precision, want_clean_scores=False)
-    sync(device)
-    t1 = time.perf_counter()
-    if parts.ema is not None:
-        parts.ema.update()
-    parts.progress.step += 1
-    adv_auc, _ = global_aucs(runtime, metrics)
-    parts.curriculum.update(adv_auc, cfg.batch_size)
-    parts.progress.window.add(metrics)
-    decision = rd.consensus(runtime, preempt=False, nonfinite=not metrics.finite)
+    real_dat_step = train_module.dat_step
+    inner: Dict[str, float] = {}
+
+    def timed_dat_step(*args, **kwargs):
+        sync(device)
+        t0 = time.perf_counter()
+        out = real_dat_step(*args, **kwargs)
+        sync(device)
+        inner["dat_step"] = time.perf_counter() - t0
+        return out
+
+    train_module.dat_step = timed_dat_step  # the loop's own function, timed from inside
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        _, metrics = train_module.train_one_step(parts, micro_batches, cfg, plan, runtime)
+        decision = rd.consensus(runtime, preempt=False, nonfinite=not metrics.finite)
+        sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        train_module.dat_step = real_dat_step
     if decision["nonfinite"]:
         raise FloatingPointError("non-finite loss in the benchmark")
-    sync(device)
-    t2 = time.perf_counter()
-    return {"dat_step": t1 - t0, "rest": t2 - t1, "total": t2 - t0}
+    return {"dat_step": inner["dat_step"], "total": total}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,10 +279,12 @@ def _pieces_step(parts, cfg: TrainConfig, plan, runtime: Runtime, batches, watch
     ebm, clf = torch.stack(ebms).mean(), torch.stack(clfs).mean()
     metrics = StepMetrics(ebm_loss=ebm, clf_loss=clf, in_scores=torch.cat(ins).float(),
                           adv_scores=torch.cat(advs).float(), clean_out_scores=None,
-                          x_adv_preview=x_adv.detach(), finite=bool(torch.isfinite(ebm + clf)))
+                          x_adv_preview=x_adv.detach(), finite=bool(torch.isfinite(ebm + clf)),
+                          outdist_steps=T)
     with watch("bookkeeping"):
         parts.progress.step += 1
         adv_auc, _ = global_aucs(runtime, metrics)
+        metrics.adv_auc = adv_auc
         parts.curriculum.update(adv_auc, cfg.batch_size)
         parts.progress.window.add(metrics)
         rd.consensus(runtime, preempt=False, nonfinite=not metrics.finite)
@@ -328,7 +344,7 @@ def section_breakdown(args) -> dict:
     per_step_s["logging_checkpoint_amortized"] = sum(amortized.values())
     tracker.close()
     return {
-        "section": "breakdown", "config": args.config, "label": CONFIG_LABELS[args.config],
+        "section": "breakdown", "config": args.config, "label": describe(cfg),
         "threads": args.threads, "reps": args.reps, "params": n_params(parts.raw_model),
         "batch_size": cfg.batch_size, "T": parts.curriculum.T,
         "K": cfg.indist_attack_clf.max_steps,
@@ -349,7 +365,8 @@ def section_breakdown(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 class MinimalDAT:
     """The same DAT math written directly in PyTorch, without rebm: two PGD loops, one fused
-    forward, BCE + CE, backward, SGD step, EMA of the weights. Only for the configurations the
+    forward, BCE + CE, backward, optimizer step (the config's SGD/Adam/AdamW), EMA of the
+    weights. Only for the configurations the
     benchmark uses (L2 attacks, no random start, logsumexp energy, frozen BatchNorm, default
     loss weights, r1reg = 0)."""
 
@@ -358,12 +375,20 @@ class MinimalDAT:
             attack = getattr(cfg, name)
             assert attack.norm == "L2" and not attack.random_start, name
         assert cfg.logsumexp and not cfg.logsumexp_sampling and cfg.r1reg == 0
-        assert not cfg.model.use_batchnorm and cfg.optimizer == "sgd"
+        assert not cfg.model.use_batchnorm
         assert loss_weights(cfg) == (0.5, 0.0, 0.5)
         self.cfg = cfg
         self.model = copy.deepcopy(raw_model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9,
-                                         nesterov=True, weight_decay=cfg.wd)
+        params, name = self.model.parameters(), cfg.optimizer.lower()
+        if name == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True,
+                                             weight_decay=cfg.wd)
+        elif name == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.0, 0.99),
+                                              weight_decay=cfg.wd)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                               weight_decay=cfg.wd)
         self.params = [p for p in self.model.parameters()]
         self.ema = [p.detach().clone() for p in self.params]
 
@@ -406,7 +431,7 @@ class MinimalDAT:
         self.optimizer.step()
         with torch.no_grad():
             torch._foreach_lerp_(self.ema, self.params, 1.0 - cfg.ema_decay)
-        return float(loss)
+        return float(loss.detach())
 
 
 def section_steps(args) -> dict:
@@ -438,7 +463,7 @@ def section_steps(args) -> dict:
             min_t.append(seconds)
     paired = [a / b for a, b in zip(loop_t, min_t, strict=True)]
     return {
-        "section": "steps", "config": args.config, "label": CONFIG_LABELS[args.config],
+        "section": "steps", "config": args.config, "label": describe(cfg),
         "threads": args.threads, "reps": args.reps, "params": n_params(parts.raw_model),
         "batch_size": cfg.batch_size, "T": T, "K": cfg.indist_attack_clf.max_steps,
         "image_size": cfg.data.image_size, "model": cfg.model.model_type,
@@ -528,7 +553,7 @@ def _ddp_worker(opts: dict) -> None:
         if runtime.is_main:
             step_s = median(per_step)
             result = {
-                "section": "ddp", "config": opts["config"], "label": CONFIG_LABELS[opts["config"]],
+                "section": "ddp", "config": opts["config"], "label": describe(cfg),
                 "world_size": runtime.world_size, "threads_per_rank": opts["threads"],
                 "device": str(runtime.device), "backend": runtime.backend,
                 "batch_size": cfg.batch_size, "per_device_batch_size": plan.per_device_batch_size,
@@ -562,7 +587,7 @@ def _run_ranks(worker: Callable, opts: dict, world_size: int) -> dict:
 def section_ddp(args) -> dict:
     opts = dict(config=args.config, workdir=args.workdir, set=list(args.set), device=args.device,
                 backend=args.backend, threads=args.threads, warmup=args.warmup, steps=args.reps,
-                comm_reps=max(1, min(args.reps, 5)), json=args.json + ".worker")
+                comm_reps=max(1, min(args.reps - 1, 4)), json=args.json + ".worker")
     return _run_ranks(_ddp_worker, opts, args.world_size)
 
 
@@ -702,7 +727,7 @@ def section_resume(args) -> dict:
                 times[k]["total"].append(t_restore + t_data)
     med = {str(k): {name: median(v) for name, v in times[k].items()} for k in steps}
     return {
-        "section": "resume", "config": args.config, "label": CONFIG_LABELS[args.config],
+        "section": "resume", "config": args.config, "label": describe(cfg),
         "threads": args.threads, "reps": args.reps,
         "state_mib": os.path.getsize(paths[steps[0]][1]) / 2**20,
         "at_step": med,
@@ -745,7 +770,7 @@ def section_checkpoint(args) -> dict:
     write_s = median(blocked)
     steps_per_ckpt = cfg.n_imgs_per_ckpt_save / cfg.batch_size
     return {
-        "section": "checkpoint", "config": args.config, "label": CONFIG_LABELS[args.config],
+        "section": "checkpoint", "config": args.config, "label": describe(cfg),
         "params": n_params(raw), "state_mib": size / 2**20, "dir": args.workdir,
         "save_training_state_s": write_s, "state_dict_assembly_s": median(assemble),
         "read_state_s": median(reads), "write_mib_per_s": size / 2**20 / write_s,
@@ -769,7 +794,7 @@ SECTIONS = {
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("section", choices=sorted(SECTIONS))
-    parser.add_argument("--config", default="quickstart", choices=sorted(CONFIG_LABELS))
+    parser.add_argument("--config", default="quickstart", choices=CONFIGS)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--world-size", type=int, default=1,
                         help="ranks for ddp/eval (spawned here; ignored under torchrun)")

@@ -3,7 +3,10 @@ cross-entropy, no adversarial training, no energy term) on the same digits, eval
 same robust-accuracy attack as the quickstart (PGD with its indist_attack_clf threat model and
 robust_eval_steps).
 
-    .venv/bin/python benchmarks/quickstart_baseline.py [key=value ...]
+    .venv/bin/python benchmarks/quickstart_baseline.py [CONFIG] [key=value ...]
+
+CONFIG defaults to experiments/quickstart/digits_stage1.yaml (live BatchNorm, SGD, 10 epochs):
+the stage-1 recipe without the attack, i.e. a normally trained model of the same size.
 prints one JSON line: {"test_acc": ..., "robust_test_acc": ..., "eps": ..., "steps": ...}
 """
 
@@ -21,8 +24,10 @@ from rebm.training.data import load_indist
 from rebm.training.modeling import get_optimizer
 
 
-def main(overrides):
-    cfg = load_config("experiments/quickstart/digits.yaml", overrides)
+def main(argv):
+    path = argv[0] if argv and "=" not in argv[0] else "experiments/quickstart/digits_stage1.yaml"
+    overrides = [a for a in argv if "=" in a]
+    cfg = load_config(path, overrides)
     torch.manual_seed(cfg.rand_seed)
     mean, std = dataset_stats(cfg.data.indist_dataset)
     model = build_model(cfg.model.model_type, cfg.data.num_classes, mean=mean, std=std,

@@ -35,6 +35,11 @@ TARGETS = {
 }
 
 
+# --quick: the WRN-16-4 sections run with T = K = 2 instead of 10 (same code paths, a fifth of
+# the work), so the smoke run stays short; its figures, the peer ratio above all, mean nothing.
+QUICK_WRN = ["--set", "attack.max_steps=2", "indist_attack_clf.max_steps=2"]
+
+
 def jobs(quick: bool, cores: int) -> List[tuple]:
     """(key, bench_train.py arguments, threads per process) in the order they run."""
     def r(full: int, smoke: int) -> List[str]:
@@ -43,25 +48,24 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
     def w(full: int, smoke: int) -> List[str]:
         return ["--warmup", str(smoke if quick else full)]
 
+    wrn = ["--config", "wrn", *(QUICK_WRN if quick else [])]
+    qs = ["--config", "quickstart"]
     one, half = cores, max(1, cores // 2)
     return [
-        ("breakdown/quickstart", ["breakdown", "--config", "quickstart", *r(5, 1), *w(2, 1)], one),
-        ("breakdown/wrn", ["breakdown", "--config", "wrn", *r(3, 1), *w(1, 0)], one),
-        ("steps/quickstart", ["steps", "--config", "quickstart", *r(20, 2), *w(3, 1)], one),
-        ("steps/wrn", ["steps", "--config", "wrn", *r(5, 1), *w(1, 0)], one),
-        ("ddp/quickstart/ws1", ["ddp", "--config", "quickstart", "--world-size", "1",
-                                *r(20, 2), *w(3, 1)], one),
-        ("ddp/quickstart/ws2", ["ddp", "--config", "quickstart", "--world-size", "2",
-                                *r(20, 2), *w(3, 1)], half),
-        ("ddp/wrn/ws1", ["ddp", "--config", "wrn", "--world-size", "1", *r(4, 1), *w(1, 0)], one),
-        ("ddp/wrn/ws2", ["ddp", "--config", "wrn", "--world-size", "2", *r(4, 1), *w(1, 0)],
-         half),
+        ("breakdown/quickstart", ["breakdown", *qs, *r(5, 1), *w(2, 1)], one),
+        ("breakdown/wrn", ["breakdown", *r(3, 1), *w(1, 1), *wrn], one),
+        ("steps/quickstart", ["steps", *qs, *r(20, 2), *w(3, 1)], one),
+        ("steps/wrn", ["steps", *r(4, 1), *w(1, 1), *wrn], one),
+        ("ddp/quickstart/ws1", ["ddp", "--world-size", "1", *r(20, 2), *w(3, 1), *qs], one),
+        ("ddp/quickstart/ws2", ["ddp", "--world-size", "2", *r(20, 2), *w(3, 1), *qs], half),
+        ("ddp/wrn/ws1", ["ddp", "--world-size", "1", *r(3, 2), *w(1, 1), *wrn], one),
+        ("ddp/wrn/ws2", ["ddp", "--world-size", "2", *r(3, 2), *w(1, 1), *wrn], half),
         ("attack", ["attack", *r(20, 2), *w(3, 1)], one),
         ("eval/ws1", ["eval", "--world-size", "1", *r(5, 1), *w(1, 1)], one),
         ("eval/ws2", ["eval", "--world-size", "2", *r(5, 1), *w(1, 1)], half),
-        ("resume/quickstart", ["resume", "--config", "quickstart", *r(5, 1), *w(1, 1)], one),
-        ("resume/wrn", ["resume", "--config", "wrn", *r(3, 1), *w(1, 1)], one),
-        ("checkpoint/wrn", ["checkpoint", "--config", "wrn", *r(5, 2), *w(1, 1)], one),
+        ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
+        ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
+        ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),
     ]
 
 
@@ -177,12 +181,18 @@ def table(results: dict, summary: dict, meta: dict) -> str:
     add(f"rebm training-speed benchmark | torch {meta['torch']} | {meta['cores']} cores "
         f"({meta['cpu']}) | {'QUICK smoke run (numbers are noise)' if meta['quick'] else 'default'}"
         f" | {meta['date']}")
+    load = meta["loadavg_start"][0]
+    if load > 0.5:
+        add(f"WARNING: load average {load:.2f} at the start: other processes compete for the "
+            "cores, so these figures (2-thread ones above all) are not representative.")
     add("")
     add(f"1. Step time breakdown: 1 process, {meta['cores']} threads, median s per optimizer "
         "step")
     cols = ("quickstart", "wrn")
     labels = {c: _get(results, f"breakdown/{c}", "label", default=c) for c in cols}
-    add(f"   {'piece':40s}" + "".join(f"{labels[c][:34]:>36s}" for c in cols))
+    for c in cols:
+        add(f"   {c}: {labels[c]}")
+    add(f"   {'piece':44s}" + "".join(f"{c:>16s}" for c in cols))
     rows = [
         ("data wait (num_workers=0)", "data_wait"),
         ("negative-sample attack (T PGD steps)", "neg_attack"),
@@ -194,25 +204,25 @@ def table(results: dict, summary: dict, meta: dict) -> str:
         ("logging + images + checkpoint, amortized", "logging_checkpoint_amortized"),
     ]
     for title, key in rows:
-        add(f"   {title:40s}" + "".join(
-            f"{_fmt(_get(results, f'breakdown/{c}', 'per_step_s', key)):>36s}" for c in cols))
+        add(f"   {title:44s}" + "".join(
+            f"{_fmt(_get(results, f'breakdown/{c}', 'per_step_s', key)):>16s}" for c in cols))
 
     def comm(c):
         exp = _get(results, f"ddp/{c}/ws2", "exposed_allreduce_s")
         raw = _get(results, f"ddp/{c}/ws2", "raw_allreduce_s")
         return "n/a" if exp is None else f"{exp:.3f} / {raw:.3f}"
 
-    add(f"   {'grad all-reduce, 2 ranks (exposed / raw)':40s}" + "".join(
-        f"{comm(c):>36s}" for c in cols))
-    add(f"   {'sum of pieces':40s}" + "".join(
-        f"{_fmt(_get(results, f'breakdown/{c}', 'sum_of_pieces_s')):>36s}" for c in cols))
-    add(f"   {'full loop step (measured)':40s}" + "".join(
-        f"{_fmt(_get(results, f'breakdown/{c}', 'full_loop_step_s')):>36s}" for c in cols))
+    add(f"   {'grad all-reduce, 2 ranks (exposed / raw)':44s}" + "".join(
+        f"{comm(c):>16s}" for c in cols))
+    add(f"   {'sum of pieces':44s}" + "".join(
+        f"{_fmt(_get(results, f'breakdown/{c}', 'sum_of_pieces_s')):>16s}" for c in cols))
+    add(f"   {'full loop step incl. data (measured)':44s}" + "".join(
+        f"{_fmt(_get(results, f'breakdown/{c}', 'full_loop_step_s')):>16s}" for c in cols))
     for c in cols:
         ev = _get(results, f"breakdown/{c}", "per_event_s")
         iv = _get(results, f"breakdown/{c}", "intervals_imgs")
         if ev and iv:
-            add(f"   {c}: per event: metrics log {ev['metrics_log']:.3f} s every "
+            add(f"   {c} per event: metrics log {ev['metrics_log']:.3f} s every "
                 f"{iv['metrics_log']} imgs, image grid {ev['image_log']:.3f} s every "
                 f"{iv['image_log']}, checkpoint {ev['checkpoint']:.3f} s every {iv['checkpoint']}")
     add("")
@@ -221,10 +231,10 @@ def table(results: dict, summary: dict, meta: dict) -> str:
     for c in cols:
         e = summary.get(f"ddp_efficiency/{c}")
         if e:
-            add(f"   {labels[c]:52s} {e['ws1_images_per_s']:8.1f} -> {e['ws2_images_per_s']:8.1f}"
+            add(f"   {c:12s} {e['ws1_images_per_s']:8.2f} -> {e['ws2_images_per_s']:8.1f}"
                 f" images/s   efficiency {e['value']:.3f} (target >= 0.90){_mark(e)}")
         else:
-            add(f"   {labels[c]:52s} n/a")
+            add(f"   {c:12s} n/a")
     add("")
     add("3. Attack step (input gradient only) / training forward+backward (parameter gradients)")
     for name in cols:
@@ -274,7 +284,9 @@ def table(results: dict, summary: dict, meta: dict) -> str:
     p = summary.get("peer")
     add("8. Peer comparison: dat_step, WRN-16-4, 32 px, batch 32, T=10, K=10, fp32, frozen BN, "
         "SGD")
-    if p:
+    if p and meta["quick"]:
+        add(f"   --quick runs T = K = 2: no comparison (dat_step {p['dat_step_s']:.3f} s)")
+    elif p:
         add(f"   rebm {p['dat_step_s']:.3f} s vs original {PEER_STEP_S} s: ratio {p['value']:.3f}"
             f" (target <= 0.80){_mark(p)}")
     else:
@@ -286,7 +298,7 @@ def table(results: dict, summary: dict, meta: dict) -> str:
         o = summary.get(f"overhead/{c}")
         st = results.get(f"steps/{c}", {})
         if o:
-            add(f"   {labels[c]:52s} {st['loop_step_s']:.3f} s / {st['minimal_step_s']:.3f} s "
+            add(f"   {c:12s} {st['loop_step_s']:.3f} s / {st['minimal_step_s']:.3f} s "
                 f"= {o['value']:.3f} (paired {o['paired']:.3f}; target <= 1.05){_mark(o)}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     if failed:

@@ -21,7 +21,8 @@ def binary_auc(pos_scores: Tensor, neg_scores: Tensor) -> Tensor:
     and without host synchronisation: for every positive, count the negatives below it and
     those equal to it by binary search in the sorted negatives.
     """
-    pos, neg = pos_scores.detach().flatten(), neg_scores.detach().flatten()
+    pos = pos_scores.detach().flatten().contiguous()
+    neg = neg_scores.detach().flatten()
     if pos.numel() == 0 or neg.numel() == 0:
         raise ValueError("binary_auc needs at least one positive and one negative score")
     neg = torch.sort(neg.to(pos.dtype)).values

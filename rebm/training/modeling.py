@@ -73,7 +73,7 @@ def get_model(cfg, runtime) -> Tuple[nn.Module, nn.Module]:
             model,
             device_ids=[runtime.local_rank] if runtime.device.type == "cuda" else None,
             # Frozen BN: running stats never change, so broadcasting them every forward is waste.
-            broadcast_buffers=cfg.model.use_batchnorm,
+            forward_sync_buffers=cfg.model.use_batchnorm,
             find_unused_parameters=cfg.find_unused_parameters,
         )
     elif runtime.data_parallel:

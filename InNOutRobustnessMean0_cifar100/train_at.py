@@ -36,7 +36,7 @@ from rebm.training.ema import build_ema
 from rebm.training.modeling import get_model, get_optimizer
 from rebm.training.step import Precision
 from rebm.training.tracking import Tracker, resolve_run_dir
-from rebm.training.train import crossed
+from rebm.training.train import TrainingDiverged, crossed
 
 LOGGER = logging.getLogger("rebm")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,6 +56,7 @@ def train(cfg, runtime, schedule: str) -> None:
     dist_utils.setup_logging(runtime, run_dir)
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank
     model, raw = get_model(cfg, runtime)  # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
+    syncbn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in raw.modules())
     optimizer = get_optimizer(cfg, raw.parameters())
     ema = build_ema(raw, cfg)
     precision = Precision.from_config(cfg, runtime.device)
@@ -111,12 +112,14 @@ def train(cfg, runtime, schedule: str) -> None:
         lr = optimizer.param_groups[0]["lr"]  # the LR this step used
         precision.step(optimizer)
         scheduler.step()
+        if not syncbn:  # per-rank BatchNorm statistics: keep the replicas (and EMA) identical
+            dist_utils.broadcast_buffers(runtime, raw)
         if ema is not None:
             ema.update()
         # One all-reduce so that every rank stops on a non-finite loss at the same step.
         nonfinite = not math.isfinite(float(window[0]))  # NaN stays in the window until logged
         if dist_utils.consensus(runtime, nonfinite=nonfinite)["nonfinite"]:
-            raise FloatingPointError(f"non-finite loss at step {step} (try a lower lr)")
+            raise TrainingDiverged(f"non-finite loss at step {step} (try a lower lr)")
         if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size) or step == last_step:
             loss_sum, correct, n = dist_utils.all_reduce_sum(runtime, window).tolist()
             elapsed, timer = time.perf_counter() - timer, time.perf_counter()

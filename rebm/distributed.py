@@ -200,6 +200,32 @@ def broadcast_object(runtime: Runtime, obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def decide_on_main(runtime: Runtime, decide: Callable[[], Any]) -> Any:
+    """Run `decide()` on rank 0 only and give its result to every rank. If it raises, every rank
+    raises (rank 0 the original, the others a copy), so no rank is left waiting in a collective
+    for a rank that already failed. Every rank must call this."""
+    outcome: Any = None
+    if runtime.is_main:
+        try:
+            outcome = ("ok", decide())
+        except Exception as err:  # shared below, then re-raised on every rank
+            outcome = ("error", err)
+    outcome = broadcast_object(runtime, outcome)
+    kind, value = outcome
+    if kind == "error":
+        raise value
+    return value
+
+
+def broadcast_buffers(runtime: Runtime, module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics updated from per-rank
+    batches would otherwise drift apart between ranks)."""
+    if not runtime.distributed:
+        return
+    for buffer in module.buffers():
+        dist.broadcast(buffer.data, src=0)
+
+
 def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (returns a new tensor on the input's device)."""
     if not runtime.distributed:

@@ -18,6 +18,8 @@ from tests.test_train import CONFIG, FAST, load_state, max_param_diff, read_metr
 pytestmark = pytest.mark.timeout(420)
 
 STEPS = 8
+STOP = 3  # odd: the stop falls inside a metrics window (metrics every 2 steps)
+LOG2 = "n_imgs_per_metrics_log=64"
 TIMING_KEYS = {"imgs_per_s", "max_rss_mib"}  # wall-clock and memory differ between any two runs
 
 
@@ -44,7 +46,7 @@ def straight(tmp_path_factory):
     """Uninterrupted reference runs of STEPS steps at world size 1 and 2."""
     root = tmp_path_factory.mktemp("straight")
     for nproc in (1, 2):
-        run_train([CONFIG, *FAST, f"max_steps={STEPS}"], nproc=nproc,
+        run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=nproc,
                   run_dir=root / f"ws{nproc}", timeout=300).assert_ok()
     return root
 
@@ -52,20 +54,20 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_and_resume_is_bit_identical(straight, tmp_path, nproc):
     run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, f"max_steps={STEPS // 2}"], nproc=nproc, run_dir=run_dir,
+    run_train([CONFIG, *FAST, LOG2, f"max_steps={STOP}"], nproc=nproc, run_dir=run_dir,
               timeout=300).assert_ok()
-    result = run_train([CONFIG, *FAST, f"max_steps={STEPS}"], nproc=nproc, run_dir=run_dir,
-                       timeout=300).assert_ok()
-    assert f"at step {STEPS // 2}" in result.output  # it resumed rather than restarted
+    result = run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=nproc,
+                       run_dir=run_dir, timeout=300).assert_ok()
+    assert f"at step {STOP}" in result.output  # it resumed rather than restarted
     assert_states_identical(load_state(straight / f"ws{nproc}", STEPS), load_state(run_dir, STEPS))
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(straight / f"ws{nproc}"))
 
 
 def test_resume_on_a_different_world_size(straight, tmp_path):
     run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, f"max_steps={STEPS // 2}"], nproc=2, run_dir=run_dir,
+    run_train([CONFIG, *FAST, LOG2, f"max_steps={STOP}"], nproc=2, run_dir=run_dir,
               timeout=300).assert_ok()
-    run_train([CONFIG, *FAST, f"max_steps={STEPS}"], nproc=1, run_dir=run_dir,
+    run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=1, run_dir=run_dir,
               timeout=300).assert_ok()
     a, b = load_state(straight / "ws2", STEPS), load_state(run_dir, STEPS)
     assert max_param_diff(a["model"], b["model"]) <= 1e-4
@@ -140,9 +142,9 @@ def _finish(proc, timeout):
 
 def test_sigterm_to_one_rank_saves_and_same_command_resumes(straight, tmp_path):
     run_dir = tmp_path / "run"
-    args = [CONFIG, *FAST, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
+    args = [CONFIG, *FAST, LOG2, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
     proc = _start_torchrun(args, run_dir)
-    _wait_for_records(run_dir, 2, proc)
+    _wait_for_records(run_dir, 1, proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     code, out = _finish(proc, timeout=30)
     assert code == 0, out[-4000:]
@@ -223,3 +225,14 @@ def test_failing_state_write_is_a_clear_error_and_keeps_previous(tmp_path):
     assert "cannot write training state" in out and "Traceback" not in out
     assert _sha(previous) == digest
     assert not list((run_dir / "checkpoints").glob("*.tmp*"))
+
+
+def test_a_run_never_starts_behind_the_states_of_its_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train([CONFIG, *FAST, "max_steps=2"], run_dir=run_dir, timeout=300).assert_ok()
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    result = run_train([CONFIG, *FAST, "max_steps=2", "resume=never"], run_dir=run_dir,
+                       timeout=300)
+    assert result.returncode == 2 and "holds states of a later step" in result.output
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

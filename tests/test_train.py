@@ -111,3 +111,18 @@ def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
               timeout=300).assert_ok()
     a, b = load_state(runs["single"], 2), load_state(run_dir, 2)
     assert max_param_diff(a["model"], b["model"]) == 0.0
+
+
+def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
+    from rebm.distributed import Runtime
+    from rebm.training.config_classes import load_config
+    from rebm.training.tracking import Tracker
+
+    cfg = load_config(CONFIG, ["wandb_disabled=true"])
+    tracker = Tracker(cfg, Runtime(), str(tmp_path))
+    for step in (1, 2, 3):
+        tracker.log(step, 32 * step, 0, {"x": 1.0})
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "n_im')  # a line cut short by a crash
+    tracker.truncate_metrics_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

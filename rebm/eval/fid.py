@@ -179,4 +179,8 @@ def compute_fid(images: Tensor, ref_stats_path: Optional[str], device, batch_siz
     else:
         features = _features(images, extractor, device, batch_size)
     mu, sigma = feature_statistics(features.cpu().numpy())
-    return frechet_distance(mu, sigma, *reference)
+    try:
+        return frechet_distance(mu, sigma, *reference)
+    except ValueError as err:  # reference of another feature size, imaginary sqrtm, ...
+        _warn_once(f"FID skipped: {err} (reference {ref_stats_path})")
+        return None

@@ -75,6 +75,16 @@ def check_config(cfg: TrainConfig) -> int:
     return 0
 
 
+def one_line(err: BaseException) -> str:
+    """The error's own message. An error re-raised from a DataLoader worker carries the worker's
+    traceback in its message; keep only its last line, the original message."""
+    text = str(err)
+    if "\nOriginal Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text
+
+
 @contextmanager
 def user_errors_exit() -> Iterator[None]:
     """A user-fixable error prints one line (no traceback) and exits with code 2."""
@@ -83,7 +93,7 @@ def user_errors_exit() -> Iterator[None]:
     except UserError as err:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None else ""
-        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        print(f"{prefix}error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
 
 

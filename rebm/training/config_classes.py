@@ -215,7 +215,7 @@ class TrainConfig:
     run_dir: Optional[str] = None  # output directory (default runs/<time>); holds the states
     resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
     resume_path: Optional[str] = None  # original spelling of resume_from_state
-    resume: str = "auto"  # auto: resume from the newest state in run_dir; never: refuse
+    resume: str = "auto"  # auto: resume from the newest state in run_dir; never: refuse a run_dir with states
     keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
 
     # Distributed
@@ -410,8 +410,12 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
             f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "
             f"'attack.max_steps' ({cfg.attack.max_steps})"
         )
-    if cfg.image_log.step_size < 0:
-        raise ConfigError(f"{source}: 'image_log.step_size' must be >= 0")
+    if cfg.image_log.step_size < 0 or cfg.image_log.num_steps < 0:
+        raise ConfigError(f"{source}: 'image_log.step_size' and 'image_log.num_steps' must be >= 0")
+    if not cfg.image_log.eps > 0:
+        raise ConfigError(f"{source}: 'image_log.eps' must be > 0 (or .inf)")
+    if cfg.robust_eval_steps is not None and cfg.robust_eval_steps < 0:
+        raise ConfigError(f"{source}: 'robust_eval_steps' must be >= 0 or null")
     for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",
                 "n_imgs_per_image_log", "n_imgs_per_ckpt_save", "keep_last_states"):
         if getattr(cfg, key) <= 0:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rebm.distributed import Runtime, all_gather_cat, broadcast_object
+from rebm.distributed import Runtime, all_gather_cat, decide_on_main
 from rebm.errors import UserError
 from rebm.training.checkpoint_io import atomic_torch_save
 
@@ -39,7 +39,7 @@ def list_states(run_dir: str) -> List[str]:
     """Saved states of a run, newest first."""
     paths = glob.glob(os.path.join(checkpoint_dir(run_dir), "state_*.pt"))
     paths = [p for p in paths if STATE_PATTERN.search(p)]
-    return sorted(paths, key=lambda p: int(STATE_PATTERN.search(p).group(1)), reverse=True)
+    return sorted(paths, key=_step_of, reverse=True)
 
 
 def read_state(path: str) -> Dict[str, Any]:
@@ -111,14 +111,26 @@ def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
                     allow_auto: bool) -> Optional[Dict[str, Any]]:
     """Rank 0 picks the state to resume from (or none); every rank then loads that same file.
     Called by every rank: the decision is a broadcast, never rank 0 alone."""
-    chosen = None
-    if runtime.is_main:
+    def choose() -> Optional[str]:
         found = find_resumable(run_dir if allow_auto else None, explicit)
         chosen = found[0] if found else None
-    chosen = broadcast_object(runtime, chosen)
+        start = int(found[1]["step"]) if found else 0
+        newer = [p for p in list_states(run_dir) if _step_of(p) > start]
+        if newer:  # saving would prune the new states, and auto-resume would jump to the old
+            raise StateError(
+                f"'{checkpoint_dir(run_dir)}' holds states of a later step than this run starts "
+                f"from (newest: {os.path.basename(newer[0])}); use a new run_dir, or move them "
+                "away")
+        return chosen
+
+    chosen = decide_on_main(runtime, choose)
     if chosen is None:
         return None
     return read_state(chosen) | {"_path": chosen}
+
+
+def _step_of(path: str) -> int:
+    return int(STATE_PATTERN.search(path).group(1))
 
 
 def replicas_identical(runtime: Runtime, *modules: torch.nn.Module) -> bool:
@@ -138,12 +150,12 @@ def replicas_identical(runtime: Runtime, *modules: torch.nn.Module) -> bool:
 
 def rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's device only: resumable on other GPU counts
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])

@@ -84,6 +84,19 @@ class MetricsWindow:
         self.sums["clf"] += float(metrics.clf_loss)
         self.sums["n"] += 1
 
+    def global_sums(self, runtime: Runtime) -> Dict[str, float]:
+        """The window summed over ranks (every rank calls this: an all-reduce)."""
+        keys = sorted(self.sums)
+        totals = all_reduce_sum(runtime, torch.tensor([self.sums[k] for k in keys],
+                                                      dtype=torch.float64))
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+    @classmethod
+    def restored(cls, global_sums: Dict[str, float], is_main: bool) -> "MetricsWindow":
+        """A window resumed from a state: rank 0 carries the global sums, the others start at
+        zero, so the next all-reduce counts them once."""
+        return cls({k: (v if is_main else 0.0) for k, v in global_sums.items()})
+
     def summary(self, runtime: Runtime, elapsed_s: float, cfg: TrainConfig, *, adv_auc: float,
                 clean_auc: Optional[float], outdist_steps: int) -> Dict[str, float]:
         """Global values: every rank calls this (it all-reduces), rank 0's Tracker writes them."""

@@ -13,21 +13,30 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from rebm.distributed import Runtime, broadcast_object
+from rebm.distributed import Runtime, decide_on_main
+from rebm.errors import UserError
 from rebm.training.config_classes import TrainConfig, to_dict, to_yaml
 
 LOGGER = logging.getLogger("rebm")
 
 
+class RunDirError(UserError, OSError):
+    """The run directory cannot be created."""
+
+
 def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> str:
     """Rank 0 chooses the run directory (the configured one, or runs/<time>), all ranks get it.
     Called by every rank (it contains a broadcast)."""
-    chosen = None
-    if runtime.is_main:
-        chosen = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        chosen = os.path.abspath(chosen)
-        os.makedirs(chosen, exist_ok=True)
-    chosen = broadcast_object(runtime, chosen)
+    def choose() -> str:
+        chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+        try:
+            os.makedirs(chosen, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot create run_dir '{chosen}' ({err.strerror}); choose a "
+                              "writable run_dir=PATH") from None
+        return chosen
+
+    chosen = decide_on_main(runtime, choose)
     cfg.run_dir = chosen
     return chosen
 
@@ -53,6 +62,14 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
     return value
+
+
+def _record_step(line: str) -> float:
+    """Step of a metrics.jsonl line; a line cut short by a crash counts as newer (dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return math.inf
 
 
 class Tracker:
@@ -94,7 +111,7 @@ class Tracker:
             return
         with open(self.metrics_path) as fh:
             lines = [line for line in fh if line.strip()]
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        kept = [line for line in lines if _record_step(line) <= step]
         if len(kept) != len(lines):
             tmp = self.metrics_path + ".tmp"
             with open(tmp, "w") as fh:

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rebm import distributed as dist_utils
 from rebm.distributed import PreemptionFlag, Runtime, consensus, setup_distributed, teardown
+from rebm.errors import UserError
 from rebm.eval.evaluate import evaluate_model
 from rebm.training import cli
 from rebm.training.checkpoint_io import save_model
@@ -45,6 +46,10 @@ from rebm.training.step import MetricsWindow, Precision, dat_step, global_aucs
 from rebm.training.tracking import Tracker, progress_bar, resolve_run_dir
 
 LOGGER = logging.getLogger("rebm")
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """A NaN/Inf loss; all ranks stop at the same step."""
 
 
 @dataclass
@@ -75,6 +80,10 @@ class Parts:
         return self.ema.ema_model if self.ema is not None else self.raw_model
 
     @property
+    def sync_batchnorm(self) -> bool:
+        return any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.raw_model.modules())
+
+    @property
     def replicated(self) -> List[torch.nn.Module]:
         return [self.raw_model] + ([self.ema] if self.ema is not None else [])
 
@@ -87,14 +96,13 @@ class Parts:
             "scaler": self.precision.state_dict(),
             "curriculum": self.curriculum.state_dict(),
             "best": dict(self.progress.best),
-            "metrics_window": dict(self.progress.window.sums),
             "rng": rng_state(),
             "wandb_run_id": wandb_run_id,
             "world_size": world_size,
             "config": to_dict(cfg),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, is_main: bool) -> None:
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state.get("ema") is not None:
@@ -103,7 +111,8 @@ class Parts:
         self.curriculum.load_state_dict(state["curriculum"])
         set_rng_state(state["rng"])
         self.progress = Progress(step=int(state["step"]), best=dict(state.get("best", {})),
-                                 window=MetricsWindow(dict(state["metrics_window"])),
+                                 # the saved window is global: carried by rank 0 alone
+                                 window=MetricsWindow.restored(state["metrics_window"], is_main),
                                  wandb_run_id=state.get("wandb_run_id"))
 
 
@@ -130,7 +139,7 @@ def restore(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_dir: str) -> N
                             allow_auto=cfg.resume == "auto")
     if state is None:
         return
-    parts.load_state_dict(state)
+    parts.load_state_dict(state, runtime.is_main)
     if not replicas_identical(runtime, *parts.replicated):
         raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
     LOGGER.info("resumed from %s at step %d (T=%d)", state["_path"], parts.progress.step,
@@ -159,6 +168,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
     bar = progress_bar(runtime, parts.progress.step, last_step, cfg.batch_size)
     LOGGER.info("data: %s; training to step %s", data.describe(), last_step)
     parts.progress.window.started = time.perf_counter()  # images/s counts training only
+    steps_run = 0
 
     # A collective timeout anywhere in the loop is reported with the rank(s) that did not arrive.
     with dist_utils.name_stuck_ranks(runtime, lambda: parts.progress.step + 1):
@@ -169,22 +179,31 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
                 started = None
             step, metrics = train_one_step(parts, micro_batches, cfg, plan, runtime)
             bar.update(T=metrics.outdist_steps, auc=metrics.adv_auc)
+            if steps_run == 0:  # start-up is over: from now on a missing rank surfaces quickly
+                dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
+            steps_run += 1
             decision = consensus(runtime, preempt=preemption.raised,
                                  nonfinite=not metrics.finite)
             if decision["nonfinite"]:
-                raise FloatingPointError(
+                raise TrainingDiverged(
                     f"non-finite loss at step {step} on at least one rank; the newest state in "
                     f"{run_dir}/checkpoints is from before it (try a lower lr)")
             at_intervals(parts, metrics, cfg, runtime, tracker, data.epoch_of(step - 1))
             if decision["preempt"]:
                 save_training_state(parts, cfg, runtime, run_dir, tracker)
                 LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the "
-                               "same command to resume", preemption.signal_name or "signal", step)
+                               "same command with run_dir=%s to resume",
+                               preemption.signal_name or "signal", step, run_dir)
                 bar.close()
                 return {"step": step, "preempted": True}
     bar.close()
 
     final_step = parts.progress.step
+    if steps_run == 0:  # rerun of a finished run: its final evaluation and files exist already
+        LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
+                    "total_epochs to continue it)", final_step)
+        tracker.close()
+        return {"step": final_step}
     if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, final_step,
                                                      cfg.batch_size):
         evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(final_step - 1))
@@ -203,6 +222,9 @@ def train_one_step(parts: Parts, micro_batches, cfg: TrainConfig, plan, runtime:
     log_now = crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size)
     metrics = dat_step(parts.model, parts.optimizer, micro_batches, outdist_steps, cfg, plan,
                        parts.precision, want_clean_scores=log_now)
+    if cfg.model.use_batchnorm and not parts.sync_batchnorm:
+        # per-rank batch statistics would make the replicas (and their EMA) drift apart
+        dist_utils.broadcast_buffers(runtime, parts.raw_model)
     if parts.ema is not None:
         parts.ema.update()
     parts.progress.step = step
@@ -211,8 +233,6 @@ def train_one_step(parts: Parts, micro_batches, cfg: TrainConfig, plan, runtime:
     metrics.outdist_steps = outdist_steps
     parts.curriculum.update(metrics.adv_auc, cfg.batch_size)
     parts.progress.window.add(metrics)
-    if step == 1:  # start-up is over: from now on a missing rank should surface quickly
-        dist_utils.set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
     return step, metrics
 
 
@@ -273,10 +293,12 @@ def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_di
     """Rank 0 writes the state; then every rank learns whether the write worked (a consensus,
     so a full disk stops all ranks with the same clear error instead of a hang)."""
     failure: Optional[str] = None
+    window_sums = parts.progress.window.global_sums(runtime)  # every rank: an all-reduce
     if runtime.is_main:
         try:
-            save_state(parts.state_dict(cfg, runtime.world_size, tracker.wandb_run_id), run_dir,
-                       cfg.keep_last_states)
+            state = parts.state_dict(cfg, runtime.world_size, tracker.wandb_run_id)
+            state["metrics_window"] = window_sums
+            save_state(state, run_dir, cfg.keep_last_states)
         except StateError as err:
             failure = str(err)
     if consensus(runtime, failed=failure is not None)["failed"]:

@@ -688,8 +688,8 @@ def section_attack(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 def section_resume(args) -> dict:
     from rebm.training.data import build_train_data
-    from rebm.training.state import read_state, save_state, state_path
-    from rebm.training.train import restore
+    from rebm.training.state import list_states, read_state
+    from rebm.training.train import restore, save_training_state
 
     cfg = make_config(args.config, args.workdir, args.set, args.device)
     runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
@@ -698,11 +698,12 @@ def section_resume(args) -> dict:
     parts = build(cfg, runtime)
     steps = (10, 10_000)
     paths = {}
-    for k in steps:  # one saved state per resume point, in its own run dir
+    tracker = SimpleNamespace(wandb_run_id=None)  # what save_training_state reads of it
+    for k in steps:  # one state per resume point, in its own run dir, written as the loop does
         run_dir = os.path.join(args.workdir, f"resume_{args.config}_{k}")
         parts.progress.step = k
-        save_state(parts.state_dict(cfg, 1, None), run_dir, cfg.keep_last_states)
-        paths[k] = (run_dir, state_path(run_dir, k))
+        save_training_state(parts, cfg, runtime, run_dir, tracker)
+        paths[k] = (run_dir, list_states(run_dir)[0])
     cfg.resume_from_state = None
     times = {k: {"read_state": [], "restore": [], "data_first_batch": [], "total": []}
              for k in steps}

@@ -63,6 +63,8 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("attack", ["attack", *r(20, 2), *w(3, 1)], one),
         ("eval/ws1", ["eval", "--world-size", "1", *r(5, 1), *w(1, 1)], one),
         ("eval/ws2", ["eval", "--world-size", "2", *r(5, 1), *w(1, 1)], half),
+        # reference: 1 rank x 1 thread (the speed-up of 2 ranks over 1 at equal threads/rank)
+        ("eval/ws1t1", ["eval", "--world-size", "1", *r(3, 1), *w(1, 1)], half),
         ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
         ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
         ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),
@@ -150,10 +152,12 @@ def summarize(results: dict) -> dict:
                      "target": "<= 0.80 (<= 5.2 s)", "met": step / PEER_STEP_S
                      <= TARGETS["peer_ratio"]}
     e1, e2 = _get(results, "eval/ws1", "eval_s"), _get(results, "eval/ws2", "eval_s")
+    e11 = _get(results, "eval/ws1t1", "eval_s")
     if e1 and e2:
         s["eval_speedup"] = {"value": e1 / e2, "target": ">= 1.6",
                              "met": e1 / e2 >= TARGETS["eval_speedup"],
-                             "ws1_s": e1, "ws2_s": e2}
+                             "ws1_s": e1, "ws2_s": e2, "ws1_1thread_s": e11,
+                             "vs_1thread": e11 / e2 if e11 else None}
     for name in ("quickstart", "wrn"):
         ratio = _get(results, "attack", "models", name, "ratio")
         if ratio:
@@ -250,6 +254,9 @@ def table(results: dict, summary: dict, meta: dict) -> str:
         n = _get(results, "eval/ws1", "n_test")
         add(f"   {n} images: 1 rank x 2 threads {e['ws1_s']:.3f} s, 2 ranks x 1 thread "
             f"{e['ws2_s']:.3f} s, speed-up {e['value']:.2f}x (target >= 1.6){_mark(e)}")
+        if e.get("vs_1thread"):
+            add(f"   reference: 1 rank x 1 thread {e['ws1_1thread_s']:.3f} s: speed-up of 2 ranks "
+                f"over 1 at 1 thread per rank {e['vs_1thread']:.2f}x")
     else:
         add("   n/a")
     add("")

@@ -148,7 +148,7 @@ def test_sigterm_to_one_rank_saves_and_same_command_resumes(straight, tmp_path):
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     code, out = _finish(proc, timeout=30)
     assert code == 0, out[-4000:]
-    assert "run the same command to resume" in out
+    assert f"run the same command with run_dir={run_dir} to resume" in out
     assert list((run_dir / "checkpoints").glob("state_*.pt"))
     run_train(args, nproc=2, run_dir=run_dir, timeout=300).assert_ok()
     assert_states_identical(load_state(straight / "ws2", STEPS), load_state(run_dir, STEPS))

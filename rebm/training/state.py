@@ -113,15 +113,18 @@ def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
     Called by every rank: the decision is a broadcast, never rank 0 alone."""
     def choose() -> Optional[str]:
         found = find_resumable(run_dir if allow_auto else None, explicit)
-        chosen = found[0] if found else None
+        if allow_auto and not explicit:
+            return found[0] if found else None  # the newest readable state: nothing is newer
+        # resume=never or an explicit state: the run must not start behind run_dir's states
+        # (saving would prune the new states, and a later auto-resume would jump to the old).
         start = int(found[1]["step"]) if found else 0
         newer = [p for p in list_states(run_dir) if _step_of(p) > start]
-        if newer:  # saving would prune the new states, and auto-resume would jump to the old
+        if newer:
             raise StateError(
                 f"'{checkpoint_dir(run_dir)}' holds states of a later step than this run starts "
                 f"from (newest: {os.path.basename(newer[0])}); use a new run_dir, or move them "
                 "away")
-        return chosen
+        return found[0] if found else None
 
     chosen = decide_on_main(runtime, choose)
     if chosen is None:

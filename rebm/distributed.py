@@ -158,13 +158,29 @@ def setup_distributed(
         _slurm_master_env()
     chosen = choose_backend(dev, backend)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=chosen,
             rank=layout["rank"],
             world_size=layout["world_size"],
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
+            store=_per_attempt_store(layout["world_size"], timeout),
         )
     return Runtime(device=dev, backend=chosen, **layout)
+
+
+def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[Any]:
+    """torchrun's agent keeps one store across `--max-restarts` attempts, so the addresses that
+    the workers of a failed attempt published are still there; a restarted rank that reads its
+    peer's key before the peer rewrote it connects to a dead port ("Connection refused") and the
+    restart fails. A prefix per attempt keeps the attempts apart. None: not under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"rebm/attempt_{attempt}", agent_store)
 
 
 def teardown(runtime: Runtime) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -33,6 +32,7 @@ from rebm.eval.generation import generate_samples, save_grid
 from rebm.eval.ood import build_ood_data, evaluate_ood
 from rebm.training import cli
 from rebm.training.modeling import unwrap
+from rebm.training.tracking import jsonable
 
 LOGGER = logging.getLogger("rebm")
 
@@ -126,11 +126,6 @@ def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
     return model.to(runtime.device).eval()
 
 
-def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:
-    """NaN is not JSON: report it as null."""
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
-
-
 def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     setup_logging(runtime)
     model = load_eval_model(cfg, runtime)
@@ -138,8 +133,8 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
     metrics = evaluate_model(model, cfg, runtime, run_dir=run_dir, samples=args.samples,
                              ece=not args.no_ece, ood=args.ood, autoattack=args.autoattack)
-    metrics = _jsonable({**metrics, "ckpt_path": os.path.abspath(cfg.model.ckpt_path),
-                         "world_size": runtime.world_size})
+    metrics = {k: jsonable(v) for k, v in {**metrics, "world_size": runtime.world_size,
+                                           "ckpt_path": os.path.abspath(cfg.model.ckpt_path)}.items()}
     if runtime.is_main:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "eval.json"), "w") as fh:

@@ -56,7 +56,8 @@ def wandb_mode(cfg: TrainConfig) -> str:
     return "online" if has_key else "offline"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A metric value as valid JSON: tensors to numbers, NaN to null, inf to +-1e308."""
     if isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
@@ -122,7 +123,7 @@ class Tracker:
         if not self.active:
             return
         record = {"step": step, "n_imgs": n_imgs, "epoch": epoch}
-        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        record.update({k: jsonable(v) for k, v in metrics.items()})
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rebm.distributed import setup_distributed, setup_logging, teardown
+from rebm.distributed import setup_logging
 from rebm.eval.calibration import evaluate_ece
 from rebm.eval.evaluate import eval_batch_size, evaluate_model, load_eval_model
 from rebm.training import cli
@@ -53,17 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--calibration_only", action="store_true",
                         help="only the expected calibration error (20 equal-width bins)")
     parser.epilog = __doc__.split("\n", 2)[2]  # usage lines (torchrun runs the script file)
-    with cli.user_errors_exit():
-        args, cfg = cli.parse_and_load(parser, argv)
-        if args.check:
-            return cli.check_config(cfg)
-        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
-                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
-        try:
-            run(cfg, runtime, args.calibration_only)
-        finally:
-            teardown(runtime)
-    return 0
+    return cli.run_entry(parser, argv,
+                         lambda cfg, runtime, args: run(cfg, runtime, args.calibration_only))
 
 
 if __name__ == "__main__":

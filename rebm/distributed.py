@@ -242,21 +242,22 @@ def broadcast_buffers(runtime: Runtime, module: torch.nn.Module) -> None:
         dist.broadcast(buffer.data, src=0)
 
 
-def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (returns a new tensor on the input's device)."""
+def _all_reduce(runtime: Runtime, tensor: torch.Tensor, op: Any) -> torch.Tensor:
     if not runtime.distributed:
         return tensor.clone()
     buf = tensor.detach().to(_comm_device(runtime), copy=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    dist.all_reduce(buf, op=op)
     return buf.to(tensor.device)
+
+
+def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (returns a new tensor on the input's device)."""
+    return _all_reduce(runtime, tensor, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
-    if not runtime.distributed:
-        return tensor.clone()
-    buf = tensor.detach().to(_comm_device(runtime), copy=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return buf.to(tensor.device)
+    """Maximum over ranks (returns a new tensor on the input's device)."""
+    return _all_reduce(runtime, tensor, dist.ReduceOp.MAX)
 
 
 def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rebm.distributed import Runtime, broadcast_object, setup_distributed, setup_logging, teardown
+from rebm.distributed import Runtime, broadcast_object, setup_logging
 from rebm.errors import UserError
 from rebm.eval.accuracy import evaluate_accuracy
 from rebm.eval.calibration import evaluate_ece
@@ -160,23 +160,7 @@ def build_parser():
 
 @record
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    with cli.user_errors_exit():
-        args, cfg = cli.parse_and_load(parser, argv)
-        if args.check:
-            return cli.check_config(cfg)
-        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
-                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
-        try:
-            run(cfg, runtime, args)
-        except ValueError as err:
-            # Data problems (rebm.training.datasets.DataError) are one-line, user-fixable too.
-            if type(err).__name__ != "DataError" or isinstance(err, UserError):
-                raise
-            raise EvalError(str(err)) from None
-        finally:
-            teardown(runtime)
-    return 0
+    return cli.run_entry(build_parser(), argv, run)
 
 
 if __name__ == "__main__":

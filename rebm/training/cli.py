@@ -97,6 +97,25 @@ def user_errors_exit() -> Iterator[None]:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body) -> int:
+    """The shared body of the entry points: parse, load and validate the config (`--check`
+    stops there), set up the process group, run `body(cfg, runtime, args)`, tear down. A
+    user-fixable error anywhere is one line and exit code 2."""
+    from rebm.distributed import setup_distributed, teardown
+
+    with user_errors_exit():
+        args, cfg = parse_and_load(parser, argv)
+        if args.check:
+            return check_config(cfg)
+        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
+                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
+        try:
+            body(cfg, runtime, args)
+        finally:
+            teardown(runtime)
+    return 0
+
+
 def parse_and_load(parser: argparse.ArgumentParser,
                    argv: Optional[List[str]] = None) -> tuple:
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides

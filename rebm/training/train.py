@@ -19,7 +19,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rebm import distributed as dist_utils
-from rebm.distributed import PreemptionFlag, Runtime, consensus, setup_distributed, teardown
+from rebm.distributed import PreemptionFlag, Runtime, consensus
 from rebm.errors import UserError
 from rebm.eval.evaluate import evaluate_model
 from rebm.training import cli
@@ -308,17 +308,7 @@ def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_di
 @record
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    with cli.user_errors_exit():
-        args, cfg = cli.parse_and_load(parser, argv)
-        if args.check:
-            return cli.check_config(cfg)
-        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
-                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
-        try:
-            train(cfg, runtime)
-        finally:
-            teardown(runtime)
-    return 0
+    return cli.run_entry(parser, argv, lambda cfg, runtime, _args: train(cfg, runtime))
 
 
 if __name__ == "__main__":

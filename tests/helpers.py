@@ -37,6 +37,18 @@ def base_env(threads: int = 1, extra: Optional[Dict[str, str]] = None) -> Dict[s
     return env
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> tuple:
+    """(exit code, output) of a process started with start_new_session=True; if it has not
+    exited within `timeout`, kill its whole process group and fail the test (a hang)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"did not exit within {timeout}s (a hang?): {proc.args}\n{out[-6000:]}")
+    return proc.returncode, out
+
+
 def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
                 run_dir: Optional[Path] = None) -> RunResult:
     """Run cmd in its own process group; on timeout kill the whole group and fail."""
@@ -44,13 +56,7 @@ def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]
         list(cmd), cwd=REPO, env=env or base_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-6000:]}")
-    return RunResult(proc.returncode, out, run_dir)
+    return RunResult(*finish(proc, timeout), run_dir)
 
 
 def torchrun_cmd(module: str, args: Sequence[str], nproc: int) -> list:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, base_env, run_train, torchrun_cmd
+from tests.helpers import REPO, base_env, finish, run_train, torchrun_cmd
 from tests.test_train import CONFIG, FAST, load_state, max_param_diff, read_metrics
 
 pytestmark = pytest.mark.timeout(420)
@@ -130,23 +130,13 @@ def _wait_for_records(run_dir, count, proc, timeout=180):
     pytest.fail("training did not make progress")
 
 
-def _finish(proc, timeout):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"did not exit within {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 def test_sigterm_to_one_rank_saves_and_same_command_resumes(straight, tmp_path):
     run_dir = tmp_path / "run"
     args = [CONFIG, *FAST, LOG2, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
     proc = _start_torchrun(args, run_dir)
     _wait_for_records(run_dir, 1, proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
-    code, out = _finish(proc, timeout=30)
+    code, out = finish(proc, timeout=30)
     assert code == 0, out[-4000:]
     assert f"run the same command with run_dir={run_dir} to resume" in out
     assert list((run_dir / "checkpoints").glob("state_*.pt"))
@@ -159,14 +149,14 @@ def test_sigkill_of_a_worker_ends_the_job_and_max_restarts_resumes(tmp_path):
     proc = _start_torchrun(args, tmp_path / "plain")
     _wait_for_records(tmp_path / "plain", 2, proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
-    code, out = _finish(proc, timeout=60)
+    code, out = finish(proc, timeout=60)
     assert code != 0
 
     run_dir = tmp_path / "elastic"
     proc = _start_torchrun([CONFIG, *FAST, "max_steps=12"], run_dir, extra=["--max-restarts=1"])
     _wait_for_records(run_dir, 3, proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
-    code, out = _finish(proc, timeout=300)
+    code, out = finish(proc, timeout=300)
     assert code == 0, out[-4000:]
     assert "resumed from" in (run_dir / "logs" / "rank0.log").read_text()
     assert load_state(run_dir, 12)["step"] == 12
@@ -179,7 +169,7 @@ def test_stuck_rank_times_out_naming_the_rank(tmp_path):
     stuck = _worker_pids(proc.pid)[1]
     os.kill(stuck, signal.SIGSTOP)
     try:
-        code, out = _finish(proc, timeout=240)
+        code, out = finish(proc, timeout=240)
     finally:
         try:
             os.kill(stuck, signal.SIGKILL)
@@ -220,7 +210,7 @@ def test_failing_state_write_is_a_clear_error_and_keeps_previous(tmp_path):
          "keep_last_states=1", f"run_dir={run_dir}"],
         cwd=REPO, env=base_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=small_files)
-    code, out = _finish(proc, timeout=300)
+    code, out = finish(proc, timeout=300)
     assert code == 2, out[-4000:]
     assert "cannot write training state" in out and "Traceback" not in out
     assert _sha(previous) == digest

@@ -496,8 +496,3 @@ def to_yaml(cfg: TrainConfig) -> str:
 
 def to_dict(cfg: TrainConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
-
-
-def from_dict(data: dict) -> TrainConfig:
-    """Rebuild a TrainConfig saved in a training state (no file, no overrides)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), data))  # type: ignore[return-value]

@@ -25,7 +25,6 @@ class EBMLoss:
     bce: Tensor  # weighted BCE of the energy scores (the metric `train_ebm_binary_loss`)
     r1: Tensor  # r1reg * 1/2 * mean ||grad_x s(x_in)||^2 (zero when r1reg == 0)
     score_in: Tensor  # detached s(x_in)
-    score_adv: Tensor  # detached s(x_adv)
     logit_in: Tensor  # detached f_y(x_in): positives of the curriculum's AUC
     logit_adv: Tensor  # detached f_y(x_adv): its negatives
     score_out: Optional[Tensor] = None  # detached s(x_out), only when the clean-out term is on
@@ -98,7 +97,6 @@ def _ebm_from_logits(
         bce=bce,
         r1=r1,
         score_in=scores[0].detach(),
-        score_adv=scores[1].detach(),
         logit_in=fy[0],
         logit_adv=fy[1],
         score_out=scores[2].detach() if len(scores) > 2 else None,

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rebm.distributed import setup_logging
+from rebm.distributed import print_line, setup_logging
 from rebm.eval.calibration import evaluate_ece
 from rebm.eval.evaluate import eval_batch_size, evaluate_model, load_eval_model
 from rebm.training import cli
@@ -43,7 +43,7 @@ def run(cfg, runtime, calibration_only: bool) -> dict:
     metrics = {k: None if isinstance(v, float) and math.isnan(v) else v
                for k, v in metrics.items()}
     if runtime.is_main:
-        print(json.dumps(metrics), flush=True)
+        print_line(json.dumps(metrics))
     return metrics
 
 

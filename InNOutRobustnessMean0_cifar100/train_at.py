@@ -75,7 +75,7 @@ def train(cfg, runtime, schedule: str) -> None:
     def log(step: int, metrics: dict) -> None:  # rank 0 writes metrics.jsonl and prints JSON
         tracker.log(step, step * cfg.batch_size, data.epoch_of(step - 1), metrics)
         if runtime.is_main:
-            print(json.dumps({"step": step, **metrics}), flush=True)
+            dist_utils.print_line(json.dumps({"step": step, **metrics}))
 
     def evaluate(step: int) -> None:  # every rank evaluates its shard (collectives inside)
         eval_model = ema.ema_model if ema is not None else raw

@@ -434,6 +434,14 @@ class PreemptionFlag:
         return self.signal_name is not None
 
 
+def print_line(text: str) -> None:
+    """Write one whole line to stdout in a single write. Ranks share the launcher's stdout, and
+    print() under PYTHONUNBUFFERED writes the text and its newline separately, so two ranks'
+    lines could run together ("...okrank 0/4 ...")."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _probe() -> None:
     """`torchrun ... -m rebm.distributed`: check that every rank joins and communicates.
     Prints one line per rank: its layout, device, and the result of a test all-reduce."""
@@ -441,8 +449,8 @@ def _probe() -> None:
     total = all_reduce_sum(runtime, torch.tensor([float(runtime.rank + 1)], device=runtime.device))
     expected = runtime.world_size * (runtime.world_size + 1) / 2
     status = "ok" if float(total) == expected else f"WRONG (got {float(total)}, want {expected})"
-    print(f"rank {runtime.rank}/{runtime.world_size} local_rank {runtime.local_rank} "
-          f"device {runtime.device} backend {runtime.backend} all_reduce {status}", flush=True)
+    print_line(f"rank {runtime.rank}/{runtime.world_size} local_rank {runtime.local_rank} "
+               f"device {runtime.device} backend {runtime.backend} all_reduce {status}")
     barrier(runtime)
     teardown(runtime)
 

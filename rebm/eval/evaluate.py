@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rebm.distributed import Runtime, broadcast_object, setup_logging
+from rebm.distributed import Runtime, broadcast_object, print_line, setup_logging
 from rebm.errors import UserError
 from rebm.eval.accuracy import evaluate_accuracy
 from rebm.eval.calibration import evaluate_ece
@@ -141,7 +141,7 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
             json.dump(metrics, fh, indent=2)
         LOGGER.info("metrics written to %s", os.path.join(run_dir, "eval.json"))
         sys.stderr.flush()
-        print(json.dumps(metrics), flush=True)  # the last stdout line, for scripts
+        print_line(json.dumps(metrics))  # the last stdout line, for scripts
     return metrics
 
 

@@ -152,6 +152,20 @@ def test_samples_identical_on_1_2_3_ranks(sharded_results):
 # --------------------------------------------------------------------------------------------
 # Metric math
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, expected", [
+    ((), {1: 64, 2: 64, 4: 48, 8: 24}),  # batch_size 64: min(64, 3 x 64/W)
+    (("per_device_batch_size=8",), {1: 24, 2: 24, 4: 24, 8: 24}),
+    (("per_device_eval_batch_size=100",), {1: 100, 2: 100, 4: 100, 8: 100}),
+])
+def test_eval_batch_does_not_shrink_with_world_size_until_memory_says_so(overrides, expected):
+    from rebm.eval.evaluate import eval_batch_size
+
+    cfg = load_config(None, ["batch_size=64", *overrides])
+    for world_size, want in expected.items():
+        runtime = rd.Runtime(world_size=world_size)
+        assert eval_batch_size(cfg, runtime) == want, world_size
+
+
 def test_ece_hand_example():
     probs = torch.tensor([
         [0.93, 0.07],  # label 0: correct, conf .93  -> bin (0.90, 0.95]

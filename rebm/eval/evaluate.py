@@ -50,8 +50,19 @@ def robust_eval_attack(cfg):
 
 
 def eval_batch_size(cfg, runtime: Runtime) -> int:
-    """Per-rank batch: the training micro-batch (fits in memory by construction)."""
-    return cfg.per_device_batch_size or max(1, cfg.batch_size // runtime.world_size)
+    """Images per rank and batch: `per_device_eval_batch_size`, by default the global
+    `batch_size` capped at three training micro-batches.
+
+    Evaluation batches are independent of the world size where they can be: halving them with
+    every doubling of ranks made 2-rank evaluation run twice as many half-size batches, which
+    small models on CPU pay for in per-batch overhead. The cap keeps memory safe: the training
+    loss pass already holds activations of 3 micro-batches (in-dist, negatives, adversarial),
+    more than an input-gradient attack on as many images needs.
+    """
+    if cfg.per_device_eval_batch_size:
+        return cfg.per_device_eval_batch_size
+    micro_batch = cfg.per_device_batch_size or max(1, cfg.batch_size // runtime.world_size)
+    return min(cfg.batch_size, 3 * micro_batch)
 
 
 def evaluate_model(

@@ -186,6 +186,7 @@ class TrainConfig:
     tinyimages_loader: str = "innout"  # original field, unused
     robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
     robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)
+    per_device_eval_batch_size: Optional[int] = None  # eval images per rank and batch; default min(batch_size, 3 x micro-batch)
 
     # Accepted from the original, unused here (reported once, see IGNORED_FIELDS)
     indist_clean_extra: bool = False  # original field, unused
@@ -420,8 +421,8 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
                 "n_imgs_per_image_log", "n_imgs_per_ckpt_save", "keep_last_states"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{source}: '{key}' must be a positive integer, got {getattr(cfg, key)}")
-    for key in ("per_device_batch_size", "max_steps", "total_epochs", "samples_per_attack_step",
-                "n_imgs_per_evaluation_log"):
+    for key in ("per_device_batch_size", "per_device_eval_batch_size", "max_steps",
+                "total_epochs", "samples_per_attack_step", "n_imgs_per_evaluation_log"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{source}: '{key}' must be positive or null, got {value}")

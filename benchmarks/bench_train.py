@@ -11,11 +11,14 @@ Sections:
   breakdown   step time split into data wait, negative attack, classifier attack,
               forward+backward, optimizer, EMA, bookkeeping, logging/checkpoint (amortized)
   steps       the loop's step vs a minimal hand-written PyTorch DAT step (interleaved), and
-              dat_step alone (the peer comparison uses it on the `wrn` config)
+              dat_step alone
+  peer        dat_step in NCHW vs channels_last (interleaved), the step's FLOPs and the
+              machine's GEMM rate (the peer comparison, on the `wrn` config)
   ddp         images/s of the loop's step on W ranks (rebm.distributed.spawn, gloo on CPU; or
               under torchrun); with W > 1 also the gradient all-reduce (exposed and raw)
   attack      one PGD step (input gradient only) vs one training forward+backward
-  eval        evaluate_model (accuracy + robust accuracy) on the digits test set, W ranks
+  eval        evaluate_model (accuracy + robust accuracy) on the digits test set, W ranks;
+              --independent: each rank evaluates all of it at once (the contention ceiling)
   resume      restore + build_train_data(start_step=k) + first batch, k = 10 vs 10,000
   checkpoint  save_training_state of the WRN-16-4 training state (training is blocked for it)
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -476,6 +480,85 @@ def section_steps(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Section: peer (dat_step in float32, NCHW vs channels_last, against the machine's FLOP rate)
+# ---------------------------------------------------------------------------------------------
+def step_gflop(raw_model: torch.nn.Module, batch, T: int, K: int) -> Dict[str, float]:
+    """Floating-point work of one dat_step in GFLOP, counted by torch's FlopCounterMode on the
+    real model: (T + K) attack steps (forward + input gradient, B images each) and the fused
+    loss pass (forward + backward with parameter gradients, 3B images)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(raw_model).eval()
+    x = batch.x_in.clone().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        model(x).logsumexp(1).sum().backward(inputs=[x])  # only the input gradient, like PGD
+    attack = counter.get_total_flops() / 1e9
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.cat([batch.x_in, batch.x_out, batch.x_c])).logsumexp(1).sum().backward()
+    loss_pass = counter.get_total_flops() / 1e9
+    return {"attack_step_gflop": attack, "loss_pass_gflop": loss_pass,
+            "step_gflop": (T + K) * attack + loss_pass}
+
+
+def gemm_gflops(reps: int = 10, n: int = 2048) -> float:
+    """Median float32 GFLOP/s of an n x n matrix product at the current thread count: what
+    this machine's BLAS reaches on the friendliest dense workload there is."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    times = [timed(lambda: a @ b)[1] for _ in range(reps)]
+    return 2 * n**3 / median(times) / 1e9
+
+
+def section_peer(args) -> dict:
+    """dat_step exactly as the loop calls it, float32, the model in NCHW and in channels_last
+    (interleaved), plus the FLOPs of the step and the machine's measured GEMM rate: the step
+    time any implementation of the same math can reach is bounded by step_gflop / peak rate."""
+    from rebm.training.data import build_train_data
+    from rebm.training.step import Precision, dat_step
+
+    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
+    torch.set_num_threads(args.threads)
+    variants = {}
+    for layout in ("nchw", "channels_last"):
+        cfg = make_config(args.config, args.workdir,
+                          [*args.set, f"model.channels_last={layout == 'channels_last'}"],
+                          args.device)
+        plan = plan_batches(cfg, 1)
+        variants[layout] = (cfg, plan, build(cfg, runtime))
+    cfg, plan, parts = variants["nchw"]
+    data = build_train_data(cfg, runtime, plan)
+    n = args.warmup + args.reps
+    prefetched = [[mb.to(runtime.device) for mb in data.step_batch(s)] for s in range(n)]
+    T, K = parts.curriculum.T, cfg.indist_attack_clf.max_steps
+    times: Dict[str, List[float]] = {layout: [] for layout in variants}
+    for rep in range(n):
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        for layout in order:
+            v_cfg, v_plan, v_parts = variants[layout]
+            precision = Precision.from_config(v_cfg, runtime.device)
+            _, seconds = timed(functools.partial(dat_step, v_parts.model, v_parts.optimizer,
+                                                 prefetched[rep], T, v_cfg, v_plan, precision),
+                               runtime.device)
+            if rep >= args.warmup:
+                times[layout].append(seconds)
+    flops = step_gflop(parts.raw_model, prefetched[0][0], T, K)
+    gemm = gemm_gflops()
+    step_s = {layout: median(values) for layout, values in times.items()}
+    return {
+        "section": "peer", "config": args.config, "label": describe(cfg),
+        "threads": args.threads, "reps": args.reps, "T": T, "K": K,
+        "params": n_params(parts.raw_model), "batch_size": cfg.batch_size,
+        "dat_step_s": step_s, "dat_step_all_s": times,
+        "channels_last_speedup": step_s["nchw"] / step_s["channels_last"],
+        **flops, "gemm_gflops": gemm,
+        "achieved_gflops": {k: flops["step_gflop"] / v for k, v in step_s.items()},
+        "max_rss_mib": [peak_rss_mib()],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # Section: ddp (images/s on W ranks; gradient all-reduce)
 # ---------------------------------------------------------------------------------------------
 def _gather_floats(runtime: Runtime, values: Sequence[float]) -> List[List[float]]:
@@ -607,11 +690,15 @@ def _eval_worker(opts: dict) -> None:
         mean, std = dataset_stats(cfg.data.indist_dataset)
         model = build_model(cfg.model.model_type, cfg.data.num_classes, mean=mean, std=std,
                             use_batchnorm=cfg.model.use_batchnorm).to(runtime.device)
+        # independent: every rank evaluates the whole test set on its own (no sharding, no
+        # collective inside), all starting together: how much the ranks slow each other down
+        # on this machine's shared cores, caches and memory (the ceiling of any 2-rank split).
+        eval_runtime = Runtime(device=runtime.device) if opts["independent"] else runtime
         times = []
         for rep in range(opts["warmup"] + opts["reps"]):
             rd.barrier(runtime)
-            result, seconds = timed(lambda: evaluate_model(model, cfg, runtime, samples=False),
-                                    runtime.device)
+            result, seconds = timed(lambda: evaluate_model(model, cfg, eval_runtime,
+                                                           samples=False), runtime.device)
             if rep >= opts["warmup"]:
                 times.append(seconds)
         per_rank = _gather_floats(runtime, times)
@@ -621,9 +708,10 @@ def _eval_worker(opts: dict) -> None:
             with open(opts["json"], "w") as fh:
                 json.dump({
                     "section": "eval", "world_size": runtime.world_size,
+                    "independent": opts["independent"],
                     "threads_per_rank": opts["threads"], "n_test": result["n_test"],
                     "robust_eval_steps": cfg.robust_eval_steps or cfg.indist_attack_clf.max_steps,
-                    "eval_batch_per_rank": eval_batch_size(cfg, runtime),
+                    "eval_batch_per_rank": eval_batch_size(cfg, eval_runtime),
                     "eval_s": median(per_rep), "eval_all_s": per_rep,
                     "test_acc": result["test_acc"],
                     "robust_test_acc": result.get("robust_test_acc"),
@@ -636,7 +724,7 @@ def _eval_worker(opts: dict) -> None:
 def section_eval(args) -> dict:
     opts = dict(workdir=args.workdir, set=list(args.set), device=args.device,
                 backend=args.backend, threads=args.threads, warmup=args.warmup, reps=args.reps,
-                json=args.json + ".worker")
+                independent=args.independent, json=args.json + ".worker")
     return _run_ranks(_eval_worker, opts, args.world_size)
 
 
@@ -784,6 +872,7 @@ def section_checkpoint(args) -> dict:
 SECTIONS = {
     "breakdown": section_breakdown,
     "steps": section_steps,
+    "peer": section_peer,
     "ddp": section_ddp,
     "eval": section_eval,
     "attack": section_attack,
@@ -805,6 +894,8 @@ def parse_args(argv=None):
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--workdir", default=None, help="temporary files (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the result here (default: stdout)")
+    parser.add_argument("--independent", action="store_true",
+                        help="eval: every rank evaluates the whole test set by itself")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides, e.g. --set batch_size=1024")
     return parser.parse_args(argv)

@@ -55,7 +55,8 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("breakdown/quickstart", ["breakdown", *qs, *r(5, 1), *w(2, 1)], one),
         ("breakdown/wrn", ["breakdown", *r(3, 1), *w(1, 1), *wrn], one),
         ("steps/quickstart", ["steps", *qs, *r(20, 2), *w(3, 1)], one),
-        ("steps/wrn", ["steps", *r(4, 1), *w(1, 1), *wrn], one),
+        ("steps/wrn", ["steps", *r(3, 1), *w(1, 1), *wrn], one),
+        ("peer/wrn", ["peer", *r(3, 1), *w(1, 0), *wrn], one),
         ("ddp/quickstart/ws1", ["ddp", "--world-size", "1", *r(20, 2), *w(3, 1), *qs], one),
         ("ddp/quickstart/ws2", ["ddp", "--world-size", "2", *r(20, 2), *w(3, 1), *qs], half),
         ("ddp/wrn/ws1", ["ddp", "--world-size", "1", *r(3, 2), *w(1, 1), *wrn], one),
@@ -65,6 +66,9 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("eval/ws2", ["eval", "--world-size", "2", *r(5, 1), *w(1, 1)], half),
         # reference: 1 rank x 1 thread (the speed-up of 2 ranks over 1 at equal threads/rank)
         ("eval/ws1t1", ["eval", "--world-size", "1", *r(3, 1), *w(1, 1)], half),
+        # ceiling: 2 ranks x 1 thread, each evaluating the whole set at once (no split)
+        ("eval/ws2_independent", ["eval", "--world-size", "2", "--independent", *r(3, 1),
+                                  *w(1, 1)], half),
         ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
         ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
         ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),
@@ -146,18 +150,35 @@ def summarize(results: dict) -> dict:
         if diff is not None:
             s[f"resume/{cfg}"] = {"value": diff, "target": "|diff| <= 1 s",
                                   "met": abs(diff) <= TARGETS["resume_difference_s"]}
-    step = _get(results, "steps/wrn", "dat_step_s")
+    peer = results.get("peer/wrn", {})
+    step = _get(results, "peer/wrn", "dat_step_s", "nchw")
     if step:
+        best = min(peer["dat_step_s"].values())
+        gflop, gemm = peer["step_gflop"], peer["gemm_gflops"]
         s["peer"] = {"value": step / PEER_STEP_S, "dat_step_s": step, "peer_s": PEER_STEP_S,
-                     "target": "<= 0.80 (<= 5.2 s)", "met": step / PEER_STEP_S
-                     <= TARGETS["peer_ratio"]}
+                     "channels_last_s": peer["dat_step_s"]["channels_last"],
+                     "best_ratio": best / PEER_STEP_S,
+                     "target": "<= 0.80 (<= 5.2 s)",
+                     "met": best / PEER_STEP_S <= TARGETS["peer_ratio"],
+                     # the FLOP rate each step time implies, against the machine's GEMM rate
+                     "step_gflop": gflop, "gemm_gflops": gemm,
+                     "achieved_gflops": gflop / best,
+                     "peer_implied_gflops": gflop / PEER_STEP_S,
+                     "target_implied_gflops": gflop / (TARGETS["peer_ratio"] * PEER_STEP_S)}
     e1, e2 = _get(results, "eval/ws1", "eval_s"), _get(results, "eval/ws2", "eval_s")
     e11 = _get(results, "eval/ws1t1", "eval_s")
+    indep = _get(results, "eval/ws2_independent", "eval_s")
     if e1 and e2:
         s["eval_speedup"] = {"value": e1 / e2, "target": ">= 1.6",
                              "met": e1 / e2 >= TARGETS["eval_speedup"],
                              "ws1_s": e1, "ws2_s": e2, "ws1_1thread_s": e11,
                              "vs_1thread": e11 / e2 if e11 else None}
+        if indep:
+            # two ranks that each do the whole set concurrently take `indep`; a perfect split
+            # of one set over them takes indep / 2: the best any 2-rank evaluation can do here
+            s["eval_speedup"].update(independent_s=indep, ceiling=e1 / (indep / 2),
+                                     contention_slowdown=indep / e11 if e11 else None,
+                                     of_ceiling=(indep / 2) / e2)
     for name in ("quickstart", "wrn"):
         ratio = _get(results, "attack", "models", name, "ratio")
         if ratio:
@@ -257,6 +278,10 @@ def table(results: dict, summary: dict, meta: dict) -> str:
         if e.get("vs_1thread"):
             add(f"   reference: 1 rank x 1 thread {e['ws1_1thread_s']:.3f} s: speed-up of 2 ranks "
                 f"over 1 at 1 thread per rank {e['vs_1thread']:.2f}x")
+        if e.get("ceiling"):
+            add(f"   ceiling: 2 ranks x 1 thread each evaluating the whole set at once take "
+                f"{e['independent_s']:.3f} s ({e['contention_slowdown']:.2f}x one rank alone), so a perfect split takes {e['independent_s'] / 2:.3f} s: best possible "
+                f"speed-up {e['ceiling']:.2f}x; rebm reaches {e['of_ceiling']:.0%} of it")
     else:
         add("   n/a")
     add("")
@@ -294,8 +319,14 @@ def table(results: dict, summary: dict, meta: dict) -> str:
     if p and meta["quick"]:
         add(f"   --quick runs T = K = 2: no comparison (dat_step {p['dat_step_s']:.3f} s)")
     elif p:
-        add(f"   rebm {p['dat_step_s']:.3f} s vs original {PEER_STEP_S} s: ratio {p['value']:.3f}"
-            f" (target <= 0.80){_mark(p)}")
+        add(f"   rebm {p['dat_step_s']:.3f} s vs original {PEER_STEP_S} s: ratio {p['value']:.3f};"
+            f" with model.channels_last=true {p['channels_last_s']:.3f} s: ratio "
+            f"{p['best_ratio']:.3f} (target <= 0.80){_mark(p)}")
+        add(f"   the step is {p['step_gflop']:.0f} GFLOP (FlopCounterMode): rebm runs at "
+            f"{p['achieved_gflops']:.0f} GFLOP/s; this machine's float32 GEMM (2048^2) reaches "
+            f"{p['gemm_gflops']:.0f} GFLOP/s; {PEER_STEP_S} s would need "
+            f"{p['peer_implied_gflops']:.0f} GFLOP/s and the target "
+            f"{p['target_implied_gflops']:.0f} GFLOP/s")
     else:
         add("   n/a")
     add("")

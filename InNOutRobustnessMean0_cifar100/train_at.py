@@ -33,7 +33,7 @@ from rebm.training.checkpoint_io import save_model
 from rebm.training.config_classes import ConfigError, load_config, plan_batches
 from rebm.training.data import build_train_data
 from rebm.training.ema import build_ema
-from rebm.training.modeling import get_model, get_optimizer
+from rebm.training.modeling import get_model, get_optimizer, strip_parallel
 from rebm.training.step import Precision
 from rebm.training.tracking import Tracker, resolve_run_dir
 from rebm.training.train import TrainingDiverged, crossed
@@ -56,6 +56,7 @@ def train(cfg, runtime, schedule: str) -> None:
     dist_utils.setup_logging(runtime, run_dir)
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank
     model, raw = get_model(cfg, runtime)  # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
+    attacked = strip_parallel(model)  # no DDP; compiled when model.compile is set
     syncbn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in raw.modules())
     optimizer = get_optimizer(cfg, raw.parameters())
     ema = build_ema(raw, cfg)
@@ -89,12 +90,12 @@ def train(cfg, runtime, schedule: str) -> None:
         micro_batches = next(batches)
         for index, batch in enumerate(micro_batches):
             x, y = batch.x_c.to(runtime.device), batch.y_c.to(runtime.device)
-            # Attack in eval mode on the unwrapped module: BN uses its running statistics, so
+            # Attack in eval mode, without DDP: BN uses its running statistics, so
             # the K attack forwards neither update them nor run SyncBatchNorm/DDP collectives,
             # and the adversarial example does not depend on how the batch is split over ranks.
-            raw.eval()
+            attacked.eval()
             with precision.autocast():
-                x_adv = pgd_from_config(raw, x, cfg.indist_attack_clf, objective="ce", y=y,
+                x_adv = pgd_from_config(attacked, x, cfg.indist_attack_clf, objective="ce", y=y,
                                         random_start_keys=batch.key_c)
             # The training forward is in train mode through DDP: BN normalises with (synced,
             # on GPU) batch statistics of the adversarial batch and updates its running stats.

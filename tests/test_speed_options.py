@@ -18,7 +18,7 @@ from rebm.models import build_model
 from rebm.training.checkpoint_io import load_checkpoint
 from rebm.training.config_classes import load_config, plan_batches
 from rebm.training.data import build_train_data
-from rebm.training.modeling import get_model, get_optimizer, unwrap
+from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
 from rebm.training.objective import dat_loss
 from rebm.training.step import Precision, dat_step
 
@@ -162,6 +162,44 @@ def test_get_model_with_compile_keeps_raw_module_uncompiled():
     # Optimizer, EMA and checkpoints use `raw`: plain names, shared parameters.
     assert not any(k.startswith("_orig_mod.") for k in raw.state_dict())
     assert {id(p) for p in model.parameters()} == {id(p) for p in raw.parameters()}
+
+
+def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
+    """With model.compile the attacks (T + K of the step's T + K + 1 passes) must go through
+    the compiled module, not the plain one `unwrap` returns."""
+    from rebm.training import step as step_module
+
+    cfg = load_config("experiments/quickstart/digits.yaml",
+                      ["model.compile=true", f"run_dir={tmp_path}"])
+    torch.manual_seed(0)
+    model, raw = get_model(cfg, Runtime())
+    assert strip_parallel(model) is model and strip_parallel(torch.nn.DataParallel(model)) is model
+    attacked = []
+
+    class Stop(Exception):
+        pass
+
+    def record(module, *args, **kwargs):
+        attacked.append(module)
+        raise Stop  # before the loss pass, which would start a (slow on CPU) inductor compile
+
+    monkeypatch.setattr(step_module, "pgd_from_config", record)
+    plan = plan_batches(cfg, 1)
+    batch = next(iter(build_train_data(cfg, Runtime(), plan)))
+    with pytest.raises(Stop):
+        dat_step(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
+                 Precision("none", torch.device("cpu")))
+    assert attacked == [model] and model is not raw
+
+
+def test_attack_through_a_compiled_module_matches_eager():
+    """Input gradients through torch.compile (dynamo, eager backend: no inductor build on CPU)."""
+    model = _model(seed=5).eval()
+    compiled = torch.compile(model, backend="eager")
+    x, y = torch.rand(4, 3, 16, 16), torch.tensor([0, 3, 5, 9])
+    kwargs = dict(steps=3, step_size=0.1, eps=0.5, objective="ce", y=y)
+    assert torch.allclose(pgd_attack(compiled, x, **kwargs), pgd_attack(model, x, **kwargs),
+                          atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Order in `get_model` matters:
   build -> load `model.ckpt_path` (names carry no wrapper prefixes yet) -> channels_last ->
   .to(device) -> SyncBatchNorm -> torch.compile -> DDP / DataParallel (DDP must see the final
   device placement, and wraps the compiled module).
-Attacks, EMA and checkpoint saving use `unwrap(model)`, never the DDP wrapper (DESIGN.md §1).
+Attacks use `strip_parallel(model)` (compiled, never the DDP wrapper, DESIGN.md §1); EMA,
+evaluation and checkpoint saving use `unwrap(model)`, the plain module.
 """
 
 from __future__ import annotations
@@ -30,10 +31,22 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def strip_parallel(model: nn.Module) -> nn.Module:
+    """The module without its DDP / DataParallel wrappers, still compiled when it was.
+
+    The attacks run on this: never through DDP (a grad-enabled DDP forward arms a collective
+    that a rank-local attack would leave waiting), but through torch.compile, since the T + K
+    attack passes are nearly all of a step's work."""
+    while isinstance(model, (DDP, nn.DataParallel)):
+        model = model.module
+    return model
+
+
 def get_model(cfg, runtime) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
 
-    `raw` is the uncompiled, unwrapped module: use it for attacks, evaluation, EMA and saving.
+    `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
+    take `strip_parallel(model)`, which keeps the compilation.
     """
     from rebm.models import build_model, dataset_stats
     from rebm.training.checkpoint_io import load_checkpoint

@@ -1,6 +1,6 @@
 """One DAT optimizer step (DESIGN.md §1), and the per-step numbers the loop logs.
 
-Attacks run on the unwrapped module (never through DDP, whose forward arms collectives); the
+Attacks run on the module without DDP (whose forward arms collectives), compiled if it is; the
 loss forward/backward goes through the wrapper so gradients are all-reduced. Micro-batches
 accumulate under `no_sync()`, so DDP communicates once per optimizer step."""
 
@@ -18,7 +18,7 @@ from rebm.distributed import Runtime, all_gather_cat, all_reduce_sum
 from rebm.training.config_classes import BatchPlan, TrainConfig, loss_weights
 from rebm.training.curriculum import binary_auc
 from rebm.training.data import MicroBatch
-from rebm.training.modeling import unwrap
+from rebm.training.modeling import strip_parallel
 from rebm.training.objective import dat_loss
 
 
@@ -147,28 +147,28 @@ def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              plan: BatchPlan, precision: Precision, want_clean_scores: bool = False
              ) -> StepMetrics:
     """Attacks -> losses -> backward over the micro-batches -> one optimizer step."""
-    raw = unwrap(model)
-    device = next(raw.parameters()).device
+    attacked = strip_parallel(model)  # no DDP, still compiled with model.compile
+    device = next(attacked.parameters()).device
     frozen_bn = not cfg.model.use_batchnorm  # then train-mode logits equal eval-mode logits
     weights = loss_weights(cfg)
     optimizer.zero_grad(set_to_none=True)
     parts: Dict[str, List[torch.Tensor]] = {k: [] for k in ("ebm", "clf", "in", "adv", "out")}
     for index, batch in enumerate(micro_batches):
         batch = batch.to(device)
-        # Negatives and adversarial examples on the unwrapped module, eval mode, input grads only.
-        raw.eval()
+        # Negatives and adversarial examples without DDP, eval mode, input gradients only.
+        attacked.eval()
         with precision.autocast():
             x_adv = pgd_from_config(
-                raw, batch.x_out, cfg.attack, steps=outdist_steps, y=batch.y_in,
+                attacked, batch.x_out, cfg.attack, steps=outdist_steps, y=batch.y_in,
                 objective="lse" if cfg.logsumexp_sampling else "logit",
                 random_start_keys=batch.key_out)
-            x_c_adv = pgd_from_config(raw, batch.x_c, cfg.indist_attack_clf, objective="ce",
+            x_c_adv = pgd_from_config(attacked, batch.x_c, cfg.indist_attack_clf, objective="ce",
                                       y=batch.y_c, random_start_keys=batch.key_c)
         if want_clean_scores:
-            parts["out"].append(_fy(raw, batch.x_out, batch.y_in))
+            parts["out"].append(_fy(attacked, batch.x_out, batch.y_in))
         if not frozen_bn:
-            parts["in"].append(_fy(raw, batch.x_in, batch.y_in))
-            parts["adv"].append(_fy(raw, x_adv, batch.y_in))
+            parts["in"].append(_fy(attacked, batch.x_in, batch.y_in))
+            parts["adv"].append(_fy(attacked, x_adv, batch.y_in))
         model.train()
         last = index == len(micro_batches) - 1
         no_sync = getattr(model, "no_sync", None)

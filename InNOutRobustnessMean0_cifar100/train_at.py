@@ -89,7 +89,9 @@ def train(cfg, runtime, schedule: str) -> None:
         optimizer.zero_grad(set_to_none=True)
         micro_batches = next(batches)
         for index, batch in enumerate(micro_batches):
-            x, y = batch.x_c.to(runtime.device), batch.y_c.to(runtime.device)
+            # stage 1 trains on the classifier stream only; pinned by the loader on CUDA
+            x = batch.x_c.to(runtime.device, non_blocking=True)
+            y = batch.y_c.to(runtime.device, non_blocking=True)
             # Attack in eval mode, without DDP: BN uses its running statistics, so
             # the K attack forwards neither update them nor run SyncBatchNorm/DDP collectives,
             # and the adversarial example does not depend on how the batch is split over ranks.

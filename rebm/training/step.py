@@ -154,7 +154,7 @@ def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     parts: Dict[str, List[torch.Tensor]] = {k: [] for k in ("ebm", "clf", "in", "adv", "out")}
     for index, batch in enumerate(micro_batches):
-        batch = batch.to(device)
+        batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
         # Negatives and adversarial examples without DDP, eval mode, input gradients only.
         attacked.eval()
         with precision.autocast():

@@ -6,7 +6,8 @@
 Loss per step: CE(f(PGD_K^CE(x_c)), y_c) with the `indist_attack_clf` threat model, on the
 classification stream of rebm's data pipeline (its other streams are ignored). CONFIG defaults to
 configs/cifar100_wrn34x10.yaml (`--dataset cifar10`: configs/cifar10_wrn34x10.yaml). Writes
-<run_dir>/model_final.pth (EMA weights when use_ema), a DAT run's `model.ckpt_path`.
+<run_dir>/model_final.pth (EMA weights when use_ema), a DAT run's `model.ckpt_path`. Training
+states go to <run_dir>/checkpoints/; the same command resumes from the newest (as in stage 2).
 """
 
 from __future__ import annotations
@@ -30,10 +31,18 @@ from rebm.attacks.pgd import pgd_from_config
 from rebm.eval.evaluate import evaluate_model
 from rebm.training import cli
 from rebm.training.checkpoint_io import save_model
-from rebm.training.config_classes import ConfigError, load_config, plan_batches
+from rebm.training.config_classes import ConfigError, load_config, plan_batches, to_dict
 from rebm.training.data import build_train_data
 from rebm.training.ema import build_ema
 from rebm.training.modeling import get_model, get_optimizer, strip_parallel
+from rebm.training.state import (
+    StateError,
+    agree_on_resume,
+    replicas_identical,
+    rng_state,
+    save_on_main,
+    set_rng_state,
+)
 from rebm.training.step import Precision
 from rebm.training.tracking import Tracker, resolve_run_dir
 from rebm.training.train import TrainingDiverged, crossed
@@ -61,7 +70,12 @@ def train(cfg, runtime, schedule: str) -> None:
     optimizer = get_optimizer(cfg, raw.parameters())
     ema = build_ema(raw, cfg)
     precision = Precision.from_config(cfg, runtime.device)
-    data = build_train_data(cfg, runtime, plan)
+    # The state to resume from (rank 0 decides, every rank loads it): the data position is the
+    # step, so the loader starts there directly.
+    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume == "auto")
+    start_step = int(state["step"]) if state else 0
+    data = build_train_data(cfg, runtime, plan, start_step=start_step)
     limits = [cfg.max_steps] if cfg.max_steps else []
     if cfg.total_epochs:
         limits.append(cfg.total_epochs * data.steps_per_epoch)
@@ -69,7 +83,23 @@ def train(cfg, runtime, schedule: str) -> None:
         raise ConfigError("set total_epochs or max_steps (the LR schedule needs a length)")
     last_step = min(limits)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, last_step))
-    tracker = Tracker(cfg, runtime, run_dir)
+    window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, images since last log
+    tracker = Tracker(cfg, runtime, run_dir,
+                      wandb_run_id=state.get("wandb_run_id") if state else None)
+    if state:
+        raw.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
+        precision.load_state_dict(state.get("scaler"))
+        set_rng_state(state["rng"])
+        if runtime.is_main:  # the saved window is global: rank 0 carries it
+            window += torch.tensor(state["metrics_window"], dtype=torch.float64)
+        if not replicas_identical(runtime, raw, *([ema] if ema is not None else [])):
+            raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
+        tracker.truncate_metrics_after(start_step)
+        LOGGER.info("resumed from %s at step %d", state["_path"], start_step)
     LOGGER.info("stage 1 | run dir %s | world size %d | %s | %d steps, %s LR", run_dir,
                 runtime.world_size, runtime.device, last_step, schedule)
 
@@ -82,10 +112,21 @@ def train(cfg, runtime, schedule: str) -> None:
         eval_model = ema.ema_model if ema is not None else raw
         log(step, evaluate_model(eval_model, cfg, runtime, step=step, samples=False))
 
-    window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, images since last log
+    def save(step: int) -> None:  # every rank: the window all-reduce and the write consensus
+        global_window = dist_utils.all_reduce_sum(runtime, window).tolist()
+        save_on_main(runtime, lambda: {
+            "step": step, "stage": 1, "model": raw.state_dict(),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "ema": ema.state_dict() if ema is not None else None,
+            "scaler": precision.state_dict(), "rng": rng_state(),
+            "metrics_window": global_window, "wandb_run_id": tracker.wandb_run_id,
+            "world_size": runtime.world_size, "config": to_dict(cfg),
+        }, run_dir, cfg.keep_last_states)
+
+    preemption = dist_utils.PreemptionFlag().install()
     timer = time.perf_counter()
     batches = iter(data)
-    for step in range(1, last_step + 1):
+    for step in range(start_step + 1, last_step + 1):
         optimizer.zero_grad(set_to_none=True)
         micro_batches = next(batches)
         for index, batch in enumerate(micro_batches):
@@ -119,9 +160,11 @@ def train(cfg, runtime, schedule: str) -> None:
             dist_utils.broadcast_buffers(runtime, raw)
         if ema is not None:
             ema.update()
-        # One all-reduce so that every rank stops on a non-finite loss at the same step.
+        # One all-reduce: every rank stops on a non-finite loss, or on a preemption signal that
+        # reached any one rank, at the same step.
         nonfinite = not math.isfinite(float(window[0]))  # NaN stays in the window until logged
-        if dist_utils.consensus(runtime, nonfinite=nonfinite)["nonfinite"]:
+        decision = dist_utils.consensus(runtime, nonfinite=nonfinite, preempt=preemption.raised)
+        if decision["nonfinite"]:
             raise TrainingDiverged(f"non-finite loss at step {step} (try a lower lr)")
         if crossed(cfg.n_imgs_per_metrics_log, step, cfg.batch_size) or step == last_step:
             loss_sum, correct, n = dist_utils.all_reduce_sum(runtime, window).tolist()
@@ -131,9 +174,24 @@ def train(cfg, runtime, schedule: str) -> None:
             window.zero_()
         if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
             evaluate(step)
+        if decision["preempt"]:
+            save(step)
+            LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the same "
+                           "command with run_dir=%s to resume",
+                           preemption.signal_name or "signal", step, run_dir)
+            tracker.close()
+            return
+        if crossed(cfg.n_imgs_per_ckpt_save, step, cfg.batch_size) and step < last_step:
+            save(step)
+    if start_step >= last_step:  # rerun of a finished run: its files exist already
+        LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
+                    "total_epochs to continue it)", start_step)
+        tracker.close()
+        return
     if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, last_step,
                                                      cfg.batch_size):
         evaluate(last_step)
+    save(last_step)  # the same command with a larger max_steps / total_epochs continues it
     if runtime.is_main:  # plain state dict: loads as model.ckpt_path of a DAT run
         save_model(ema.ema_model if ema is not None else raw,
                    os.path.join(run_dir, "model_final.pth"))

@@ -3,12 +3,16 @@ torchrun and the --nproc spawn launcher give identical weights, a 2-process DAT 
 stage-1 checkpoint, and the robustness test reads it."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.helpers import BIN, REPO, base_env, run_command, run_train
+from tests.helpers import BIN, REPO, base_env, finish, run_command, run_train
+from tests.test_resume import _wait_for_records, _worker_pids, assert_states_identical
 
 SCRIPT_DIR = REPO / "InNOutRobustnessMean0_cifar100"
 TRAIN_AT = str(SCRIPT_DIR / "train_at.py")
@@ -72,3 +76,65 @@ def test_robustness_test_prints_json(stage1_torchrun, flag, key):
         assert metrics["n_test"] == 359 and "robust_test_acc" in metrics
     else:
         assert "test_acc" not in metrics
+
+
+# Resume: constant LR, so that a run stopped at max_steps=k and continued to 2k is the same
+# computation as a straight 2k-step run (a cosine schedule would depend on max_steps).
+# Steps are ~30 ms here: 120 of them leave time for a signal to arrive mid-run.
+RESUME = ["batch_size=32", "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=320",
+          "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=1600", "--schedule", "constant"]
+RESUME_STEPS, RESUME_STOP = 120, 55  # the stop falls inside a metrics window
+
+
+def stage1_cmd(run_dir, steps, *extra):
+    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", TRAIN_AT, CONFIG,
+            *RESUME, f"max_steps={steps}", f"run_dir={run_dir}", *extra]
+
+
+def final_state(run_dir, step):
+    return torch.load(run_dir / "checkpoints" / f"state_{step:09d}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def stage1_straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("stage1_straight")
+    run_command(stage1_cmd(run_dir, RESUME_STEPS), timeout=150, env=base_env(1)).assert_ok()
+    return run_dir
+
+
+@pytest.mark.timeout(400)
+def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
+    run_dir = tmp_path / "split"
+    run_command(stage1_cmd(run_dir, RESUME_STOP), timeout=150, env=base_env(1)).assert_ok()
+    result = run_command(stage1_cmd(run_dir, RESUME_STEPS), timeout=150,
+                         env=base_env(1)).assert_ok()
+    assert "resumed from" in result.output and f"at step {RESUME_STOP}" in result.output
+    assert_states_identical(final_state(stage1_straight, RESUME_STEPS),
+                               final_state(run_dir, RESUME_STEPS))
+    a = torch.load(stage1_straight / "model_final.pth", weights_only=True)
+    b = torch.load(run_dir / "model_final.pth", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a finished run is not repeated
+    again = run_command(stage1_cmd(run_dir, RESUME_STEPS), timeout=150,
+                        env=base_env(1)).assert_ok()
+    assert "nothing to do" in again.output
+
+
+@pytest.mark.timeout(400)
+def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path):
+    run_dir = tmp_path / "preempted"
+    steps = RESUME_STEPS
+    # No periodic states: the only state before the end is the one the signal makes.
+    cmd = stage1_cmd(run_dir, steps, "n_imgs_per_ckpt_save=100000")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for_records(run_dir, 1, proc)
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+    code, out = finish(proc, timeout=60)
+    assert code == 0, out[-4000:]
+    assert f"run the same command with run_dir={run_dir} to resume" in out
+    saved = sorted((run_dir / "checkpoints").glob("state_*.pt"))
+    assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
+    run_command(cmd, timeout=150, env=base_env(1)).assert_ok()
+    assert_states_identical(final_state(stage1_straight, steps), final_state(run_dir, steps))

@@ -11,11 +11,11 @@ import hashlib
 import logging
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rebm.distributed import Runtime, all_gather_cat, decide_on_main
+from rebm.distributed import Runtime, all_gather_cat, consensus, decide_on_main
 from rebm.errors import UserError
 from rebm.training.checkpoint_io import atomic_torch_save
 
@@ -78,6 +78,21 @@ def save_state(state: Dict[str, Any], run_dir: str, keep_last: int) -> str:
         except OSError:
             pass
     return path
+
+
+def save_on_main(runtime: Runtime, build_state: Callable[[], Dict[str, Any]], run_dir: str,
+                 keep_last: int) -> None:
+    """Rank 0 builds and writes the state; then every rank learns whether the write worked (a
+    consensus, so a full disk stops all ranks with the same clear error instead of a hang).
+    Every rank must call this."""
+    failure: Optional[str] = None
+    if runtime.is_main:
+        try:
+            save_state(build_state(), run_dir, keep_last)
+        except StateError as err:
+            failure = str(err)
+    if consensus(runtime, failed=failure is not None)["failed"]:
+        raise StateError(failure or "rank 0 could not write the training state (see its log)")
 
 
 def find_resumable(run_dir: Optional[str], explicit: Optional[str]) -> Optional[tuple]:

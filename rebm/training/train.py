@@ -39,7 +39,7 @@ from rebm.training.state import (
     agree_on_resume,
     replicas_identical,
     rng_state,
-    save_state,
+    save_on_main,
     set_rng_state,
 )
 from rebm.training.step import MetricsWindow, Precision, dat_step, global_aucs
@@ -290,19 +290,10 @@ def _last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
 
 def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_dir: str,
                         tracker: Tracker) -> None:
-    """Rank 0 writes the state; then every rank learns whether the write worked (a consensus,
-    so a full disk stops all ranks with the same clear error instead of a hang)."""
-    failure: Optional[str] = None
+    """Rank 0 writes the state, every rank learns whether that worked (`save_on_main`)."""
     window_sums = parts.progress.window.global_sums(runtime)  # every rank: an all-reduce
-    if runtime.is_main:
-        try:
-            state = parts.state_dict(cfg, runtime.world_size, tracker.wandb_run_id)
-            state["metrics_window"] = window_sums
-            save_state(state, run_dir, cfg.keep_last_states)
-        except StateError as err:
-            failure = str(err)
-    if consensus(runtime, failed=failure is not None)["failed"]:
-        raise StateError(failure or "rank 0 could not write the training state (see its log)")
+    save_on_main(runtime, lambda: parts.state_dict(cfg, runtime.world_size, tracker.wandb_run_id)
+                 | {"metrics_window": window_sums}, run_dir, cfg.keep_last_states)
 
 
 @record

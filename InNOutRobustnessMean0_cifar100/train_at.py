@@ -63,17 +63,19 @@ def train(cfg, runtime, schedule: str) -> None:
     plan = plan_batches(cfg, runtime.world_size)
     run_dir = resolve_run_dir(cfg, runtime)
     dist_utils.setup_logging(runtime, run_dir)
+    # The state to resume from (rank 0 decides, every rank loads it): it holds the weights, so
+    # model.ckpt_path is then not read; the data position is the step, so the loader starts
+    # there directly.
+    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume == "auto")
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank
-    model, raw = get_model(cfg, runtime)  # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
+    # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
+    model, raw = get_model(cfg, runtime, load_pretrained=state is None)
     attacked = strip_parallel(model)  # no DDP; compiled when model.compile is set
     syncbn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in raw.modules())
     optimizer = get_optimizer(cfg, raw.parameters())
     ema = build_ema(raw, cfg)
     precision = Precision.from_config(cfg, runtime.device)
-    # The state to resume from (rank 0 decides, every rank loads it): the data position is the
-    # step, so the loader starts there directly.
-    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume == "auto")
     start_step = int(state["step"]) if state else 0
     data = build_train_data(cfg, runtime, plan, start_step=start_step)
     limits = [cfg.max_steps] if cfg.max_steps else []

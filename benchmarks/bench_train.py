@@ -777,7 +777,7 @@ def section_attack(args) -> dict:
 def section_resume(args) -> dict:
     from rebm.training.data import build_train_data
     from rebm.training.state import list_states, read_state
-    from rebm.training.train import restore, save_training_state
+    from rebm.training.train import restore, resume_state, save_training_state
 
     cfg = make_config(args.config, args.workdir, args.set, args.device)
     runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
@@ -800,7 +800,8 @@ def section_resume(args) -> dict:
             run_dir, path = paths[k]
             _, t_read = timed(lambda p=path: read_state(p))
             fresh = build(cfg, runtime)
-            _, t_restore = timed(lambda f=fresh, d=run_dir: restore(f, cfg, runtime, d))
+            _, t_restore = timed(lambda f=fresh, d=run_dir: restore(
+                f, resume_state(cfg, runtime, d), runtime))
             assert fresh.progress.step == k
 
             def first_batch(k=k):

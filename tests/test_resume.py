@@ -4,6 +4,7 @@ import hashlib
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,24 @@ def test_stop_and_resume_is_bit_identical(straight, tmp_path, nproc):
     assert f"at step {STOP}" in result.output  # it resumed rather than restarted
     assert_states_identical(load_state(straight / f"ws{nproc}", STEPS), load_state(run_dir, STEPS))
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(straight / f"ws{nproc}"))
+
+
+def test_resume_does_not_need_the_pretrained_checkpoint_any_more(straight, tmp_path):
+    """The state holds the weights: a resumed run must not read model.ckpt_path (on a cluster
+    the stage-1 file may have been moved or deleted since the run started)."""
+    pretrained = tmp_path / "pretrained.pth"
+    shutil.copy(straight / "ws1" / "model_final.pth", pretrained)
+    run_dir = tmp_path / "run"
+    args = [CONFIG, *FAST, f"model.ckpt_path={pretrained}"]
+    first = run_train([*args, f"max_steps={STOP}"], run_dir=run_dir, timeout=300).assert_ok()
+    assert f"loaded checkpoint '{pretrained}'" in first.output
+    pretrained.unlink()
+    result = run_train([*args, f"max_steps={STOP + 1}"], run_dir=run_dir,
+                       timeout=300).assert_ok()
+    assert f"at step {STOP}" in result.output and "loaded checkpoint" not in result.output
+    # a fresh run with the missing file still fails clearly
+    fresh = run_train([*args, "max_steps=1"], run_dir=tmp_path / "fresh", timeout=300)
+    assert fresh.returncode == 2 and str(pretrained) in fresh.output
 
 
 def test_resume_on_a_different_world_size(straight, tmp_path):

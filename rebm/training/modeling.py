@@ -42,8 +42,11 @@ def strip_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
-def get_model(cfg, runtime) -> Tuple[nn.Module, nn.Module]:
+def get_model(cfg, runtime, load_pretrained: bool = True) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
+
+    load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the
+    training state instead).
 
     `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
     take `strip_parallel(model)`, which keeps the compilation.
@@ -60,7 +63,7 @@ def get_model(cfg, runtime) -> Tuple[nn.Module, nn.Module]:
         std=std,
         use_batchnorm=cfg.model.use_batchnorm,
     )
-    if cfg.model.ckpt_path:
+    if cfg.model.ckpt_path and load_pretrained:
         # Every rank reads the file itself: no broadcast needed, and no rank-0-only branch.
         load_checkpoint(model, cfg.model.ckpt_path)
     if cfg.model.channels_last:

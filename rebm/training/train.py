@@ -123,22 +123,24 @@ def crossed(interval_imgs: Optional[int], step: int, batch_size: int) -> bool:
     return (step * batch_size) // interval_imgs > ((step - 1) * batch_size) // interval_imgs
 
 
-def build_parts(cfg: TrainConfig, runtime: Runtime) -> Parts:
+def build_parts(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> Parts:
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
-    model, raw_model = get_model(cfg, runtime)
+    model, raw_model = get_model(cfg, runtime, load_pretrained=load_pretrained)
     return Parts(model=model, raw_model=raw_model,
                  optimizer=get_optimizer(cfg, raw_model.parameters()),
                  ema=build_ema(raw_model, cfg), precision=Precision.from_config(cfg, runtime.device),
                  curriculum=Curriculum.from_config(cfg), progress=Progress())
 
 
-def restore(parts: Parts, cfg: TrainConfig, runtime: Runtime, run_dir: str) -> None:
-    """Resume from resume_from_state, or from the newest state in run_dir (resume=auto).
-    Every rank takes part: the path is rank 0's decision, broadcast; every rank loads it."""
-    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume == "auto")
-    if state is None:
-        return
+def resume_state(cfg: TrainConfig, runtime: Runtime, run_dir: str) -> Optional[dict]:
+    """The state to resume from: resume_from_state, or the newest in run_dir (resume=auto), or
+    None. Every rank takes part: the path is rank 0's decision, broadcast; every rank reads it."""
+    return agree_on_resume(runtime, run_dir, cfg.resume_from_state,
+                           allow_auto=cfg.resume == "auto")
+
+
+def restore(parts: Parts, state: dict, runtime: Runtime) -> None:
+    """Load a training state into every rank's parts and check that the replicas agree."""
     parts.load_state_dict(state, runtime.is_main)
     if not replicas_identical(runtime, *parts.replicated):
         raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
@@ -157,8 +159,12 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
 
-    parts = build_parts(cfg, runtime)
-    restore(parts, cfg, runtime, run_dir)
+    state = resume_state(cfg, runtime, run_dir)
+    # A resumed run takes its weights from the state: model.ckpt_path is not read again (the
+    # pretrained file may have moved since the run started).
+    parts = build_parts(cfg, runtime, load_pretrained=state is None)
+    if state is not None:
+        restore(parts, state, runtime)
     tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=parts.progress.wandb_run_id)
     tracker.truncate_metrics_after(parts.progress.step)
     data = build_train_data(cfg, runtime, plan, start_step=parts.progress.step)

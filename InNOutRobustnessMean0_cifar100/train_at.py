@@ -31,21 +31,20 @@ from rebm.attacks.pgd import pgd_from_config
 from rebm.eval.evaluate import evaluate_model
 from rebm.training import cli
 from rebm.training.checkpoint_io import save_model
-from rebm.training.config_classes import ConfigError, load_config, plan_batches, to_dict
+from rebm.training.config_classes import ConfigError, load_config, plan_batches
 from rebm.training.data import build_train_data
 from rebm.training.ema import build_ema
 from rebm.training.modeling import get_model, get_optimizer, strip_parallel
 from rebm.training.state import (
     StateError,
-    agree_on_resume,
+    load_training_state,
     replicas_identical,
-    rng_state,
     save_on_main,
-    set_rng_state,
+    training_state,
 )
 from rebm.training.step import Precision
 from rebm.training.tracking import Tracker, resolve_run_dir
-from rebm.training.train import TrainingDiverged, crossed
+from rebm.training.train import TrainingDiverged, crossed, planned_last_step, resume_state
 
 LOGGER = logging.getLogger("rebm")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,11 +62,15 @@ def train(cfg, runtime, schedule: str) -> None:
     plan = plan_batches(cfg, runtime.world_size)
     run_dir = resolve_run_dir(cfg, runtime)
     dist_utils.setup_logging(runtime, run_dir)
+    if cfg.per_device_eval_batch_size is None:
+        # Stage 1's loss pass holds one micro-batch (DAT's holds three, which rebm's default
+        # evaluation batch assumes): evaluate in micro-batches, so evaluation fits wherever
+        # training does.
+        cfg.per_device_eval_batch_size = plan.per_device_batch_size
     # The state to resume from (rank 0 decides, every rank loads it): it holds the weights, so
     # model.ckpt_path is then not read; the data position is the step, so the loader starts
     # there directly.
-    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume == "auto")
+    state = resume_state(cfg, runtime, run_dir)
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank
     # DDP + SyncBatchNorm (GPU, cfg.sync_batchnorm) here
     model, raw = get_model(cfg, runtime, load_pretrained=state is None)
@@ -78,29 +81,25 @@ def train(cfg, runtime, schedule: str) -> None:
     precision = Precision.from_config(cfg, runtime.device)
     start_step = int(state["step"]) if state else 0
     data = build_train_data(cfg, runtime, plan, start_step=start_step)
-    limits = [cfg.max_steps] if cfg.max_steps else []
-    if cfg.total_epochs:
-        limits.append(cfg.total_epochs * data.steps_per_epoch)
-    if not limits:
+    last_step = planned_last_step(cfg, data.steps_per_epoch)
+    if math.isinf(last_step):
         raise ConfigError("set total_epochs or max_steps (the LR schedule needs a length)")
-    last_step = min(limits)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, last_step))
     window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, images since last log
     tracker = Tracker(cfg, runtime, run_dir,
                       wandb_run_id=state.get("wandb_run_id") if state else None)
+    tracker.truncate_metrics_after(start_step)  # records of an attempt that saved no state
     if state:
-        raw.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        load_training_state(state, 1, raw, optimizer, ema, precision)
         scheduler.load_state_dict(state["scheduler"])
-        if ema is not None:
-            ema.load_state_dict(state["ema"])
-        precision.load_state_dict(state.get("scaler"))
-        set_rng_state(state["rng"])
+        if (state.get("schedule"), state.get("last_step")) != (schedule, last_step):
+            LOGGER.warning("the LR schedule changes on resume: %s over %s steps before, %s over "
+                           "%d steps now", state.get("schedule"), state.get("last_step"),
+                           schedule, last_step)
         if runtime.is_main:  # the saved window is global: rank 0 carries it
             window += torch.tensor(state["metrics_window"], dtype=torch.float64)
         if not replicas_identical(runtime, raw, *([ema] if ema is not None else [])):
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
-        tracker.truncate_metrics_after(start_step)
         LOGGER.info("resumed from %s at step %d", state["_path"], start_step)
     LOGGER.info("stage 1 | run dir %s | world size %d | %s | %d steps, %s LR", run_dir,
                 runtime.world_size, runtime.device, last_step, schedule)
@@ -116,14 +115,10 @@ def train(cfg, runtime, schedule: str) -> None:
 
     def save(step: int) -> None:  # every rank: the window all-reduce and the write consensus
         global_window = dist_utils.all_reduce_sum(runtime, window).tolist()
-        save_on_main(runtime, lambda: {
-            "step": step, "stage": 1, "model": raw.state_dict(),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "ema": ema.state_dict() if ema is not None else None,
-            "scaler": precision.state_dict(), "rng": rng_state(),
-            "metrics_window": global_window, "wandb_run_id": tracker.wandb_run_id,
-            "world_size": runtime.world_size, "config": to_dict(cfg),
-        }, run_dir, cfg.keep_last_states)
+        save_on_main(runtime, lambda: training_state(
+            1, step, raw, optimizer, ema, precision, cfg, runtime.world_size,
+            tracker.wandb_run_id, scheduler=scheduler.state_dict(), schedule=schedule,
+            last_step=last_step, metrics_window=global_window), run_dir, cfg.keep_last_states)
 
     preemption = dist_utils.PreemptionFlag().install()
     timer = time.perf_counter()
@@ -176,7 +171,7 @@ def train(cfg, runtime, schedule: str) -> None:
             window.zero_()
         if crossed(cfg.n_imgs_per_evaluation_log, step, cfg.batch_size):
             evaluate(step)
-        if decision["preempt"]:
+        if decision["preempt"] and step < last_step:  # at the last step: just finish
             save(step)
             LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the same "
                            "command with run_dir=%s to resume",
@@ -193,11 +188,12 @@ def train(cfg, runtime, schedule: str) -> None:
     if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, last_step,
                                                      cfg.batch_size):
         evaluate(last_step)
-    save(last_step)  # the same command with a larger max_steps / total_epochs continues it
+    # model_final first: once the final state exists, a rerun has nothing left to do
     if runtime.is_main:  # plain state dict: loads as model.ckpt_path of a DAT run
         save_model(ema.ema_model if ema is not None else raw,
                    os.path.join(run_dir, "model_final.pth"))
         LOGGER.info("wrote %s", os.path.join(run_dir, "model_final.pth"))
+    save(last_step)  # the same command with a larger max_steps / total_epochs continues it
     tracker.close()
 
 

@@ -12,8 +12,8 @@ Sections:
               forward+backward, optimizer, EMA, bookkeeping, logging/checkpoint (amortized)
   steps       the loop's step vs a minimal hand-written PyTorch DAT step (interleaved), and
               dat_step alone
-  peer        dat_step in NCHW vs channels_last (interleaved), the step's FLOPs and the
-              machine's GEMM rate (the peer comparison, on the `wrn` config)
+  peer        dat_step in NCHW, channels_last and compiled + channels_last (interleaved), the
+              step's FLOPs and the machine's GEMM rate (the peer comparison, `wrn` config)
   ddp         images/s of the loop's step on W ranks (rebm.distributed.spawn, gloo on CPU; or
               under torchrun); with W > 1 also the gradient all-reduce (exposed and raw)
   attack      one PGD step (input gradient only) vs one training forward+backward
@@ -63,7 +63,7 @@ from rebm.training.config_classes import (  # noqa: E402
     loss_weights,
     plan_batches,
 )
-from rebm.training.modeling import unwrap  # noqa: E402
+from rebm.training.modeling import strip_parallel  # noqa: E402
 from rebm.training.objective import dat_loss  # noqa: E402
 from rebm.training.step import MetricsWindow, StepMetrics, global_aucs  # noqa: E402
 
@@ -234,7 +234,7 @@ def loop_step(parts, cfg: TrainConfig, plan, runtime: Runtime, micro_batches
 def _pieces_step(parts, cfg: TrainConfig, plan, runtime: Runtime, batches, watch: Stopwatch
                  ) -> tuple:
     """dat_step taken apart into the same calls, each timed; then EMA and bookkeeping."""
-    raw = unwrap(parts.model)
+    raw = strip_parallel(parts.model)  # what dat_step attacks: no DDP, compiled if it is
     device = runtime.device
     precision = parts.precision
     frozen_bn = not cfg.model.use_batchnorm
@@ -511,38 +511,44 @@ def gemm_gflops(reps: int = 10, n: int = 2048) -> float:
     return 2 * n**3 / median(times) / 1e9
 
 
+# The speed options the peer comparison tries (all float32, the same arithmetic).
+PEER_VARIANTS = {
+    "nchw": [],
+    "channels_last": ["model.channels_last=true"],
+    "compiled": ["model.channels_last=true", "model.compile=true"],  # compiles in warm-up
+}
+
+
 def section_peer(args) -> dict:
-    """dat_step exactly as the loop calls it, float32, the model in NCHW and in channels_last
-    (interleaved), plus the FLOPs of the step and the machine's measured GEMM rate: the step
-    time any implementation of the same math can reach is bounded by step_gflop / peak rate."""
+    """dat_step exactly as the loop calls it, float32, in each of PEER_VARIANTS (interleaved),
+    plus the FLOPs of the step and the machine's measured GEMM rate, to relate step times to
+    what the hardware can do."""
     from rebm.training.data import build_train_data
     from rebm.training.step import Precision, dat_step
 
     runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
     torch.set_num_threads(args.threads)
     variants = {}
-    for layout in ("nchw", "channels_last"):
-        cfg = make_config(args.config, args.workdir,
-                          [*args.set, f"model.channels_last={layout == 'channels_last'}"],
-                          args.device)
+    for name, overrides in PEER_VARIANTS.items():
+        cfg = make_config(args.config, args.workdir, [*args.set, *overrides], args.device)
         plan = plan_batches(cfg, 1)
-        variants[layout] = (cfg, plan, build(cfg, runtime))
+        variants[name] = (cfg, plan, build(cfg, runtime))
     cfg, plan, parts = variants["nchw"]
     data = build_train_data(cfg, runtime, plan)
-    n = args.warmup + args.reps
+    n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles the compiled variant
     prefetched = [[mb.to(runtime.device) for mb in data.step_batch(s)] for s in range(n)]
     T, K = parts.curriculum.T, cfg.indist_attack_clf.max_steps
-    times: Dict[str, List[float]] = {layout: [] for layout in variants}
+    times: Dict[str, List[float]] = {name: [] for name in variants}
     for rep in range(n):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
-        for layout in order:
-            v_cfg, v_plan, v_parts = variants[layout]
+        for name in order:
+            v_cfg, v_plan, v_parts = variants[name]
             precision = Precision.from_config(v_cfg, runtime.device)
             _, seconds = timed(functools.partial(dat_step, v_parts.model, v_parts.optimizer,
                                                  prefetched[rep], T, v_cfg, v_plan, precision),
                                runtime.device)
-            if rep >= args.warmup:
-                times[layout].append(seconds)
+            if rep >= n - args.reps:
+                times[name].append(seconds)
     flops = step_gflop(parts.raw_model, prefetched[0][0], T, K)
     gemm = gemm_gflops()
     step_s = {layout: median(values) for layout, values in times.items()}
@@ -551,7 +557,7 @@ def section_peer(args) -> dict:
         "threads": args.threads, "reps": args.reps, "T": T, "K": K,
         "params": n_params(parts.raw_model), "batch_size": cfg.batch_size,
         "dat_step_s": step_s, "dat_step_all_s": times,
-        "channels_last_speedup": step_s["nchw"] / step_s["channels_last"],
+        "speedup_over_nchw": {k: step_s["nchw"] / v for k, v in step_s.items()},
         **flops, "gemm_gflops": gemm,
         "achieved_gflops": {k: flops["step_gflop"] / v for k, v in step_s.items()},
         "max_rss_mib": [peak_rss_mib()],

@@ -53,10 +53,10 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
     one, half = cores, max(1, cores // 2)
     return [
         ("breakdown/quickstart", ["breakdown", *qs, *r(5, 1), *w(2, 1)], one),
-        ("breakdown/wrn", ["breakdown", *r(3, 1), *w(1, 1), *wrn], one),
+        ("breakdown/wrn", ["breakdown", *r(2, 1), *w(1, 1), *wrn], one),
         ("steps/quickstart", ["steps", *qs, *r(20, 2), *w(3, 1)], one),
-        ("steps/wrn", ["steps", *r(3, 1), *w(1, 1), *wrn], one),
-        ("peer/wrn", ["peer", *r(3, 1), *w(1, 0), *wrn], one),
+        ("steps/wrn", ["steps", *r(2, 1), *w(1, 1), *wrn], one),
+        ("peer/wrn", ["peer", *r(2, 1), *w(1, 1), *wrn], one),
         ("ddp/quickstart/ws1", ["ddp", "--world-size", "1", *r(20, 2), *w(3, 1), *qs], one),
         ("ddp/quickstart/ws2", ["ddp", "--world-size", "2", *r(20, 2), *w(3, 1), *qs], half),
         ("ddp/wrn/ws1", ["ddp", "--world-size", "1", *r(3, 2), *w(1, 1), *wrn], one),
@@ -155,11 +155,12 @@ def summarize(results: dict) -> dict:
     if step:
         best = min(peer["dat_step_s"].values())
         gflop, gemm = peer["step_gflop"], peer["gemm_gflops"]
+        # judged on the default (NCHW, eager); the speed options are reported beside it
         s["peer"] = {"value": step / PEER_STEP_S, "dat_step_s": step, "peer_s": PEER_STEP_S,
-                     "channels_last_s": peer["dat_step_s"]["channels_last"],
+                     "variants_s": peer["dat_step_s"],
                      "best_ratio": best / PEER_STEP_S,
                      "target": "<= 0.80 (<= 5.2 s)",
-                     "met": best / PEER_STEP_S <= TARGETS["peer_ratio"],
+                     "met": step / PEER_STEP_S <= TARGETS["peer_ratio"],
                      # the FLOP rate each step time implies, against the machine's GEMM rate
                      "step_gflop": gflop, "gemm_gflops": gemm,
                      "achieved_gflops": gflop / best,
@@ -319,11 +320,16 @@ def table(results: dict, summary: dict, meta: dict) -> str:
     if p and meta["quick"]:
         add(f"   --quick runs T = K = 2: no comparison (dat_step {p['dat_step_s']:.3f} s)")
     elif p:
-        add(f"   rebm {p['dat_step_s']:.3f} s vs original {PEER_STEP_S} s: ratio {p['value']:.3f};"
-            f" with model.channels_last=true {p['channels_last_s']:.3f} s: ratio "
-            f"{p['best_ratio']:.3f} (target <= 0.80){_mark(p)}")
+        add(f"   rebm {p['dat_step_s']:.3f} s vs original {PEER_STEP_S} s: ratio {p['value']:.3f}"
+            f" (target <= 0.80){_mark(p)}")
+        labels = {"channels_last": "model.channels_last=true",
+                  "compiled": "+ model.compile=true"}
+        for name, label in labels.items():
+            seconds = p["variants_s"].get(name)
+            if seconds:
+                add(f"   {label:29s} {seconds:.3f} s: ratio {seconds / PEER_STEP_S:.3f}")
         add(f"   the step is {p['step_gflop']:.0f} GFLOP (FlopCounterMode): rebm runs at "
-            f"{p['achieved_gflops']:.0f} GFLOP/s; this machine's float32 GEMM (2048^2) reaches "
+            f"{p['achieved_gflops']:.0f} GFLOP/s at best; a float32 GEMM (2048^2) reaches "
             f"{p['gemm_gflops']:.0f} GFLOP/s; {PEER_STEP_S} s would need "
             f"{p['peer_implied_gflops']:.0f} GFLOP/s and the target "
             f"{p['target_implied_gflops']:.0f} GFLOP/s")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -192,14 +193,38 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     assert attacked == [model] and model is not raw
 
 
-def test_attack_through_a_compiled_module_matches_eager():
-    """Input gradients through torch.compile (dynamo, eager backend: no inductor build on CPU)."""
+def _recording_aot_backend(backward_graphs: list):
+    """torch.compile backend: AOTAutograd (as inductor uses it) running its graphs eagerly, and
+    keeping the code of every backward graph it builds."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(graph, _inputs):
+        return make_boxed_func(graph.forward)
+
+    def backward_compiler(graph, _inputs):
+        backward_graphs.append(graph.code)
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+
+
+def test_compiled_attack_matches_eager_and_computes_no_weight_gradients():
+    """A compiled backward computes the gradient of everything that requires one, whatever
+    autograd.grad asks for: the attack must switch the parameters' gradients off (else every
+    compiled PGD step also computes all weight gradients)."""
     model = _model(seed=5).eval()
-    compiled = torch.compile(model, backend="eager")
+    graphs: list = []
+    compiled = torch.compile(model, backend=_recording_aot_backend(graphs))
     x, y = torch.rand(4, 3, 16, 16), torch.tensor([0, 3, 5, 9])
     kwargs = dict(steps=3, step_size=0.1, eps=0.5, objective="ce", y=y)
     assert torch.allclose(pgd_attack(compiled, x, **kwargs), pgd_attack(model, x, **kwargs),
                           atol=1e-6)
+    # convolution_backward's output_mask is (input, weight, bias)
+    masks = re.findall(r"convolution_backward\.default\(.*\[(True|False), (True|False), "
+                       r"(True|False)\]\)", "\n".join(graphs))
+    assert masks and all(mask == ("True", "False", "False") for mask in masks), set(masks)
+    assert all(p.requires_grad for p in model.parameters())  # the flags are restored
 
 
 # ---------------------------------------------------------------------------------------------

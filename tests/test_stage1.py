@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from tests.helpers import BIN, REPO, base_env, finish, run_command, run_train
-from tests.test_resume import _wait_for_records, _worker_pids, assert_states_identical
+from tests.test_resume import (
+    _wait_for_records,
+    _worker_pids,
+    assert_states_identical,
+    comparable,
+)
+from tests.test_train import read_metrics
 
 SCRIPT_DIR = REPO / "InNOutRobustnessMean0_cifar100"
 TRAIN_AT = str(SCRIPT_DIR / "train_at.py")
@@ -80,10 +86,12 @@ def test_robustness_test_prints_json(stage1_torchrun, flag, key):
 
 # Resume: constant LR, so that a run stopped at max_steps=k and continued to 2k is the same
 # computation as a straight 2k-step run (a cosine schedule would depend on max_steps).
-# Steps are ~30 ms here: 120 of them leave time for a signal to arrive mid-run.
+# Steps are ~30 ms here: 200 of them leave time for a signal to arrive mid-run.
 RESUME = ["batch_size=32", "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=320",
           "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=1600", "--schedule", "constant"]
-RESUME_STEPS, RESUME_STOP = 120, 55  # the stop falls inside a metrics window
+# A stop at max_steps logs (and empties) the metrics window; the SIGTERM test's stop falls
+# inside a window, so it checks the window's restore through metrics.jsonl.
+RESUME_STEPS, RESUME_STOP = 200, 95
 
 
 def stage1_cmd(run_dir, steps, *extra):
@@ -110,7 +118,7 @@ def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
                          env=base_env(1)).assert_ok()
     assert "resumed from" in result.output and f"at step {RESUME_STOP}" in result.output
     assert_states_identical(final_state(stage1_straight, RESUME_STEPS),
-                               final_state(run_dir, RESUME_STEPS))
+                            final_state(run_dir, RESUME_STEPS))
     a = torch.load(stage1_straight / "model_final.pth", weights_only=True)
     b = torch.load(run_dir / "model_final.pth", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -136,5 +144,23 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path)
     assert f"run the same command with run_dir={run_dir} to resume" in out
     saved = sorted((run_dir / "checkpoints").glob("state_*.pt"))
     assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
+    stopped_at = torch.load(saved[0], weights_only=True)["step"]
+    assert 0 < stopped_at < steps and stopped_at % 10, stopped_at  # inside a metrics window
     run_command(cmd, timeout=150, env=base_env(1)).assert_ok()
     assert_states_identical(final_state(stage1_straight, steps), final_state(run_dir, steps))
+    assert (run_dir / "model_final.pth").exists()
+    straight, resumed = (comparable(read_metrics(d)) for d in (stage1_straight, run_dir))
+    assert len(straight) == len(resumed) == steps // 10
+    for a, b in zip(straight, resumed, strict=True):
+        assert a == pytest.approx(b, rel=1e-12)  # the window's sums may add in another order
+
+
+@pytest.mark.timeout(120)
+def test_a_state_of_the_other_stage_is_a_clear_error(stage1_straight, tmp_path):
+    state = final_state(stage1_straight, RESUME_STEPS)
+    path = stage1_straight / "checkpoints" / f"state_{RESUME_STEPS:09d}.pt"
+    assert state["stage"] == 1
+    result = run_train(["experiments/quickstart/digits.yaml", f"resume_from_state={path}",
+                        "max_steps=300"], run_dir=tmp_path / "dat", timeout=100)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "stage-1 training state" in result.output and "Traceback" not in result.output

@@ -6,7 +6,8 @@ logsumexp ascent LSE_k f_k(x) (`logsumexp_sampling`), and untargeted cross-entro
 
 Contract with callers:
 - Gradients are taken w.r.t. the input only (`torch.autograd.grad(loss, x)`): no parameter's
-  `.grad` is touched and weight gradients are not even computed.
+  `.grad` is touched and weight gradients are not even computed (the parameters stop requiring
+  gradients during the attack, which a torch.compile'd backward needs to skip them too).
 - Pass the *unwrapped* module, never a DDP wrapper (a grad-enabled forward through DDP arms a
   collective; a rank-local one can deadlock).
 - The model's train/eval mode is left exactly as the caller set it. In train mode with live
@@ -16,8 +17,9 @@ Contract with callers:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,23 @@ def random_start(x: Tensor, keys: Tensor, eps: float, norm: str) -> Tensor:
     return (x + delta.to(x.dtype).view_as(x)).clamp(0.0, 1.0)
 
 
+@contextlib.contextmanager
+def input_gradients_only(model: nn.Module) -> Iterator[None]:
+    """The model's parameters stop requiring gradients for the duration, then get their flags
+    back. Eager autograd skips weight gradients that `autograd.grad(loss, x)` does not ask for,
+    but a torch.compile'd backward (AOTAutograd) computes the gradient of every input that
+    requires one: without this, each compiled attack step would also compute all weight
+    gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def pgd_attack(
     model: nn.Module,
     x: Tensor,
@@ -167,12 +186,13 @@ def pgd_attack(
     if steps == 0:
         return x0.clone()
     x_adv = x0 if random_start_keys is None else random_start(x0, random_start_keys, eps, norm)
-    for _ in range(steps):
-        x_adv = x_adv.detach().requires_grad_(True)
-        with torch.enable_grad():
-            loss = attack_objective(model, x_adv, objective, y)
-            (grad,) = torch.autograd.grad(loss, x_adv)
-        x_adv = project(ascent_step(x_adv.detach(), grad, step_size, norm), x0, eps, norm)
+    with input_gradients_only(model):
+        for _ in range(steps):
+            x_adv = x_adv.detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss = attack_objective(model, x_adv, objective, y)
+                (grad,) = torch.autograd.grad(loss, x_adv)
+            x_adv = project(ascent_step(x_adv.detach(), grad, step_size, norm), x0, eps, norm)
     return x_adv.detach()
 
 

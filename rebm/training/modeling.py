@@ -20,17 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 LOGGER = logging.getLogger("rebm")
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under any nesting of DDP, DataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(model, (DDP, nn.DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
-        else:
-            return model
-
-
 def strip_parallel(model: nn.Module) -> nn.Module:
     """The module without its DDP / DataParallel wrappers, still compiled when it was.
 
@@ -40,6 +29,15 @@ def strip_parallel(model: nn.Module) -> nn.Module:
     while isinstance(model, (DDP, nn.DataParallel)):
         model = model.module
     return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under any nesting of DDP, DataParallel and torch.compile wrappers."""
+    while True:
+        model = strip_parallel(model)
+        if not isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            return model
+        model = model._orig_mod
 
 
 def get_model(cfg, runtime, load_pretrained: bool = True) -> Tuple[nn.Module, nn.Module]:

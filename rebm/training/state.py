@@ -18,6 +18,7 @@ import torch
 from rebm.distributed import Runtime, all_gather_cat, consensus, decide_on_main
 from rebm.errors import UserError
 from rebm.training.checkpoint_io import atomic_torch_save
+from rebm.training.config_classes import to_dict
 
 LOGGER = logging.getLogger("rebm")
 STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
@@ -145,6 +146,36 @@ def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
     if chosen is None:
         return None
     return read_state(chosen) | {"_path": chosen}
+
+
+def training_state(stage: int, step: int, model: torch.nn.Module, optimizer, ema, precision,
+                   cfg, world_size: int, wandb_run_id: Optional[str], **extra: Any
+                   ) -> Dict[str, Any]:
+    """The fields every training state holds (stage 1: adversarial pretraining, stage 2: DAT),
+    plus the stage's own `extra` fields. `model` is the plain module (no wrappers)."""
+    return {
+        "stage": stage, "step": step, "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "ema": ema.state_dict() if ema is not None else None,
+        "scaler": precision.state_dict(), "rng": rng_state(), "wandb_run_id": wandb_run_id,
+        "world_size": world_size, "config": to_dict(cfg), **extra,
+    }
+
+
+def load_training_state(state: Dict[str, Any], stage: int, model: torch.nn.Module, optimizer,
+                        ema, precision) -> None:
+    """Load the common fields of `training_state` (the caller loads its stage's own)."""
+    found = state.get("stage", 2)  # states written before the field existed are DAT's
+    if found != stage:
+        raise StateError(
+            f"'{state.get('_path', 'the training state')}' is a stage-{found} training state, "
+            f"but this is a stage-{stage} run; give each stage its own run_dir")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if ema is not None and state.get("ema") is not None:  # else: the EMA restarts from the model
+        ema.load_state_dict(state["ema"])
+    precision.load_state_dict(state.get("scaler"))
+    set_rng_state(state["rng"])
 
 
 def _step_of(path: str) -> int:

@@ -28,7 +28,6 @@ from rebm.training.config_classes import (
     TrainConfig,
     ignored_fields_set,
     plan_batches,
-    to_dict,
 )
 from rebm.training.curriculum import Curriculum
 from rebm.training.data import build_train_data
@@ -37,10 +36,10 @@ from rebm.training.modeling import get_model, get_optimizer
 from rebm.training.state import (
     StateError,
     agree_on_resume,
+    load_training_state,
     replicas_identical,
-    rng_state,
     save_on_main,
-    set_rng_state,
+    training_state,
 )
 from rebm.training.step import MetricsWindow, Precision, dat_step, global_aucs
 from rebm.training.tracking import Tracker, progress_bar, resolve_run_dir
@@ -88,28 +87,14 @@ class Parts:
         return [self.raw_model] + ([self.ema] if self.ema is not None else [])
 
     def state_dict(self, cfg: TrainConfig, world_size: int, wandb_run_id: Optional[str]) -> dict:
-        return {
-            "step": self.progress.step,
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "scaler": self.precision.state_dict(),
-            "curriculum": self.curriculum.state_dict(),
-            "best": dict(self.progress.best),
-            "rng": rng_state(),
-            "wandb_run_id": wandb_run_id,
-            "world_size": world_size,
-            "config": to_dict(cfg),
-        }
+        return training_state(2, self.progress.step, self.raw_model, self.optimizer, self.ema,
+                              self.precision, cfg, world_size, wandb_run_id,
+                              curriculum=self.curriculum.state_dict(),
+                              best=dict(self.progress.best))
 
     def load_state_dict(self, state: dict, is_main: bool) -> None:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        self.precision.load_state_dict(state.get("scaler"))
+        load_training_state(state, 2, self.raw_model, self.optimizer, self.ema, self.precision)
         self.curriculum.load_state_dict(state["curriculum"])
-        set_rng_state(state["rng"])
         self.progress = Progress(step=int(state["step"]), best=dict(state.get("best", {})),
                                  # the saved window is global: carried by rank 0 alone
                                  window=MetricsWindow.restored(state["metrics_window"], is_main),
@@ -170,7 +155,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
     data = build_train_data(cfg, runtime, plan, start_step=parts.progress.step)
     batches = iter(data)
     preemption = PreemptionFlag().install()
-    last_step = _last_step(cfg, data.steps_per_epoch)
+    last_step = planned_last_step(cfg, data.steps_per_epoch)
     bar = progress_bar(runtime, parts.progress.step, last_step, cfg.batch_size)
     LOGGER.info("data: %s; training to step %s", data.describe(), last_step)
     parts.progress.window.started = time.perf_counter()  # images/s counts training only
@@ -195,7 +180,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
                     f"non-finite loss at step {step} on at least one rank; the newest state in "
                     f"{run_dir}/checkpoints is from before it (try a lower lr)")
             at_intervals(parts, metrics, cfg, runtime, tracker, data.epoch_of(step - 1))
-            if decision["preempt"]:
+            if decision["preempt"] and step < last_step:  # at the last step: just finish
                 save_training_state(parts, cfg, runtime, run_dir, tracker)
                 LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the "
                                "same command with run_dir=%s to resume",
@@ -213,9 +198,10 @@ def train(cfg: TrainConfig, runtime: Runtime) -> Dict[str, float]:
     if cfg.n_imgs_per_evaluation_log and not crossed(cfg.n_imgs_per_evaluation_log, final_step,
                                                      cfg.batch_size):
         evaluate_and_keep_best(parts, cfg, runtime, tracker, data.epoch_of(final_step - 1))
-    save_training_state(parts, cfg, runtime, run_dir, tracker)
+    # model_final first: once the final state exists, a rerun has nothing left to do
     if runtime.is_main:
         save_model(parts.eval_model, os.path.join(run_dir, "model_final.pth"))
+    save_training_state(parts, cfg, runtime, run_dir, tracker)
     tracker.close()
     LOGGER.info("finished at step %d", final_step)
     return {"step": final_step}
@@ -285,7 +271,8 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, runtime: Runtime, tra
     return results
 
 
-def _last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
+def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The step the run trains to: the first of max_steps and total_epochs (inf if neither)."""
     limits = []
     if cfg.max_steps is not None:
         limits.append(cfg.max_steps)

@@ -53,9 +53,9 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
     one, half = cores, max(1, cores // 2)
     return [
         ("breakdown/quickstart", ["breakdown", *qs, *r(5, 1), *w(2, 1)], one),
-        ("breakdown/wrn", ["breakdown", *r(2, 1), *w(1, 1), *wrn], one),
+        ("breakdown/wrn", ["breakdown", *r(3, 1), *w(1, 1), *wrn], one),
         ("steps/quickstart", ["steps", *qs, *r(20, 2), *w(3, 1)], one),
-        ("steps/wrn", ["steps", *r(2, 1), *w(1, 1), *wrn], one),
+        ("steps/wrn", ["steps", *r(3, 1), *w(1, 1), *wrn], one),
         ("peer/wrn", ["peer", *r(2, 1), *w(1, 1), *wrn], one),
         ("ddp/quickstart/ws1", ["ddp", "--world-size", "1", *r(20, 2), *w(3, 1), *qs], one),
         ("ddp/quickstart/ws2", ["ddp", "--world-size", "2", *r(20, 2), *w(3, 1), *qs], half),

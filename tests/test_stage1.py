@@ -89,8 +89,8 @@ def test_robustness_test_prints_json(stage1_torchrun, flag, key):
 # Steps are ~30 ms here: 200 of them leave time for a signal to arrive mid-run.
 RESUME = ["batch_size=32", "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=320",
           "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=1600", "--schedule", "constant"]
-# A stop at max_steps logs (and empties) the metrics window; the SIGTERM test's stop falls
-# inside a window, so it checks the window's restore through metrics.jsonl.
+# A stop at max_steps logs (and empties) the metrics window; the SIGTERM test's stop usually
+# falls inside a window, so it checks the window's restore through metrics.jsonl.
 RESUME_STEPS, RESUME_STOP = 200, 95
 
 
@@ -145,7 +145,8 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path)
     saved = sorted((run_dir / "checkpoints").glob("state_*.pt"))
     assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
     stopped_at = torch.load(saved[0], weights_only=True)["step"]
-    assert 0 < stopped_at < steps and stopped_at % 10, stopped_at  # inside a metrics window
+    # mid-run (usually inside a metrics window: 9 times in 10 the step is not a multiple of 10)
+    assert 0 < stopped_at < steps, stopped_at
     run_command(cmd, timeout=150, env=base_env(1)).assert_ok()
     assert_states_identical(final_state(stage1_straight, steps), final_state(run_dir, steps))
     assert (run_dir / "model_final.pth").exists()

@@ -190,6 +190,15 @@ def build(cfg: TrainConfig, runtime: Runtime):
     return build_parts(cfg, runtime)
 
 
+def single_process(args, overrides: Sequence[str] = ()) -> tuple:
+    """(cfg, runtime, plan, parts) of a one-process section: the config with `overrides`, the
+    device, the thread count of the run, a 1-rank batch plan, and freshly built parts."""
+    cfg = make_config(args.config, args.workdir, [*args.set, *overrides], args.device)
+    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
+    torch.set_num_threads(args.threads)
+    return cfg, runtime, plan_batches(cfg, 1), build(cfg, runtime)
+
+
 def n_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -301,11 +310,7 @@ def section_breakdown(args) -> dict:
     from rebm.training.tracking import Tracker
     from rebm.training.train import save_training_state
 
-    cfg = make_config(args.config, args.workdir, args.set, args.device)
-    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
-    torch.set_num_threads(args.threads)
-    plan = plan_batches(cfg, 1)
-    parts = build(cfg, runtime)
+    cfg, runtime, plan, parts = single_process(args)
     os.makedirs(cfg.run_dir, exist_ok=True)
     tracker = Tracker(cfg, runtime, cfg.run_dir)
     data = build_train_data(cfg, runtime, plan, start_step=0)
@@ -441,12 +446,8 @@ class MinimalDAT:
 def section_steps(args) -> dict:
     from rebm.training.data import build_train_data
 
-    cfg = make_config(args.config, args.workdir, args.set, args.device)
-    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
-    torch.set_num_threads(args.threads)
-    plan = plan_batches(cfg, 1)
+    cfg, runtime, plan, parts = single_process(args)
     assert plan.accumulation_steps == 1
-    parts = build(cfg, runtime)
     minimal = MinimalDAT(parts.raw_model, cfg)
     data = build_train_data(cfg, runtime, plan)
     n = args.warmup + args.reps
@@ -526,13 +527,10 @@ def section_peer(args) -> dict:
     from rebm.training.data import build_train_data
     from rebm.training.step import Precision, dat_step
 
-    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
-    torch.set_num_threads(args.threads)
     variants = {}
     for name, overrides in PEER_VARIANTS.items():
-        cfg = make_config(args.config, args.workdir, [*args.set, *overrides], args.device)
-        plan = plan_batches(cfg, 1)
-        variants[name] = (cfg, plan, build(cfg, runtime))
+        cfg, runtime, plan, parts = single_process(args, overrides)
+        variants[name] = (cfg, plan, parts)
     cfg, plan, parts = variants["nchw"]
     data = build_train_data(cfg, runtime, plan)
     n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles the compiled variant
@@ -785,11 +783,7 @@ def section_resume(args) -> dict:
     from rebm.training.state import list_states, read_state
     from rebm.training.train import restore, resume_state, save_training_state
 
-    cfg = make_config(args.config, args.workdir, args.set, args.device)
-    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
-    torch.set_num_threads(args.threads)
-    plan = plan_batches(cfg, 1)
-    parts = build(cfg, runtime)
+    cfg, runtime, plan, parts = single_process(args)
     steps = (10, 10_000)
     paths = {}
     tracker = SimpleNamespace(wandb_run_id=None)  # what save_training_state reads of it
@@ -839,10 +833,7 @@ def section_checkpoint(args) -> dict:
     from rebm.training.state import list_states, read_state
     from rebm.training.train import save_training_state
 
-    cfg = make_config(args.config, args.workdir, args.set, args.device)
-    runtime = Runtime(device=torch.device("cuda" if args.device == "cuda" else "cpu"))
-    torch.set_num_threads(args.threads)
-    parts = build(cfg, runtime)
+    cfg, runtime, _, parts = single_process(args)
     # One cheap optimizer step so the state holds momentum buffers and an updated EMA.
     raw = parts.raw_model
     x = torch.rand(2, 3, cfg.data.image_size, cfg.data.image_size, device=runtime.device)

@@ -21,11 +21,11 @@ from typing import List, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from rebm import cli
+from rebm.data.pipeline import build_eval_data
 from rebm.distributed import print_line, setup_logging
 from rebm.eval.calibration import evaluate_ece
 from rebm.eval.evaluate import eval_batch_size, evaluate_model, load_eval_model
-from rebm.training import cli
-from rebm.training.data import build_eval_data
 
 
 def run(cfg, runtime, calibration_only: bool) -> dict:

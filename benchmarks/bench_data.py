@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from fake_data import write_fake_cifar10  # noqa: E402
 
 from rebm.distributed import Runtime  # noqa: E402
-from rebm.training.augmentations import augment_batch, build_augmentation  # noqa: E402
-from rebm.training.config_classes import TrainConfig, plan_batches  # noqa: E402
-from rebm.training.data import build_train_data, load_indist, outdist_source  # noqa: E402
-from rebm.training.sampling import StreamSchedule  # noqa: E402
+from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
+from rebm.config import TrainConfig, plan_batches  # noqa: E402
+from rebm.data.pipeline import build_train_data, load_indist, outdist_source  # noqa: E402
+from rebm.data.sampling import StreamSchedule  # noqa: E402
 
 TINY_RECORDS = 80_000_000
 

@@ -57,15 +57,15 @@ import torch.nn.functional as F  # noqa: E402
 from rebm import distributed as rd  # noqa: E402
 from rebm.attacks.pgd import pgd_attack, pgd_from_config  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
-from rebm.training.config_classes import (  # noqa: E402
+from rebm.config import (  # noqa: E402
     TrainConfig,
     load_config,
     loss_weights,
     plan_batches,
 )
 from rebm.training.modeling import strip_parallel  # noqa: E402
-from rebm.training.objective import dat_loss  # noqa: E402
-from rebm.training.step import MetricsWindow, StepMetrics, global_aucs  # noqa: E402
+from rebm.methods.dat.objective import dat_loss  # noqa: E402
+from rebm.methods.dat.step import MetricsWindow, StepMetrics, global_aucs  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "experiments", "quickstart", "digits.yaml")
 WRN_OVERRIDES = [
@@ -305,9 +305,9 @@ def _pieces_step(parts, cfg: TrainConfig, plan, runtime: Runtime, batches, watch
 
 
 def section_breakdown(args) -> dict:
-    from rebm.training.data import build_train_data
-    from rebm.training.state import replicas_identical
-    from rebm.training.tracking import Tracker
+    from rebm.data.pipeline import build_train_data
+    from rebm.checkpoint.state import replicas_identical
+    from rebm.engine.tracking import Tracker
     from rebm.training.train import save_training_state
 
     cfg, runtime, plan, parts = single_process(args)
@@ -444,7 +444,7 @@ class MinimalDAT:
 
 
 def section_steps(args) -> dict:
-    from rebm.training.data import build_train_data
+    from rebm.data.pipeline import build_train_data
 
     cfg, runtime, plan, parts = single_process(args)
     assert plan.accumulation_steps == 1
@@ -524,8 +524,8 @@ def section_peer(args) -> dict:
     """dat_step exactly as the loop calls it, float32, in each of PEER_VARIANTS (interleaved),
     plus the FLOPs of the step and the machine's measured GEMM rate, to relate step times to
     what the hardware can do."""
-    from rebm.training.data import build_train_data
-    from rebm.training.step import Precision, dat_step
+    from rebm.data.pipeline import build_train_data
+    from rebm.methods.dat.step import Precision, dat_step
 
     variants = {}
     for name, overrides in PEER_VARIANTS.items():
@@ -615,7 +615,7 @@ def _ddp_worker(opts: dict) -> None:
             ensure_fake_cifar(opts["workdir"], max(1024, 4 * _batch_override(opts["set"])))
         rd.barrier(runtime)
         cfg = make_config(opts["config"], opts["workdir"], opts["set"], opts["device"])
-        from rebm.training.data import build_train_data
+        from rebm.data.pipeline import build_train_data
 
         plan = plan_batches(cfg, runtime.world_size)
         parts = build(cfg, runtime)
@@ -779,8 +779,8 @@ def section_attack(args) -> dict:
 # Section: resume
 # ---------------------------------------------------------------------------------------------
 def section_resume(args) -> dict:
-    from rebm.training.data import build_train_data
-    from rebm.training.state import list_states, read_state
+    from rebm.data.pipeline import build_train_data
+    from rebm.checkpoint.state import list_states, read_state
     from rebm.training.train import restore, resume_state, save_training_state
 
     cfg, runtime, plan, parts = single_process(args)
@@ -830,7 +830,7 @@ def section_resume(args) -> dict:
 # Section: checkpoint
 # ---------------------------------------------------------------------------------------------
 def section_checkpoint(args) -> dict:
-    from rebm.training.state import list_states, read_state
+    from rebm.checkpoint.state import list_states, read_state
     from rebm.training.train import save_training_state
 
     cfg, runtime, _, parts = single_process(args)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from rebm.distributed import Runtime
 from rebm.eval.evaluate import eval_batch_size, evaluate_model
 from rebm.models import build_model, dataset_stats
-from rebm.training.config_classes import load_config
-from rebm.training.data import load_indist
+from rebm.config import load_config
+from rebm.data.pipeline import load_indist
 from rebm.training.modeling import get_optimizer
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rebm.attacks import keyed_uniform, pgd_attack, pgd_from_config, random_start
-from rebm.training.config_classes import AttackConfig
+from rebm.config import AttackConfig
 
 
 class TinyNet(nn.Module):

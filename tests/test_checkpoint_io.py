@@ -14,13 +14,13 @@ from torch.optim.swa_utils import AveragedModel
 
 from rebm.distributed import barrier, setup_distributed, spawn, teardown
 from rebm.models import build_model
-from rebm.training.checkpoint_io import (
+from rebm.checkpoint.weights import (
     CheckpointError,
     atomic_torch_save,
     load_checkpoint,
     save_model,
 )
-from rebm.training.config_classes import TrainConfig
+from rebm.config import TrainConfig
 from rebm.training.modeling import get_model, unwrap
 
 ARCH = "WideResNet10x1"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rebm.training import train as train_entry
-from rebm.training.config_classes import (
+from rebm.config import (
     ConfigError,
     ignored_fields_set,
     load_config,
@@ -125,9 +125,9 @@ def test_batch_not_divisible_by_world_size():
 
 
 def test_configs_doc_is_generated_from_the_dataclasses():
-    from rebm.training.config_docs import render
+    from rebm.config.docs import render
 
     committed = (REPO / "docs" / "configs.md").read_text()
-    assert committed == render(), "regenerate: python -m rebm.training.config_docs > docs/configs.md"
+    assert committed == render(), "regenerate: python -m rebm.config.docs > docs/configs.md"
     for key in ("batch_size", "per_device_batch_size", "attack.eps", "data.indist_dataset"):
         assert f"`{key}`" in committed

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rebm.distributed import Runtime
-from rebm.training.augmentations import augment_batch, build_augmentation
-from rebm.training.config_classes import TrainConfig, plan_batches
-from rebm.training.data import (
+from rebm.data.augmentations import augment_batch, build_augmentation
+from rebm.config import TrainConfig, plan_batches
+from rebm.data.pipeline import (
     DataError,
     build_eval_data,
     build_train_data,
@@ -25,8 +25,8 @@ from rebm.training.data import (
     load_outdist,
     loader_workers,
 )
-from rebm.training.datasets import TinyImagesSource, _UncheckedCIFAR10
-from rebm.training.sampling import KeyedPermutation, rank_positions
+from rebm.data.sources import TinyImagesSource, _UncheckedCIFAR10
+from rebm.data.sampling import KeyedPermutation, rank_positions
 from tests.fake_data import (
     write_fake_cifar10,
     write_fake_cifar100,

@@ -19,7 +19,7 @@ from rebm import distributed as rd
 from rebm.eval import fid
 from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_calibration_error
 from rebm.eval.generation import SeedImageError, SeedImages
-from rebm.training.config_classes import load_config
+from rebm.config import load_config
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
@@ -62,7 +62,7 @@ def _fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 def fake_cifar(tmp_path_factory):
     """(data root, checkpoint path) of a tiny CIFAR-10 and a model that fits part of its test set."""
     from rebm.models import build_model
-    from rebm.training.data import indist_source
+    from rebm.data.pipeline import indist_source
 
     root = tmp_path_factory.mktemp("cifar")
     write_fake_cifar10(str(root), n_train=10, n_test=N_TEST)
@@ -84,7 +84,7 @@ def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
     from rebm.eval.fid import compute_fid
     from rebm.eval.generation import generate_samples
     from rebm.eval.ood import build_ood_data, evaluate_ood
-    from rebm.training.data import build_eval_data
+    from rebm.data.pipeline import build_eval_data
 
     runtime = rd.setup_distributed()
     cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
@@ -276,7 +276,7 @@ def test_seed_images_from_tensor_file_folder_and_noise(tmp_path):
 @pytest.mark.timeout(180)
 def test_evaluate_entry_point_prints_json(tmp_path):
     from rebm.models import build_model, dataset_stats
-    from rebm.training.data import load_indist
+    from rebm.data.pipeline import load_indist
 
     config = str(REPO / "experiments" / "quickstart" / "digits.yaml")
     cfg = load_config(config)

@@ -16,12 +16,12 @@ from rebm.attacks import pgd as pgd_module
 from rebm.attacks.pgd import pgd_attack, pgd_from_config
 from rebm.distributed import Runtime
 from rebm.models import build_model
-from rebm.training.checkpoint_io import load_checkpoint
-from rebm.training.config_classes import load_config, plan_batches
-from rebm.training.data import build_train_data
+from rebm.checkpoint.weights import load_checkpoint
+from rebm.config import load_config, plan_batches
+from rebm.data.pipeline import build_train_data
 from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
-from rebm.training.objective import dat_loss
-from rebm.training.step import Precision, dat_step
+from rebm.methods.dat.objective import dat_loss
+from rebm.methods.dat.step import Precision, dat_step
 
 pytestmark = pytest.mark.timeout(120)
 

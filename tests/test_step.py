@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from rebm import distributed as rd
-from rebm.training.config_classes import load_config, plan_batches
-from rebm.training.data import build_train_data
+from rebm.config import load_config, plan_batches
+from rebm.data.pipeline import build_train_data
 from rebm.training.modeling import get_model, get_optimizer
-from rebm.training.step import Precision, dat_step
+from rebm.methods.dat.step import Precision, dat_step
 
 pytestmark = pytest.mark.timeout(180)
 

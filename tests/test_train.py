@@ -115,8 +115,8 @@ def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
 
 def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
     from rebm.distributed import Runtime
-    from rebm.training.config_classes import load_config
-    from rebm.training.tracking import Tracker
+    from rebm.config import load_config
+    from rebm.engine.tracking import Tracker
 
     cfg = load_config(CONFIG, ["wandb_disabled=true"])
     tracker = Tracker(cfg, Runtime(), str(tmp_path))

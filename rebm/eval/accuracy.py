@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_from_config
+from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_reduce_sum
-from rebm.training.modeling import unwrap
-from rebm.training.sampling import sample_keys
+from rebm.distributed.parallel import unwrap
 
 LOGGER = logging.getLogger("rebm")
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from rebm.distributed import Runtime, all_reduce_sum
 from rebm.eval.accuracy import eval_mode
-from rebm.training.modeling import unwrap
+from rebm.distributed.parallel import unwrap
 
 N_BINS = 20
 

@@ -23,16 +23,20 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from rebm import cli
+from rebm.checkpoint.weights import CheckpointError, load_checkpoint
+from rebm.config import eval_batch_size
+from rebm.data import build_eval_data
 from rebm.distributed import Runtime, broadcast_object, print_line, setup_logging
+from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import evaluate_accuracy
 from rebm.eval.calibration import evaluate_ece
 from rebm.eval.fid import compute_fid
 from rebm.eval.generation import generate_samples, save_grid
 from rebm.eval.ood import build_ood_data, evaluate_ood
-from rebm.training import cli
-from rebm.training.modeling import unwrap
-from rebm.training.tracking import jsonable
+from rebm.eval.report import jsonable
+from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
 
@@ -49,26 +53,11 @@ def robust_eval_attack(cfg):
     return dataclasses.replace(cfg.indist_attack_clf, max_steps=cfg.robust_eval_steps)
 
 
-def eval_batch_size(cfg, runtime: Runtime) -> int:
-    """Images per rank and batch: `per_device_eval_batch_size`, by default the global
-    `batch_size` capped at three training micro-batches.
-
-    Evaluation batches are independent of the world size where they can be: halving them with
-    every doubling of ranks made 2-rank evaluation run twice as many half-size batches, which
-    small models on CPU pay for in per-batch overhead. The cap keeps memory safe: the training
-    loss pass already holds activations of 3 micro-batches (in-dist, negatives, adversarial),
-    more than an input-gradient attack on as many images needs.
-    """
-    if cfg.per_device_eval_batch_size:
-        return cfg.per_device_eval_batch_size
-    micro_batch = cfg.per_device_batch_size or max(1, cfg.batch_size // runtime.world_size)
-    return min(cfg.batch_size, 3 * micro_batch)
-
-
 def evaluate_model(
     model: nn.Module,
     cfg,
     runtime: Runtime,
+    batch_size: Optional[int] = None,
     run_dir: Optional[str] = None,
     step: Optional[int] = None,
     loader=None,
@@ -83,12 +72,12 @@ def evaluate_model(
     cfg.robust_eval), "fid" (when samples are drawn, image_log.log_fid is set and FID can be
     computed here), "ece" / "ood_auroc" / "autoattack_test_acc" when asked for. With `samples`,
     rank 0 saves a PNG grid into <run_dir>/samples/. Pass `loader` (from `build_eval_data`) to
-    reuse one across calls. Every rank must call this with the same arguments.
+    reuse one across calls. `batch_size`: images per rank and batch (default: the batch plan's
+    evaluation batch, `rebm.config.eval_batch_size`). Every rank must call this with the same
+    arguments.
     """
-    from rebm.training.data import build_eval_data
-
     model = unwrap(model)
-    batch_size = eval_batch_size(cfg, runtime)
+    batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
     if loader is None:
         loader = build_eval_data(cfg, runtime, batch_size)
     metrics: Dict[str, Any] = evaluate_accuracy(
@@ -117,19 +106,13 @@ def evaluate_model(
 def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
     """The plain model with the weights of `model.ckpt_path` (EMA weights of a training state
     when use_ema), on this rank's device, never wrapped: evaluation runs no DDP forward."""
-    from rebm.models import build_model, dataset_stats
-    from rebm.training.checkpoint_io import CheckpointError, load_checkpoint
-
     path = cfg.model.ckpt_path
     if not path:
         raise EvalError("model.ckpt_path is not set; pass model.ckpt_path=PATH of the "
                         "checkpoint to evaluate")
     if not os.path.isfile(path):
         raise EvalError(f"model.ckpt_path '{path}' does not exist")
-    mean, std = dataset_stats(cfg.data.indist_dataset)
-    model = build_model(cfg.model.model_type, cfg.data.num_classes,
-                        normalize_input=cfg.model.normalize_input, mean=mean, std=std,
-                        use_batchnorm=cfg.model.use_batchnorm)
+    model = model_from_config(cfg)
     try:
         load_checkpoint(model, path, prefer_ema=cfg.use_ema)
     except CheckpointError as err:

@@ -1,4 +1,4 @@
-"""Class-conditional samples: PGD ascent on f_y(x) from fixed seed images (DESIGN.md §1).
+"""Class-conditional samples: PGD ascent on f_y(x) from fixed seed images (docs/design.md §1).
 
 Sample i starts from seed image i with target label i % num_classes (balanced classes), and runs
 `image_log.num_steps` L2 steps of `image_log.step_size` inside radius `image_log.eps`.
@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
+from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
-from rebm.training.modeling import unwrap
-from rebm.training.sampling import sample_keys
+from rebm.distributed.parallel import unwrap
 
 LOGGER = logging.getLogger("rebm")
 
@@ -48,7 +48,7 @@ _GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitte
 def fitted_gaussian(cfg) -> Tuple[Tensor, Tensor]:
     """(mean, Cholesky factor of the covariance) of the flattened in-distribution training
     images (the first GAUSSIAN_FIT_IMAGES of them), fitted once per dataset and size."""
-    from rebm.training.data import indist_source
+    from rebm.data.pipeline import indist_source
 
     key = (cfg.data.indist_dataset, cfg.data.indist_ds_dir, cfg.data.image_size)
     if key not in _GAUSSIANS:
@@ -87,7 +87,7 @@ class SeedImages:
 
     def _open(self, path: str) -> None:
         # Imported here: the data module is heavy and only file/folder seeds need it.
-        from rebm.training.datasets import ImageFileSource, image_tensor_file, list_image_files
+        from rebm.data.sources import ImageFileSource, image_tensor_file, list_image_files
 
         if os.path.isdir(path):
             files = list_image_files(path)

@@ -19,11 +19,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_from_config
+from rebm.data.sampling import eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.eval.accuracy import eval_mode, index_keys
-from rebm.training.curriculum import binary_auc
-from rebm.training.modeling import unwrap
-from rebm.training.sampling import eval_shard
+from rebm.eval.auc import binary_auc
+from rebm.distributed.parallel import unwrap
 
 SCORES = ("max_softmax", "lse")
 OOD_ATTACK_EPOCH = 1  # key stream of the OOD attack, distinct from the robust-accuracy attack
@@ -124,7 +124,7 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     """This rank's shard (indices rank, rank+W, ...) of the first `num_samples` images of the
     configured out-distribution (`data.outdist_dataset`), un-augmented, or of `dataset`."""
     if dataset is None:
-        from rebm.training.data import load_outdist
+        from rebm.data.pipeline import load_outdist
 
         dataset = load_outdist(cfg, augm="none")
     items = _FirstN(dataset, num_samples)

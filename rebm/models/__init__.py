@@ -1,22 +1,19 @@
 """Models know nothing about processes: they take tensors and return logits.
 
-`MODEL_NAMES` is defined here without importing torch, because config validation imports it;
-everything else is loaded on first use (PEP 562 module __getattr__).
+A model is one registration in the registry (`rebm.models.registry.register`). Importing this
+package does not import torch (config validation imports it); everything else is loaded on first
+use (PEP 562 module __getattr__).
 """
 
-MODEL_NAMES = (
-    "WideResNet34x10",
-    "WideResNet28x10",
-    "WideResNet16x4",
-    "WideResNet16x2",
-    "WideResNet10x1",
-)
+from rebm.models.registry import build_model, model_from_config, model_names, register
 
-_LAZY = ("WideResNet", "build_model", "dataset_stats", "CIFAR10_MEAN", "CIFAR10_STD")
-__all__ = ["MODEL_NAMES", *_LAZY]
+_LAZY = ("WideResNet", "dataset_stats", "CIFAR10_MEAN", "CIFAR10_STD")
+__all__ = ["build_model", "model_from_config", "model_names", "register", *_LAZY]
 
 
 def __getattr__(name: str):
+    if name == "MODEL_NAMES":
+        return model_names()
     if name in _LAZY:
         from rebm.models import wideresnet
 

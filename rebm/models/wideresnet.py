@@ -1,7 +1,7 @@
 """Pre-activation WideResNet with the state-dict names of the original DAT / In-N-Out code.
 
 The names (`conv1`, `blockS.layer.I.{bn1,conv1,bn2,conv2,convShortcut}`, `bn1`, `fc`) are part of
-the contract (DESIGN.md §1): checkpoints of the original code must load unchanged and give the
+the contract (docs/design.md §1): checkpoints of the original code must load unchanged and give the
 same logits. Input normalisation lives inside the model as non-persistent buffers, so it never
 appears in (or is expected from) a state dict.
 """
@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rebm.models.registry import register
+
 # CIFAR-10 training-set statistics, to full precision; the original uses them for CIFAR-100 too.
 CIFAR10_MEAN = (0.4913997551666284, 0.48215855929893703, 0.4465309133731618)
 CIFAR10_STD = (0.24703225141799082, 0.24348516474564, 0.26158783926049628)
@@ -21,7 +23,7 @@ CIFAR10_STD = (0.24703225141799082, 0.24348516474564, 0.26158783926049628)
 DIGITS_MEAN = (0.5, 0.5, 0.5)
 DIGITS_STD = (0.5, 0.5, 0.5)
 
-# name -> (depth, widen factor); keep in sync with rebm.models.MODEL_NAMES (tested)
+# name -> (depth, widen factor), each registered below
 ARCHITECTURES = {
     "WideResNet34x10": (34, 10),
     "WideResNet28x10": (28, 10),
@@ -154,28 +156,12 @@ class WideResNet(nn.Module):
         return logits[torch.arange(logits.shape[0], device=logits.device), y]
 
 
-def build_model(
-    model_type: str,
-    num_classes: int,
-    normalize_input: bool = True,
-    mean: Optional[Sequence[float]] = None,
-    std: Optional[Sequence[float]] = None,
-    use_batchnorm: bool = False,
-    in_channels: int = 3,
-) -> nn.Module:
-    """Model by its `model.model_type` name (see MODEL_NAMES)."""
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"unknown model_type '{model_type}'; use one of {', '.join(ARCHITECTURES)}"
-        )
-    depth, widen = ARCHITECTURES[model_type]
-    return WideResNet(
-        depth=depth,
-        widen_factor=widen,
-        num_classes=num_classes,
-        in_channels=in_channels,
-        normalize_input=normalize_input,
-        mean=mean,
-        std=std,
-        use_batchnorm=use_batchnorm,
-    )
+def _register_wideresnet(name: str, depth: int, widen_factor: int) -> None:
+    @register(name)
+    def build(num_classes: int, **options) -> WideResNet:
+        return WideResNet(depth=depth, widen_factor=widen_factor, num_classes=num_classes,
+                          **options)
+
+
+for _name, (_depth, _widen) in ARCHITECTURES.items():
+    _register_wideresnet(_name, _depth, _widen)

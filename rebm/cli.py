@@ -1,5 +1,6 @@
-"""Shared command-line plumbing of the entry points (train, evaluate): arguments, config loading,
-`--check`, and turning the user-fixable errors into one line and a non-zero exit."""
+"""Shared command-line plumbing of the entry points (both training stages, evaluation, the
+robustness test): arguments, config loading, `--check`, the launch (this process, or N spawned
+ones), and turning the user-fixable errors into one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -7,23 +8,25 @@ import argparse
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-from rebm.errors import UserError
-from rebm.training.config_classes import (
+from rebm.config import (
+    ConfigError,
     TrainConfig,
     ignored_fields_set,
     load_config,
     plan_batches,
     to_yaml,
 )
+from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
 
 
-def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def build_parser(prog: str, description: str, config_optional: bool = False
+                 ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -34,7 +37,8 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
             "launch on N processes with: torchrun --nproc_per_node=N -m " + prog + " CONFIG ..."
         ),
     )
-    parser.add_argument("config", help="experiment YAML file")
+    parser.add_argument("config", nargs="?" if config_optional else None,
+                        help="experiment YAML file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--check", action="store_true",
                         help="validate the config, print it resolved as YAML, and exit")
@@ -97,23 +101,45 @@ def user_errors_exit() -> Iterator[None]:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
-def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body) -> int:
-    """The shared body of the entry points: parse, load and validate the config (`--check`
-    stops there), set up the process group, run `body(cfg, runtime, args)`, tear down. A
-    user-fixable error anywhere is one line and exit code 2."""
-    from rebm.distributed import setup_distributed, teardown
+Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
+
+
+def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
+              prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None
+              ) -> int:
+    """The shared body of the entry points: parse, load and validate the config (`prepare` adds
+    the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
+    process, or in `args.nproc` spawned ones when the parser has `--nproc`. A user-fixable
+    error anywhere is one line and exit code 2."""
+    from rebm.distributed.launch import spawn
 
     with user_errors_exit():
         args, cfg = parse_and_load(parser, argv)
+        if prepare is not None:
+            prepare(args, cfg)
         if args.check:
             return check_config(cfg)
+        nproc = getattr(args, "nproc", 1)
+        if nproc > 1:
+            if "WORLD_SIZE" in os.environ:
+                raise ConfigError("--nproc starts its own processes: do not combine it with "
+                                  "torchrun")
+            plan_batches(cfg, nproc)  # fail here, once, not in N children
+    spawn(run_worker, nproc, body, cfg, args)
+    return 0
+
+
+def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
+    """One process (plain, torchrun or spawned): its rank comes from the environment."""
+    from rebm.distributed.runtime import setup_distributed, teardown
+
+    with user_errors_exit():
         runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
                                     device=cfg.device, timeout_s=cfg.ddp_timeout_s)
         try:
             body(cfg, runtime, args)
         finally:
             teardown(runtime)
-    return 0
 
 
 def parse_and_load(parser: argparse.ArgumentParser,

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from ema_pytorch import EMA
 
-from rebm.training.config_classes import TrainConfig
+from rebm.config import TrainConfig
 
 
 def build_ema(raw_model: torch.nn.Module, cfg: TrainConfig) -> Optional[EMA]:

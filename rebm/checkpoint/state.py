@@ -2,7 +2,7 @@
 
 A state holds everything that decides what happens next (model, optimizer, EMA, GradScaler,
 step, curriculum, metric bests, RNG, wandb id, config); the data position is the step itself,
-because the samplers seek to any step in O(1) (rebm/training/sampling.py)."""
+because the samplers seek to any step in O(1) (rebm/data/sampling.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from rebm.checkpoint.weights import atomic_torch_save
+from rebm.config import to_dict
 from rebm.distributed import Runtime, all_gather_cat, consensus, decide_on_main
 from rebm.errors import UserError
-from rebm.training.checkpoint_io import atomic_torch_save
-from rebm.training.config_classes import to_dict
 
 LOGGER = logging.getLogger("rebm")
 STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")

@@ -1,6 +1,6 @@
 """Universal model-checkpoint loading and atomic saving.
 
-`load_checkpoint` accepts every layout this project and the original code write (DESIGN.md §5):
+`load_checkpoint` accepts every layout this project and the original code write (docs/design.md §5):
   - a plain state dict;
   - wrapper prefixes, nested in any order: `module.` (DataParallel / DDP / AveragedModel),
     `_orig_mod.` (torch.compile), `base_model.`, `ema_model.` (ema-pytorch);
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from rebm.errors import UserError
-from rebm.training.modeling import unwrap
+from rebm.distributed.parallel import unwrap
 
 LOGGER = logging.getLogger("rebm")
 

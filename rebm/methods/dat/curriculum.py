@@ -1,6 +1,6 @@
-"""The out-distribution attack curriculum (DESIGN.md section 1, step 5) and its AUC statistic.
+"""DAT's out-distribution attack curriculum (docs/design.md §1, step 5).
 
-The trainer feeds `Curriculum.update` the AUC of the *global* batch (the same number on every
+The method feeds `Curriculum.update` the AUC of the *global* batch (the same number on every
 rank), so every rank takes the same decision without a collective here.
 """
 
@@ -9,27 +9,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from typing import Any, Dict, Optional
-
-import torch
-from torch import Tensor
-
-
-def binary_auc(pos_scores: Tensor, neg_scores: Tensor) -> Tensor:
-    """ROC-AUC of positives vs negatives (Mann-Whitney U, ties count 1/2), a float64 scalar.
-
-    Equals sklearn.metrics.roc_auc_score on [pos; neg] with labels [1..1; 0..0]. Fully in torch
-    and without host synchronisation: for every positive, count the negatives below it and
-    those equal to it by binary search in the sorted negatives.
-    """
-    pos = pos_scores.detach().flatten().contiguous()
-    neg = neg_scores.detach().flatten()
-    if pos.numel() == 0 or neg.numel() == 0:
-        raise ValueError("binary_auc needs at least one positive and one negative score")
-    neg = torch.sort(neg.to(pos.dtype)).values
-    below = torch.searchsorted(neg, pos, right=False)  # negatives < p
-    below_or_equal = torch.searchsorted(neg, pos, right=True)  # negatives <= p
-    twice_u = (below + below_or_equal).sum()  # exact in int64: 2*U = sum(2*below + equal)
-    return twice_u.to(torch.float64) / (2.0 * pos.numel() * neg.numel())
 
 
 class Curriculum:

@@ -1,4 +1,7 @@
-"""The DAT losses (DESIGN.md section 1, steps 2-3) as pure functions of (model, tensors).
+"""The DAT losses (docs/design.md §1, steps 2-3) as pure functions of (model, tensors).
+
+Adding a loss term is a change here — compute it in `dat_loss`, add it to the total and to
+`DATLoss.terms` — plus its config field; the step (step.py) logs every term.
 
 Every loss is a mean over the micro-batch it is given, so with equal micro-batches
 `sum(loss_i) / accumulation_steps` has exactly the gradient of the full-batch loss.
@@ -12,11 +15,13 @@ gets its own forward, so the double backward of the R1 term only runs through th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rebm.config import TrainConfig, raw_loss_weights
 
 
 @dataclass
@@ -38,9 +43,14 @@ class ClfLoss:
 
 @dataclass
 class DATLoss:
-    loss: Tensor  # ebm.loss + clf.loss
+    loss: Tensor  # the sum of `terms`
     ebm: EBMLoss
     clf: ClfLoss
+
+    @property
+    def terms(self) -> Dict[str, Tensor]:
+        """Every loss term by name; the step logs each as `train_<name>_loss`."""
+        return {"ebm_binary": self.ebm.bce, "r1": self.ebm.r1, "clf": self.clf.loss}
 
 
 def _score(logits: Tensor, y: Optional[Tensor], logsumexp: bool) -> Tensor:
@@ -162,3 +172,10 @@ def dat_loss(
     ebm = _ebm_from_logits(logits[:-1], streams[0], y_in, weights, logsumexp, r1reg)
     clf = ClfLoss(loss=F.cross_entropy(logits[-1], y_clf), logits=logits[-1].detach())
     return DATLoss(loss=ebm.loss + clf.loss, ebm=ebm, clf=clf)
+
+
+def loss_weights(cfg: TrainConfig) -> Tuple[float, float, float]:
+    """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE, normalised."""
+    raw = raw_loss_weights(cfg)
+    total = sum(raw)
+    return tuple(w / total for w in raw) if total > 0 else tuple(raw)  # type: ignore[return-value]

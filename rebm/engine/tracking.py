@@ -1,9 +1,10 @@
-"""What a run writes for people to read (DESIGN.md §4): the run directory, config.yaml,
+"""What a run writes for people to read (docs/design.md §4): the run directory, config.yaml,
 metrics.jsonl, wandb, PNG grids. Only rank 0 writes; the `Tracker` of other ranks is inert, so
 the training loop calls it unconditionally and never runs a collective inside a rank guard."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -13,9 +14,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from rebm.distributed import Runtime, decide_on_main
+from rebm.config import TrainConfig, freeze, to_dict, to_yaml
+from rebm.distributed import Runtime, decide_on_main, print_line
 from rebm.errors import UserError
-from rebm.training.config_classes import TrainConfig, to_dict, to_yaml
+from rebm.eval.report import jsonable
 
 LOGGER = logging.getLogger("rebm")
 
@@ -24,9 +26,9 @@ class RunDirError(UserError, OSError):
     """The run directory cannot be created."""
 
 
-def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> str:
-    """Rank 0 chooses the run directory (the configured one, or runs/<time>), all ranks get it.
-    Called by every rank (it contains a broadcast)."""
+def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> TrainConfig:
+    """Rank 0 chooses the run directory (the configured one, or runs/<time>), all ranks get it;
+    returns the config with that `run_dir`. Called by every rank (it contains a broadcast)."""
     def choose() -> str:
         chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
         try:
@@ -36,9 +38,7 @@ def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> str:
                               "writable run_dir=PATH") from None
         return chosen
 
-    chosen = decide_on_main(runtime, choose)
-    cfg.run_dir = chosen
-    return chosen
+    return freeze(dataclasses.replace(cfg, run_dir=decide_on_main(runtime, choose)))
 
 
 def wandb_mode(cfg: TrainConfig) -> str:
@@ -56,15 +56,6 @@ def wandb_mode(cfg: TrainConfig) -> str:
     return "online" if has_key else "offline"
 
 
-def jsonable(value: Any) -> Any:
-    """A metric value as valid JSON: tensors to numbers, NaN to null, inf to +-1e308."""
-    if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
-    return value
-
-
 def _record_step(line: str) -> float:
     """Step of a metrics.jsonl line; a line cut short by a crash counts as newer (dropped)."""
     try:
@@ -77,8 +68,9 @@ class Tracker:
     """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: str,
-                 wandb_run_id: Optional[str] = None):
+                 wandb_run_id: Optional[str] = None, echo: bool = False):
         self.runtime = runtime
+        self.echo = echo  # also print each record as a JSON line on stdout
         self.active = runtime.is_main
         self.run_dir = run_dir
         self.wandb_run = None
@@ -126,6 +118,8 @@ class Tracker:
         record.update({k: jsonable(v) for k, v in metrics.items()})
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+        if self.echo:
+            print_line(json.dumps(record))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 

@@ -1,7 +1,7 @@
 """Data entry points of training and evaluation.
 
 Training reads three streams per optimizer step, each of global size `batch_size`
-(DESIGN.md §1): the EBM in-distribution stream (`augm_type_generation`), the classifier
+(docs/design.md §1): the EBM in-distribution stream (`augm_type_generation`), the classifier
 in-distribution stream (`augm_type_classification`, an independent shuffle of the same images)
 and the out-distribution stream. `build_train_data` yields, for every optimizer step from
 `start_step` on, this rank's `accumulation_steps` micro-batches.
@@ -31,21 +31,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms.v2 import functional as TF
 
-from rebm.distributed import Runtime
-from rebm.training.augmentations import (
+from rebm.config import BatchPlan, TrainConfig
+from rebm.data.augmentations import (
     Transform,
     augment_batch,
     build_augmentation,
     single_threaded,
 )
-from rebm.training.config_classes import BatchPlan, TrainConfig
-from rebm.training.datasets import (
-    DEFAULT_NOISE_LENGTH,
-    DataError,
-    ImageDataset,
-    ImageSource,
-    NoiseSource,
-    TinyImagesSource,
+from rebm.data.files import (
     image_tensor_file,
     load_cifar,
     load_digits,
@@ -53,7 +46,16 @@ from rebm.training.datasets import (
     load_tensor_file,
     load_unlabelled_folder,
 )
-from rebm.training.sampling import (
+from rebm.data.sources import (
+    DEFAULT_NOISE_LENGTH,
+    DataError,
+    ImageDataset,
+    ImageSource,
+    NoiseSource,
+    TinyImagesSource,
+)
+from rebm.distributed.runtime import Runtime
+from rebm.data.sampling import (
     PURPOSE_AUGMENT,
     PURPOSE_SAMPLE,
     StreamSchedule,

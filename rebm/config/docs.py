@@ -1,5 +1,5 @@
 """Generate docs/configs.md from the config dataclasses, so the reference cannot drift:
-`python -m rebm.training.config_docs > docs/configs.md` (a test regenerates and compares)."""
+`python -m rebm.config.docs > docs/configs.md` (a test regenerates and compares)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from dataclasses import fields, is_dataclass
 from typing import List
 
-from rebm.training.config_classes import (
+from rebm.config import (
     IGNORED_FIELDS,
     AttackConfig,
     DataConfig,
@@ -28,12 +28,13 @@ FIELD_LINE = re.compile(r"^\s+(\w+):\s*[^=]+?(?:=\s*(.*?))?\s*(?:#\s*(.*))?$")
 
 
 def _comments(cls: type) -> dict:
-    """The trailing `# comment` of each field line."""
+    """The trailing `# comment` of each field line (legacy bases included)."""
     out = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = FIELD_LINE.match(line)
-        if match and not line.strip().startswith(("def ", "class ", "@", '"""')):
-            out[match.group(1)] = (match.group(3) or "").strip()
+    for klass in reversed([k for k in cls.__mro__ if k is not object]):
+        for line in inspect.getsource(klass).splitlines():
+            match = FIELD_LINE.match(line)
+            if match and not line.strip().startswith(("def ", "class ", "@", '"""')):
+                out[match.group(1)] = (match.group(3) or "").strip()
     return out
 
 
@@ -48,8 +49,8 @@ def render() -> str:
     lines: List[str] = [
         "# Configuration reference",
         "",
-        "Generated from `rebm/training/config_classes.py` by "
-        "`python -m rebm.training.config_docs`; do not edit by hand.",
+        "Generated from `rebm/config/schema.py` and `rebm/config/legacy.py` by "
+        "`python -m rebm.config.docs`; do not edit by hand.",
         "",
         "One YAML file is one experiment; override any field on the command line with "
         "`key=value` or `section.key=value`. Field names are those of the original DAT configs. "
@@ -61,7 +62,8 @@ def render() -> str:
         comments = _comments(cls)
         instance = cls()
         lines += [f"## {title}", "", "| field | default | meaning |", "|---|---|---|"]
-        for f in fields(cls):
+        # the fields rebm reads first, then the accepted-but-ignored legacy ones
+        for f in sorted(fields(cls), key=lambda f: (prefix + f.name) in IGNORED_FIELDS):
             if is_dataclass(getattr(instance, f.name)):
                 continue
             key = prefix + f.name

@@ -1,0 +1,1 @@
+"""Checkpoint files: model weights (universal loader, atomic writes) and training states."""

@@ -1,0 +1,125 @@
+"""Fields of the original DAT configs that rebm accepts but does not use.
+
+They live here, as bases of the config sections, so that old experiment files load unchanged
+while the sections in schema.py list only what rebm reads. A legacy field set to a non-default
+value is reported once at start-up (`ignored_fields_set`); nothing else reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, List, Optional, Set
+
+
+class Frozen:
+    """Config sections refuse assignment once `freeze` ran (after loading and validation), so
+    nothing changes the experiment at run time; unfrozen instances (tests) behave normally."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(f"the config is frozen after loading; cannot set '{name}' "
+                                 "(use dataclasses.replace for a changed copy)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: Any) -> Any:
+    """Freeze a config and its sections in place; returns it."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
+@dataclass
+class LegacyAttackFields(Frozen):
+    fixed_steps: Optional[int] = None  # original field, unused
+    lr: Optional[float] = None  # Adam-attack step of the original, unused
+
+
+@dataclass
+class LegacyImageLogFields(Frozen):
+    attack_type: str = "pgd"  # original field, unused (generation is PGD)
+    ood_data_dir: Optional[str] = None  # original field, unused
+    img_extension: Optional[str] = None  # original field, unused
+    save_dir: Optional[str] = None  # original field, unused (grids go to <run_dir>/samples)
+    target_class: Optional[int] = None  # original field, unused
+    adaptive_steps: bool = False  # original field, unused
+    step_sweep_range: Optional[List[int]] = None  # original field, unused
+    sweep_num_samples: int = 500  # original field, unused
+    lr: Optional[float] = None  # original field, unused
+
+
+@dataclass
+class LegacyDataFields(Frozen):
+    mixed_id: bool = False  # original field, unused
+
+
+@dataclass
+class LegacyModelFields(Frozen):
+    which_logit: str = "first"  # original field, unused
+    use_layernorm: bool = True  # original ConvNext field, unused
+    model_prefix: str = ""  # original ConvNext field, unused
+    drop_path_rate: float = 0.1  # original ConvNext field, unused
+    head_init_scale: float = 1.0  # original ConvNext field, unused
+    model_id: str = "convnextv2_base"  # original ConvNext field, unused
+    use_convstem: bool = True  # original ConvNext field, unused
+
+
+@dataclass
+class LegacyTrainFields(Frozen):
+    r1_indist_weight: float = 1.0  # original field, unused (R1 acts on x_in)
+    r1_outdist_weight: float = 0.0  # original field, unused
+    r1_adv_weight: float = 0.0  # original field, unused
+    tinyimages_loader: str = "innout"  # original field, unused
+    indist_clean_extra: bool = False  # original field, unused
+    indist_perturb: bool = False  # original field, unused
+    indist_perturb_steps: int = 10  # original field, unused
+    indist_perturb_eps: float = 0.5  # original field, unused
+    mixup_alpha: float = 5  # original field, unused
+    mixup_beta: float = 1  # original field, unused
+    indist_train_only: bool = False  # original field, unused
+    eval_only: bool = False  # original field, unused (use python -m rebm.eval.evaluate)
+    use_counterfactuals: bool = False  # original field, unused
+    evaluate_ood_detection: bool = False  # original field, unused (rebm.eval.evaluate --ood)
+    ood_detection_logsumexp: bool = False  # original field, unused
+    outdist_dataset_ood_detection: str = "noise"  # original field, unused
+    openimages_max_samples: Optional[int] = None  # original field, unused
+    openimages_augm: Optional[str] = None  # original field, unused
+    config_path: Optional[str] = None  # original field, unused
+
+
+LEGACY_BASES = (LegacyAttackFields, LegacyImageLogFields, LegacyDataFields, LegacyModelFields,
+                LegacyTrainFields)
+
+
+def legacy_names(cls: type) -> Set[str]:
+    """Names of the fields `cls` inherits from a legacy base."""
+    return {f.name for base in cls.__mro__ if base in LEGACY_BASES for f in fields(base)}
+
+
+def legacy_keys(cfg_cls: type, prefix: str = "") -> Set[str]:
+    """Dotted keys of every legacy field of a config class and its sections."""
+    keys = {prefix + name for name in legacy_names(cfg_cls)}
+    for f in fields(cfg_cls):
+        section = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(section):
+            keys |= legacy_keys(type(section), prefix + f.name + ".")
+    return keys
+
+
+def ignored_fields_set(cfg: Any, prefix: str = "") -> List[str]:
+    """Legacy fields set to a value other than their default (reported once at start-up)."""
+    found = []
+    defaults = type(cfg)()
+    legacy = legacy_names(type(cfg))
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            found += ignored_fields_set(value, prefix + f.name + ".")
+        elif f.name in legacy and value != getattr(defaults, f.name):
+            found.append(prefix + f.name)
+    return found

@@ -1,0 +1,209 @@
+"""Loading a config: YAML file + command-line overrides -> validated, frozen TrainConfig.
+
+Errors are raised as `ConfigError` with one line that names the key, the file and the fix; the
+entry points print that line and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from rebm.config.legacy import freeze
+from rebm.config.schema import (
+    AMP_MODES,
+    ATTACK_TYPES,
+    AUGMENTATIONS,
+    DDP_BACKENDS,
+    DEVICES,
+    INDIST_DATASETS,
+    NORMS,
+    OPTIMIZERS,
+    OUTDIST_DATASETS,
+    RESUME_MODES,
+    WANDB_MODES,
+    WHICH_LOGIT,
+    AttackConfig,
+    TrainConfig,
+)
+from rebm.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix; its message is one line."""
+
+
+def _all_keys(obj: Any, prefix: str = "") -> List[str]:
+    keys = []
+    for f in fields(obj):
+        keys.append(prefix + f.name)
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            keys.extend(_all_keys(value, prefix + f.name + "."))
+    return keys
+
+
+VALID_KEYS = _all_keys(TrainConfig())
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in VALID_KEYS if k.rsplit(".", 1)[-1].lower() == leaf.lower()]
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err) or "Key '" in str(err):
+        return ConfigError(
+            f"{source}: unknown config key '{key}'.{_suggest(key)} "
+            f"(see docs/configs.md for every field)"
+        )
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"{source}: wrong type for '{key}' (value {value!r}): {msg}")
+    return ConfigError(f"{source}: invalid value for '{key}': {str(err).splitlines()[0]}")
+
+
+def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise _translate(err, source) from None
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
+    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
+    schema = OmegaConf.structured(TrainConfig)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML file")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # yaml.YAMLError and friends
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"{path}: not valid YAML ({first})") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path}: the top level of a config must be a mapping of keys")
+        schema = _merge(schema, loaded, path)
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. lr=0.01)")
+    if overrides:
+        try:
+            dotlist = OmegaConf.from_dotlist(overrides)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"command line: cannot parse overrides: {err}") from None
+        schema = _merge(schema, dotlist, "command line")
+    try:
+        cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise _translate(err, path or "command line") from None
+    validate(cfg, source=path or "command line")
+    return freeze(cfg)
+
+
+def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> None:
+    if value not in choices:
+        raise ConfigError(
+            f"{source}: '{key}: {value}' is not a valid choice; use one of {', '.join(choices)}"
+        )
+
+
+def validate(cfg: TrainConfig, source: str = "config") -> None:
+    """Checks that need no world size; raises ConfigError naming the key."""
+    from rebm.models import model_names
+
+    _check_choice(cfg.data.indist_dataset, INDIST_DATASETS, "data.indist_dataset", source)
+    _check_choice(cfg.data.outdist_dataset, OUTDIST_DATASETS, "data.outdist_dataset", source)
+    _check_choice(cfg.optimizer.lower(), OPTIMIZERS, "optimizer", source)
+    _check_choice(cfg.amp, AMP_MODES, "amp", source)
+    _check_choice(cfg.wandb_mode, WANDB_MODES, "wandb_mode", source)
+    _check_choice(cfg.ddp_backend, DDP_BACKENDS, "ddp_backend", source)
+    _check_choice(cfg.device, DEVICES, "device", source)
+    _check_choice(cfg.resume, RESUME_MODES, "resume", source)
+    _check_choice(cfg.model.which_logit, WHICH_LOGIT, "model.which_logit", source)
+    _check_choice(cfg.augm_type_generation, AUGMENTATIONS, "augm_type_generation", source)
+    _check_choice(
+        cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
+    )
+    _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
+    for name in ("attack", "indist_attack_clf"):
+        attack: AttackConfig = getattr(cfg, name)
+        _check_choice(attack.attack_type, ATTACK_TYPES, f"{name}.attack_type", source)
+        _check_choice(attack.norm, NORMS, f"{name}.norm", source)
+        if attack.step_size < 0:
+            raise ConfigError(f"{source}: '{name}.step_size' must be >= 0, got {attack.step_size}")
+        if not attack.eps > 0:
+            raise ConfigError(f"{source}: '{name}.eps' must be > 0 (or .inf), got {attack.eps}")
+        if attack.max_steps < 0 or attack.start_step < 0:
+            raise ConfigError(f"{source}: '{name}.max_steps'/'start_step' must be >= 0")
+    if cfg.attack.start_step > cfg.attack.max_steps:
+        raise ConfigError(
+            f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "
+            f"'attack.max_steps' ({cfg.attack.max_steps})"
+        )
+    if cfg.image_log.step_size < 0 or cfg.image_log.num_steps < 0:
+        raise ConfigError(f"{source}: 'image_log.step_size' and 'image_log.num_steps' must be >= 0")
+    if not cfg.image_log.eps > 0:
+        raise ConfigError(f"{source}: 'image_log.eps' must be > 0 (or .inf)")
+    if cfg.robust_eval_steps is not None and cfg.robust_eval_steps < 0:
+        raise ConfigError(f"{source}: 'robust_eval_steps' must be >= 0 or null")
+    for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",
+                "n_imgs_per_image_log", "n_imgs_per_ckpt_save", "keep_last_states"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {getattr(cfg, key)}")
+    for key in ("per_device_batch_size", "per_device_eval_batch_size", "max_steps",
+                "total_epochs", "samples_per_attack_step", "n_imgs_per_evaluation_log"):
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{source}: '{key}' must be positive or null, got {value}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"{source}: 'lr' must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"{source}: 'ema_decay' must be in [0, 1), got {cfg.ema_decay}")
+    if not cfg.fixed_lr:
+        raise ConfigError(
+            f"{source}: 'fixed_lr: false' is not supported (DAT uses a constant learning rate); "
+            "set fixed_lr: true"
+        )
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
+    if cfg.fp16 and cfg.amp == "none":
+        cfg.amp = "fp16"
+    weights = raw_loss_weights(cfg)
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(
+            f"{source}: 'clf_indist_weight', 'clf_outdist_weight', 'clf_adv_weight' must be >= 0 "
+            "with a positive sum"
+        )
+    if cfg.resume_path and not cfg.resume_from_state:
+        cfg.resume_from_state = cfg.resume_path
+
+
+
+def raw_loss_weights(cfg: TrainConfig) -> tuple:
+    """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE as configured
+    (the older xent_* spelling wins when set); the DAT objective normalises them."""
+    return (
+        cfg.xent_indist_weight if cfg.xent_indist_weight is not None else cfg.clf_indist_weight,
+        cfg.xent_outdist_weight if cfg.xent_outdist_weight is not None else cfg.clf_outdist_weight,
+        cfg.xent_adv_weight if cfg.xent_adv_weight is not None else cfg.clf_adv_weight,
+    )
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]

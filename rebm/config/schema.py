@@ -1,0 +1,183 @@
+"""Typed experiment configuration: the sections and fields rebm reads (docs/design.md §2).
+
+One YAML file is one experiment. It is merged onto the dataclasses below (field names are those of
+the original DAT configs, so existing experiment files load unchanged; fields the original had but
+rebm does not use are in legacy.py), then `key=value` / `a.b=value` overrides from the command line
+(OmegaConf dot-list) are applied on top (loading.py). The trailing comment of each field is its
+documentation (docs/configs.md is generated from it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from rebm.config.legacy import (
+    LegacyAttackFields,
+    LegacyDataFields,
+    LegacyImageLogFields,
+    LegacyModelFields,
+    LegacyTrainFields,
+)
+
+# Choices (validated by hand: OmegaConf does not check typing.Literal)
+INDIST_DATASETS = (
+    "cifar10",
+    "cifar10-conditional",
+    "cifar100",
+    "cifar100-conditional",
+    "digits",
+    "imagefolder",
+)
+OUTDIST_DATASETS = (
+    "tinyimages",
+    "80m-tinyimages",
+    "imagefolder",
+    "tensorfile",
+    "noise",
+    "uniform-noise",
+    "lowfreq-noise",
+)
+AUGMENTATIONS = ("original", "autoaugment_cutout", "none", "test")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+ATTACK_TYPES = ("pgd",)
+NORMS = ("L2", "Linf")
+AMP_MODES = ("none", "bf16", "fp16")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+DDP_BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("auto", "never")
+WHICH_LOGIT = ("first", "all", "bird")
+
+
+@dataclass
+class AttackConfig(LegacyAttackFields):
+    """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
+    training of the classifier."""
+
+    attack_type: str = "pgd"  # only pgd (the original's adam attack is not supported)
+    max_steps: int = 0  # attack: curriculum cap on T; indist_attack_clf: PGD steps K
+    start_step: int = 0  # attack: T at the start of training
+    step_size: float = 0.1  # alpha: L2 normalised-gradient step length (Linf: sign step)
+    eps: float = math.inf  # radius around the start point; .inf = only the [0, 1] clamp
+    norm: str = "L2"  # L2 or Linf
+    random_start: bool = False  # start at a random point of the eps-ball (seeded per sample)
+
+
+@dataclass
+class ImageLogConfig(LegacyImageLogFields):
+    """Class-conditional sample generation (images and FID)."""
+
+    num_steps: int = 20  # PGD steps from the seed images
+    log_fid: bool = False  # compute FID of the samples (needs local Inception weights)
+    data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma)
+    num_samples: int = 100  # samples per evaluation, labels balanced over the classes
+    step_size: float = 0.1  # PGD step length of generation
+    eps: float = math.inf  # PGD radius of generation
+    seed_images: str = "noise"  # generation starts from: noise, lowfreq-noise, gaussian (fitted to the data), a .pt/.npz file or a folder
+
+
+@dataclass
+class DataConfig(LegacyDataFields):
+    indist_dataset: str = "cifar10-conditional"  # cifar10(-conditional), cifar100(-conditional), digits, imagefolder
+    indist_ds_dir: str = "./data"  # dataset root (torchvision layout; imagefolder: train/ and test/)
+    outdist_dataset: str = "noise"  # tinyimages, imagefolder, tensorfile, noise/uniform-noise, lowfreq-noise
+    outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder / tensor file path
+    num_workers: int = 2  # loader workers per process (capped by the cores per process)
+    num_classes: int = 10  # classes of the in-distribution
+    image_size: int = 32  # side of the images fed to the model
+    download: bool = False  # let torchvision download CIFAR if it is missing
+    outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
+
+
+@dataclass
+class ModelConfig(LegacyModelFields):
+    model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES
+    ckpt_path: Optional[str] = None  # weights to start from (any format load_checkpoint reads)
+    normalize_input: bool = True  # normalise inputs inside the model (CIFAR-10 statistics)
+    use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
+    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU)
+    compile: bool = False  # torch.compile the model (before DDP wrapping)
+
+
+@dataclass
+class TrainConfig(LegacyTrainFields):
+    data: DataConfig = field(default_factory=DataConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    indist_attack_clf: AttackConfig = field(
+        default_factory=lambda: AttackConfig(max_steps=10, step_size=0.1, eps=0.5)
+    )
+    model: ModelConfig = field(default_factory=ModelConfig)
+    image_log: ImageLogConfig = field(default_factory=ImageLogConfig)
+
+    # Optimisation
+    optimizer: str = "sgd"  # sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
+    lr: float = 1e-3  # constant learning rate
+    wd: float = 5e-4  # weight decay
+    r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2
+    fixed_lr: bool = True  # must be true: DAT uses a constant learning rate
+    clf_indist_weight: float = 0.5  # energy-BCE weight of the in-dist term (weights normalised to sum 1)
+    clf_outdist_weight: float = 0.0  # energy-BCE weight of clean out-dist images (costs a forward)
+    clf_adv_weight: float = 0.5  # energy-BCE weight of the PGD negatives
+    xent_indist_weight: Optional[float] = None  # older spelling of clf_indist_weight
+    xent_outdist_weight: Optional[float] = None  # older spelling of clf_outdist_weight
+    xent_adv_weight: Optional[float] = None  # older spelling of clf_adv_weight
+
+    # Schedule
+    batch_size: int = 128  # GLOBAL images per optimizer step, whatever the world size
+    per_device_batch_size: Optional[int] = None  # micro-batch; default batch_size / world_size
+    min_imgs_per_threshold: int = 10000  # curriculum window = ceil(this / batch_size) steps
+    AUC_th: float = 0.8  # T advances when the window's mean adversarial AUC reaches this
+    samples_per_attack_step: Optional[int] = None  # instead: advance T after this many images
+    rand_seed: int = 0  # seeds weights, shuffles, augmentations and attack noise
+    total_epochs: Optional[int] = None  # stop after this many epochs of the in-dist stream
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
+
+    # Intervals, in images
+    n_imgs_per_metrics_log: int = 12800  # metrics.jsonl / wandb record
+    n_imgs_per_image_log: int = 128000  # PNG grid of training negatives
+    n_imgs_per_evaluation_log: Optional[int] = None  # accuracy, robust accuracy, samples, FID
+    n_imgs_per_ckpt_save: int = 256000  # full training state in <run_dir>/checkpoints
+
+    # Model averaging / precision
+    use_ema: bool = True  # keep an EMA of the weights; evaluate and export it
+    ema_decay: float = 0.999  # EMA decay (warmed up from 0)
+    amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
+    fp16: bool = False  # original flag; same as amp=fp16
+
+    # Method switches
+    logsumexp: bool = True  # energy s(x) = logsumexp_k f_k(x); false: f_y(x)
+    logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
+    augm_type_classification: str = "autoaugment_cutout"  # augmentation of the classifier stream
+    augm_type_generation: str = "original"  # augmentation of the EBM in-dist and out-dist streams
+    robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
+    robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)
+    per_device_eval_batch_size: Optional[int] = None  # eval images per rank and batch; default min(batch_size, 3 x micro-batch)
+
+
+    # Tracking
+    wandb_project: str = "rebm"  # wandb project
+    wandb_dir: Optional[str] = None  # wandb files (default: the run directory)
+    wandb_disabled: bool = False  # original switch; same as wandb_mode=disabled
+    wandb_mode: str = "auto"  # auto (online with an API key, else offline), online, offline, disabled
+    tags: List[str] = field(default_factory=list)  # wandb tags
+
+    # Run directory, resume
+    run_dir: Optional[str] = None  # output directory (default runs/<time>); holds the states
+    resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
+    resume_path: Optional[str] = None  # original spelling of resume_from_state
+    resume: str = "auto"  # auto: resume from the newest state in run_dir; never: refuse a run_dir with states
+    keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
+
+    # Distributed
+    use_ddp: bool = True  # DDP under a multi-process launcher; false + 1 process: DataParallel
+    ddp_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), nccl or gloo
+    device: str = "auto"  # auto, cpu or cuda (cuda:LOCAL_RANK)
+    sync_batchnorm: bool = False  # SyncBatchNorm under DDP (only with use_batchnorm)
+    find_unused_parameters: bool = False  # DDP option, for models with unused parameters
+    ddp_timeout_s: float = 1800.0  # collective timeout during start-up (data, compile)
+    ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
+
+
+# Fields the original accepted but this implementation does not use. Setting one to a

@@ -1,0 +1,167 @@
+"""Collectives that every rank calls (docs/design.md §3).
+
+Every rank reaches every collective: the helpers below are called by all ranks, and control-flow
+decisions go through `consensus`, one all-reduce that gives every rank the same answer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List
+
+import torch
+import torch.distributed as dist
+
+from rebm.distributed.runtime import Runtime
+
+LOGGER = logging.getLogger("rebm")
+
+
+def _comm_device(runtime: Runtime) -> torch.device:
+    return runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+
+
+def consensus(runtime: Runtime, **flags: bool) -> Dict[str, bool]:
+    """One all-reduce (MAX) of all flags: a flag raised on any rank is seen by every rank at the
+    same call, so all ranks take the same branch at the same step."""
+    names = sorted(flags)
+    if not runtime.distributed:
+        return {k: bool(flags[k]) for k in names}
+    values = torch.tensor([int(bool(flags[k])) for k in names], dtype=torch.int32,
+                          device=_comm_device(runtime))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: bool(v) for k, v in zip(names, values.tolist(), strict=True)}
+
+
+def broadcast_object(runtime: Runtime, obj: Any, src: int = 0) -> Any:
+    """The object of rank `src` on every rank (small picklable things: a run dir, a path)."""
+    if not runtime.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device(runtime))
+    return box[0]
+
+
+def decide_on_main(runtime: Runtime, decide: Callable[[], Any]) -> Any:
+    """Run `decide()` on rank 0 only and give its result to every rank. If it raises, every rank
+    raises (rank 0 the original, the others a copy), so no rank is left waiting in a collective
+    for a rank that already failed. Every rank must call this."""
+    outcome: Any = None
+    if runtime.is_main:
+        try:
+            outcome = ("ok", decide())
+        except Exception as err:  # shared below, then re-raised on every rank
+            outcome = ("error", err)
+    outcome = broadcast_object(runtime, outcome)
+    kind, value = outcome
+    if kind == "error":
+        raise value
+    return value
+
+
+def broadcast_buffers(runtime: Runtime, module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics updated from per-rank
+    batches would otherwise drift apart between ranks)."""
+    if not runtime.distributed:
+        return
+    for buffer in module.buffers():
+        dist.broadcast(buffer.data, src=0)
+
+
+def _all_reduce(runtime: Runtime, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    if not runtime.distributed:
+        return tensor.clone()
+    buf = tensor.detach().to(_comm_device(runtime), copy=True)
+    dist.all_reduce(buf, op=op)
+    return buf.to(tensor.device)
+
+
+def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (returns a new tensor on the input's device)."""
+    return _all_reduce(runtime, tensor, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks (returns a new tensor on the input's device)."""
+    return _all_reduce(runtime, tensor, dist.ReduceOp.MAX)
+
+
+def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of all ranks along dim 0 (rank order)."""
+    if not runtime.distributed:
+        return tensor.detach().clone()
+    buf = tensor.detach().contiguous().to(_comm_device(runtime))
+    out = torch.empty((runtime.world_size * buf.shape[0], *buf.shape[1:]), dtype=buf.dtype,
+                      device=buf.device)
+    dist.all_gather_single(out, buf)
+    return out.to(tensor.device)
+
+
+def barrier(runtime: Runtime) -> None:
+    if runtime.distributed:
+        if runtime.backend == "nccl":
+            dist.barrier(device_ids=[runtime.local_rank])
+        else:
+            dist.barrier()
+
+
+def set_collective_timeout(runtime: Runtime, timeout_s: float) -> None:
+    """Shorten the timeout of the default group once start-up (data, compile) is over, so a rank
+    that stops arriving surfaces in minutes, not the 30-minute default."""
+    if not runtime.distributed:
+        return
+    try:
+        dist.set_timeout(datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, AttributeError) as err:  # not every backend supports it
+        LOGGER.warning("could not shorten the collective timeout (%s)", err)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time; the message names the ranks that did not arrive."""
+
+
+def _looks_like_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]:
+    """Ranks that do not check in within `wait_s`, through the launcher's key-value store
+    (which lives outside the process group, so it still works when a collective is stuck).
+    Called by the ranks that saw a collective time out: the live ones all check in."""
+    import time as _time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    store.set(f"rebm/alive/{tag}/{runtime.rank}", "1")
+    deadline = _time.monotonic() + wait_s
+    missing = list(range(runtime.world_size))
+    while missing and _time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"rebm/alive/{tag}/{r}"])]
+        _time.sleep(0.2)
+    return missing
+
+
+@contextmanager
+def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]) -> Iterator[None]:
+    """Turn a collective timeout into an error that says which rank(s) did not arrive (a
+    stopped, hung or dead process), instead of the backend's bare timeout."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not runtime.distributed or not _looks_like_timeout(err):
+            raise
+        step = current_step()
+        try:
+            missing = missing_ranks(runtime, tag=f"step{step}")
+        except Exception:  # the store may be gone too; keep the original error
+            raise err from None
+        who = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
+        raise CollectiveTimeout(
+            f"collective timed out at step {step} on rank {runtime.rank}: {who} did not arrive "
+            "(stopped, hung or too slow; see its log in <run_dir>/logs). Raise ddp_step_timeout_s "
+            "if steps are legitimately slower."
+        ) from err

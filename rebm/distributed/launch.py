@@ -1,0 +1,57 @@
+"""Standalone launcher (notebooks, tests, machines without torchrun) and the rendezvous probe
+`torchrun ... -m rebm.distributed`."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+
+from rebm.distributed.collectives import all_reduce_sum, barrier
+from rebm.distributed.logs import print_line
+from rebm.distributed.runtime import setup_distributed, teardown
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn_entry(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(port)),
+    )
+    fn(*args)
+
+
+def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
+    """Run fn(*args) in `nprocs` processes with the same environment torchrun would set, so the
+    code inside calls `setup_distributed()` exactly as under torchrun."""
+    if nprocs == 1:
+        fn(*args)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawn_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs, join=True)
+
+
+
+def probe() -> None:
+    """`torchrun ... -m rebm.distributed`: check that every rank joins and communicates.
+    Prints one line per rank: its layout, device, and the result of a test all-reduce."""
+    runtime = setup_distributed()
+    total = all_reduce_sum(runtime, torch.tensor([float(runtime.rank + 1)], device=runtime.device))
+    expected = runtime.world_size * (runtime.world_size + 1) / 2
+    status = "ok" if float(total) == expected else f"WRONG (got {float(total)}, want {expected})"
+    print_line(f"rank {runtime.rank}/{runtime.world_size} local_rank {runtime.local_rank} "
+               f"device {runtime.device} backend {runtime.backend} all_reduce {status}")
+    barrier(runtime)
+    teardown(runtime)

@@ -1,0 +1,182 @@
+"""The process layout of this run: rank, world size, device, process group (docs/design.md §3).
+
+- the environment (torchrun, SLURM, mp.spawn) decides rank/world size; MASTER_ADDR/PORT set by a
+  launcher are never overwritten;
+- LOCAL_RANK, never RANK, picks the CUDA device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from rebm.errors import UserError
+
+LOGGER = logging.getLogger("rebm")
+
+
+class LaunchError(UserError, RuntimeError):
+    """The launch environment is inconsistent with the config; message is one line."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: Optional[str] = None  # None = no process group
+    data_parallel: bool = False  # nn.DataParallel over several visible GPUs (use_ddp=false)
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def launch_environment() -> Dict[str, int]:
+    """Rank layout from the launcher's environment: torchrun/spawn (RANK, LOCAL_RANK, WORLD_SIZE)
+    first, then SLURM srun (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS), else one process."""
+    if _env_int("WORLD_SIZE") is not None and _env_int("RANK") is not None:
+        world = _env_int("WORLD_SIZE") or 1
+        rank = _env_int("RANK") or 0
+        local_rank = _env_int("LOCAL_RANK") or 0
+        local_world = _env_int("LOCAL_WORLD_SIZE") or world
+    elif (_env_int("SLURM_NTASKS") or 1) > 1 and _env_int("SLURM_PROCID") is not None:
+        world = _env_int("SLURM_NTASKS") or 1
+        rank = _env_int("SLURM_PROCID") or 0
+        local_rank = _env_int("SLURM_LOCALID") or 0
+        local_world = _env_int("SLURM_NTASKS_PER_NODE") or max(
+            1, world // (_env_int("SLURM_NNODES") or 1)
+        )
+    else:
+        world, rank, local_rank, local_world = 1, 0, 0, 1
+    return dict(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+
+
+def _slurm_master_env() -> None:
+    """Under srun without torchrun, derive MASTER_ADDR/PORT from SLURM (only if unset)."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        first = "127.0.0.1"
+        if nodelist:
+            try:
+                import subprocess
+
+                first = subprocess.run(
+                    ["scontrol", "show", "hostnames", nodelist],
+                    capture_output=True, text=True, check=True, timeout=30,
+                ).stdout.split()[0]
+            except Exception:
+                first = nodelist.split(",")[0].split("[")[0]
+        os.environ["MASTER_ADDR"] = first
+    if "MASTER_PORT" not in os.environ:
+        job = _env_int("SLURM_JOB_ID") or 0
+        os.environ["MASTER_PORT"] = str(20000 + job % 20000)
+
+
+def choose_device(local_rank: int, device: str = "auto") -> torch.device:
+    """LOCAL_RANK picks the GPU (RANK would be wrong on every node but the first)."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LaunchError("device: cuda was asked for but CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LaunchError(
+            f"LOCAL_RANK {local_rank} but only {count} visible GPU(s); start at most {count} "
+            "processes per node (--nproc_per_node) or fix CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def choose_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise LaunchError(
+            "ddp_backend: nccl needs CUDA devices; this machine has none: use ddp_backend=gloo "
+            "(or auto)"
+        )
+    return requested
+
+
+def cap_cpu_threads(local_world_size: int) -> int:
+    """Share the node's cores between its processes unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def setup_distributed(
+    use_ddp: bool = True,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout_s: float = 1800.0,
+) -> Runtime:
+    """Read the launch environment, pick the device, init the process group if several ranks."""
+    layout = launch_environment()
+    if layout["world_size"] > 1 and not use_ddp:
+        raise LaunchError(
+            f"use_ddp=false but the launcher started {layout['world_size']} processes; "
+            "set use_ddp=true, or start one process (python -m rebm.training.train) to use "
+            "DataParallel"
+        )
+    dev = choose_device(layout["local_rank"], device)
+    cap_cpu_threads(layout["local_world_size"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if layout["world_size"] == 1:
+        data_parallel = (not use_ddp) and dev.type == "cuda" and torch.cuda.device_count() > 1
+        return Runtime(device=dev, data_parallel=data_parallel)
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        _slurm_master_env()
+    chosen = choose_backend(dev, backend)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend=chosen,
+            rank=layout["rank"],
+            world_size=layout["world_size"],
+            timeout=timeout,
+            store=_per_attempt_store(layout["world_size"], timeout),
+        )
+    return Runtime(device=dev, backend=chosen, **layout)
+
+
+def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[Any]:
+    """torchrun's agent keeps one store across `--max-restarts` attempts, so the addresses that
+    the workers of a failed attempt published are still there; a restarted rank that reads its
+    peer's key before the peer rewrote it connects to a dead port ("Connection refused") and the
+    restart fails. A prefix per attempt keeps the attempts apart. None: not under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"rebm/attempt_{attempt}", agent_store)
+
+
+def teardown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""Build the model and optimizer of a training run.
+
+Order matters: build -> load `model.ckpt_path` (names carry no wrapper prefixes yet) ->
+channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
+(rebm.distributed.parallel.wrap_model).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import torch
+import torch.nn as nn
+
+from rebm.checkpoint.weights import load_checkpoint
+from rebm.config import TrainConfig
+from rebm.distributed.parallel import wrap_model
+from rebm.distributed.runtime import Runtime
+from rebm.models import model_from_config
+
+
+def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
+              ) -> Tuple[nn.Module, nn.Module]:
+    """(wrapped model for the training forward/backward, raw module sharing its parameters).
+
+    load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the
+    training state instead). `raw` is the uncompiled, unwrapped module: use it for evaluation,
+    EMA and saving; attacks take `strip_parallel(model)`, which keeps the compilation.
+    """
+    model = model_from_config(cfg)
+    if cfg.model.ckpt_path and load_pretrained:
+        # Every rank reads the file itself: no broadcast needed, and no rank-0-only branch.
+        load_checkpoint(model, cfg.model.ckpt_path)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = model.to(runtime.device)
+    return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
+                      sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile,
+                      find_unused_parameters=cfg.find_unused_parameters)
+
+
+def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:
+    name = cfg.optimizer.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=(0.0, 0.99), weight_decay=cfg.wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.wd)
+    raise ValueError(f"unknown optimizer '{cfg.optimizer}'; use one of sgd, adam, adamw")

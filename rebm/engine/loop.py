@@ -1,0 +1,226 @@
+"""The one training loop, for every stage: `train(cfg, runtime, method_factory)`.
+
+The loop reads like a training loop; the method (rebm.methods) owns the step, and processes, data
+positions and checkpoint files are handled by rebm.distributed, rebm.data and rebm.checkpoint.
+Every rank runs every line below: intervals depend only on the step, decisions go through one
+consensus per step, and rank 0's writes sit behind inert objects (Tracker) or `save_on_main`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Dict
+
+from rebm.checkpoint.state import agree_on_resume, replicas_identical, save_on_main
+from rebm.checkpoint.weights import save_model
+from rebm.config import BatchPlan, TrainConfig, ignored_fields_set, plan_batches
+from rebm.data import build_train_data
+from rebm.distributed.collectives import (
+    broadcast_buffers,
+    consensus,
+    name_stuck_ranks,
+    set_collective_timeout,
+)
+from rebm.distributed.logs import setup_logging
+from rebm.distributed.runtime import Runtime
+from rebm.distributed.signals import PreemptionFlag
+from rebm.engine.metrics import MetricsWindow, peak_memory
+from rebm.engine.parts import Parts, build_parts
+from rebm.engine.tracking import Tracker, progress_bar, resolve_run_dir
+from rebm.errors import UserError
+from rebm.eval.evaluate import evaluate_model
+from rebm.methods.base import Method, StepContext, StepResult
+
+LOGGER = logging.getLogger("rebm")
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """A NaN/Inf loss; all ranks stop at the same step."""
+
+
+def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
+    """The step the run trains to: the first of max_steps and total_epochs (inf if neither)."""
+    limits = []
+    if cfg.max_steps is not None:
+        limits.append(cfg.max_steps)
+    if cfg.total_epochs is not None:
+        limits.append(cfg.total_epochs * steps_per_epoch)
+    return min(limits) if limits else math.inf
+
+
+def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig], Method]
+          ) -> Dict[str, Any]:
+    started = time.perf_counter()
+    cfg = resolve_run_dir(cfg, runtime)
+    run_dir, method = cfg.run_dir, make_method(cfg)
+    plan = plan_batches(cfg, runtime.world_size, method.loss_streams)
+    setup_logging(runtime, run_dir)
+    LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d accumulation",
+                method.name, run_dir, runtime.world_size, runtime.device,
+                plan.per_device_batch_size, plan.accumulation_steps)
+    for key in ignored_fields_set(cfg):
+        LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
+
+    # The state to resume from (rank 0 decides, every rank reads it). It holds the weights, so
+    # model.ckpt_path is then not read (the file may have moved); the data position is the step,
+    # so the loader starts there directly.
+    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume == "auto")
+    data = build_train_data(cfg, runtime, plan, start_step=int(state["step"]) if state else 0)
+    last_step = planned_last_step(cfg, data.steps_per_epoch)
+    parts = build_parts(cfg, runtime, method, last_step, load_pretrained=state is None)
+    if state is not None:
+        parts.load_state_dict(state, runtime)
+    tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=parts.progress.wandb_run_id,
+                      echo=method.print_metrics)
+    parts.progress.wandb_run_id = tracker.wandb_run_id
+    tracker.truncate_metrics_after(parts.progress.step)  # records of an attempt that saved none
+    LOGGER.info("%s | data: %s | training to step %s", method.describe(), data.describe(),
+                last_step)
+    ctx = parts.context(cfg, plan)
+    preemption = PreemptionFlag().install()
+    bar = progress_bar(runtime, parts.progress.step, last_step, cfg.batch_size)
+    batches = iter(data)
+    parts.progress.window.started = time.perf_counter()  # images/s counts training only
+    steps_run = 0
+
+    # A collective timeout anywhere in the loop is reported with the rank(s) that did not arrive.
+    with name_stuck_ranks(runtime, lambda: parts.progress.step + 1):
+        while parts.progress.step < last_step:
+            micro_batches = next(batches)
+            if started is not None:  # start-up cost: O(1) in the resumed step, no batch replay
+                LOGGER.info("first batch after %.2fs", time.perf_counter() - started)
+                started = None
+            log_now = (plan.crossed(cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
+                       or parts.progress.step + 1 == last_step)
+            result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
+            step = parts.progress.step
+            bar.update(loss=float(result.loss), **method.progress())
+            if steps_run == 0:  # start-up is over: from now on a missing rank surfaces quickly
+                set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
+            steps_run += 1
+            decision = consensus(runtime, preempt=preemption.raised,
+                                 nonfinite=not result.finite)
+            if decision["nonfinite"]:
+                raise TrainingDiverged(
+                    f"non-finite loss at step {step} on at least one rank; the newest state in "
+                    f"{run_dir}/checkpoints is from before it (try a lower lr)")
+            at_intervals(parts, result, cfg, plan, runtime, tracker, data.epoch_of(step - 1),
+                         log_now, last_step)
+            if decision["preempt"] and step < last_step:  # at the last step: just finish
+                save_training_state(parts, cfg, runtime, tracker)
+                LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the "
+                               "same command with run_dir=%s to resume",
+                               preemption.signal_name or "signal", step, run_dir)
+                bar.close()
+                tracker.close()
+                return {"step": step, "preempted": True}
+    bar.close()
+    return finish(parts, cfg, plan, runtime, tracker, data.epoch_of(parts.progress.step - 1),
+                  steps_run)
+
+
+def train_one_step(parts: Parts, ctx: StepContext, micro_batches, runtime: Runtime,
+                   log_now: bool) -> StepResult:
+    """One optimizer step: the method's update, then LR schedule, BatchNorm sync, EMA and the
+    method's global statistics (e.g. DAT's curriculum)."""
+    learning_rate = parts.optimizer.param_groups[0]["lr"]  # the LR this step uses
+    result = parts.method.step(ctx, micro_batches, log_now)
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+    if parts.live_unsynced_batchnorm:
+        # per-rank batch statistics would make the replicas (and their EMA) drift apart
+        broadcast_buffers(runtime, parts.raw_model)
+    if parts.ema is not None:
+        parts.ema.update()
+    parts.progress.step += 1
+    result.stats = {**parts.method.after_step(runtime, result), "learning_rate": learning_rate}
+    parts.progress.window.add(result.window)
+    return result
+
+
+def at_intervals(parts: Parts, result: StepResult, cfg: TrainConfig, plan: BatchPlan,
+                 runtime: Runtime, tracker: Tracker, epoch: int, log_now: bool,
+                 last_step: float) -> None:
+    """Metrics, image grids, evaluation and checkpoints, each every so many images. Every rank
+    calls this: the intervals depend only on the step, so all ranks reach the same collectives."""
+    step = parts.progress.step
+    if log_now:
+        log_metrics(parts, result, plan, runtime, tracker, epoch)
+    if plan.crossed(cfg.n_imgs_per_image_log, step) and result.x_adv is not None:
+        tracker.save_grid(result.x_adv, f"train_adv_step{step:08d}.png")
+    if plan.crossed(cfg.n_imgs_per_evaluation_log, step):
+        evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
+    if plan.crossed(cfg.n_imgs_per_ckpt_save, step) and step < last_step:
+        save_training_state(parts, cfg, runtime, tracker)
+
+
+def log_metrics(parts: Parts, result: StepResult, plan: BatchPlan, runtime: Runtime,
+                tracker: Tracker, epoch: int) -> None:
+    """The window's global means (one all-reduce), this step's statistics, throughput."""
+    window = parts.progress.window
+    elapsed = time.perf_counter() - window.started
+    summary = {**parts.method.summarize(window.global_sums(runtime)), **result.stats,
+               "imgs_per_s": window.steps * plan.global_batch_size / max(elapsed, 1e-9),
+               **peak_memory(runtime),
+               "replicas_identical": replicas_identical(runtime, *parts.replicated)}
+    tracker.log(parts.progress.step, plan.images(parts.progress.step), epoch, summary)
+    parts.progress.window = MetricsWindow()
+
+
+def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime,
+                           tracker: Tracker, epoch: int) -> Dict[str, Any]:
+    """Every rank evaluates its shard; rank 0 records and keeps the best models."""
+    step = parts.progress.step
+    results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
+                             run_dir=tracker.run_dir, step=step,
+                             samples=parts.method.eval_samples)
+    tracker.log(step, plan.images(step), epoch, results)
+    if not parts.method.keep_best:
+        return results
+    for metric, filename, higher_is_better in (
+        ("robust_test_acc" if cfg.robust_eval else "test_acc", "model_bestacc.pth", True),
+        ("fid", "model_bestfid.pth", False),
+    ):
+        value = results.get(metric)
+        if value is None:
+            continue
+        best = parts.progress.best.get(metric)
+        if best is None or (value > best if higher_is_better else value < best):
+            parts.progress.best[metric] = value
+            if runtime.is_main:
+                save_model(parts.eval_model, os.path.join(tracker.run_dir, filename))
+    return results
+
+
+def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tracker: Tracker,
+           epoch: int, steps_run: int) -> Dict[str, Any]:
+    """The final evaluation (unless the last step just ran one), model_final.pth, the state."""
+    final_step = parts.progress.step
+    if steps_run == 0:  # rerun of a finished run: its final evaluation and files exist already
+        LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
+                    "total_epochs to continue it)", final_step)
+        tracker.close()
+        return {"step": final_step}
+    if cfg.n_imgs_per_evaluation_log and not plan.crossed(cfg.n_imgs_per_evaluation_log,
+                                                          final_step):
+        evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
+    # model_final first: once the final state exists, a rerun has nothing left to do
+    if runtime.is_main:  # plain state dict: loads as model.ckpt_path of the next stage
+        save_model(parts.eval_model, os.path.join(tracker.run_dir, "model_final.pth"))
+        LOGGER.info("wrote %s", os.path.join(tracker.run_dir, "model_final.pth"))
+    save_training_state(parts, cfg, runtime, tracker)
+    tracker.close()
+    LOGGER.info("finished at step %d", final_step)
+    return {"step": final_step}
+
+
+def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime,
+                        tracker: Tracker) -> None:
+    """Rank 0 writes the state, every rank learns whether that worked (`save_on_main`)."""
+    window_sums = parts.progress.window.global_sums(runtime)  # every rank: an all-reduce
+    save_on_main(runtime, lambda: parts.state_dict(cfg, runtime.world_size, window_sums),
+                 tracker.run_dir, cfg.keep_last_states)

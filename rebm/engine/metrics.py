@@ -1,0 +1,56 @@
+"""The metrics window: per-rank sums since the last log, reduced over ranks once per log."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+
+from rebm.distributed.collectives import all_reduce_max, all_reduce_sum
+from rebm.distributed.runtime import Runtime
+
+
+@dataclass
+class MetricsWindow:
+    """Sums a method adds every step (`StepResult.window`), and the steps since the last log."""
+
+    sums: Dict[str, float] = field(default_factory=dict)
+    steps: int = 0  # optimizer steps this process ran in the window (for images/s)
+    started: float = field(default_factory=time.perf_counter)  # for images/s (not saved)
+
+    def add(self, values: Dict[str, float]) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.steps += 1
+
+    def global_sums(self, runtime: Runtime) -> Dict[str, float]:
+        """The window summed over ranks: the one all-reduce of a log or a save (every rank calls
+        this with the same keys, since every rank runs the same steps)."""
+        keys = sorted(self.sums)
+        totals = all_reduce_sum(runtime, torch.tensor([self.sums[k] for k in keys],
+                                                      dtype=torch.float64))
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+    @classmethod
+    def restored(cls, saved: Dict[str, float], is_main: bool) -> "MetricsWindow":
+        """A window resumed from a state: rank 0 carries the global sums, the others start at
+        zero, so the next all-reduce counts them once."""
+        if isinstance(saved, list):  # stage-1 states before the engine: [loss sum, correct, n]
+            saved = dict(zip(("clf_sum", "correct", "images"), saved, strict=True))
+        return cls({k: (v if is_main else 0.0) for k, v in saved.items()})
+
+
+def peak_memory(runtime: Runtime) -> Dict[str, float]:
+    """Largest per-rank peak RSS (and CUDA max allocated) in MiB; every rank calls this."""
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    values = [rss_mib]
+    if runtime.device.type == "cuda":
+        values.append(torch.cuda.max_memory_allocated(runtime.device) / 2**20)
+    peak = all_reduce_max(runtime, torch.tensor(values, dtype=torch.float64)).tolist()
+    out = {"max_rss_mib": peak[0]}
+    if len(peak) > 1:
+        out["max_cuda_mib"] = peak[1]
+    return out

@@ -1,0 +1,1 @@
+"""Training methods: each is a step function plus its metrics (base.Method)."""

@@ -1,0 +1,94 @@
+"""Adversarial training, the method of stage 1 (In-N-Out style, live BatchNorm).
+
+Loss per step: CE(f(PGD_K^CE(x_c)), y_c) with the `indist_attack_clf` threat model, on the
+classification stream of the data pipeline (its other streams are not used). The learning rate
+follows a cosine to 0 over the run (the In-N-Out recipe) or stays constant.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rebm.attacks.pgd import pgd_from_config
+from rebm.config import ConfigError
+from rebm.data import MicroBatch
+from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, accumulate, mean_terms
+
+LOGGER = logging.getLogger("rebm")
+SCHEDULES = ("cosine", "constant")
+
+
+def lr_factor(schedule: str, last_step: int) -> Callable[[int], float]:
+    """Cosine to 0 over the run, or constant."""
+    if schedule == "constant":
+        return lambda step: 1.0
+    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, last_step) / last_step))
+
+
+class AdversarialTraining(Method):
+    name = "adversarial training"
+    stage = 1
+    loss_streams = 1  # the loss pass holds one micro-batch: evaluate in micro-batches
+    print_metrics = True
+
+    def __init__(self, cfg, schedule: str = "cosine"):
+        super().__init__(cfg)
+        self.schedule = schedule
+        self.last_step: Optional[int] = None
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: float):
+        if math.isinf(last_step):
+            raise ConfigError("set total_epochs or max_steps (the LR schedule needs a length)")
+        self.last_step = int(last_step)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.schedule, last_step))
+
+    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
+             ) -> StepResult:
+        def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
+            # Attack in eval mode, without DDP: BN uses its running statistics, so the K attack
+            # forwards neither update them nor run SyncBatchNorm/DDP collectives, and the
+            # adversarial example does not depend on how the batch is split over ranks.
+            ctx.attacked.eval()
+            with ctx.precision.autocast():
+                x_adv = pgd_from_config(ctx.attacked, batch.x_c, self.cfg.indist_attack_clf,
+                                        objective="ce", y=batch.y_c,
+                                        random_start_keys=batch.key_c)
+            # The training forward is in train mode through DDP: BN normalises with (synced, on
+            # GPU) batch statistics of the adversarial batch and updates its running stats.
+            ctx.model.train()
+            with ctx.precision.autocast():
+                logits = ctx.model(x_adv)
+                loss = F.cross_entropy(logits.float(), batch.y_c)
+            correct = (logits.argmax(1) == batch.y_c).sum()
+            keep = {"correct": correct.detach(), "x_c_adv": x_adv.detach()}
+            return MicroOutput(loss=loss, terms={"clf": loss.detach()}, keep=keep)
+
+        outputs = accumulate(ctx, micro_batches, micro_step)
+        terms = mean_terms(outputs)
+        images = float(sum(len(b.y_c) for b in micro_batches))
+        window = {"clf_sum": sum(float(o.terms["clf"]) * len(b.y_c)
+                                 for o, b in zip(outputs, micro_batches, strict=True)),
+                  "correct": sum(float(o.keep["correct"]) for o in outputs), "images": images}
+        return StepResult(loss=terms["clf"], losses=terms, window=window,
+                          x_c_adv=outputs[0].keep["x_c_adv"])
+
+    def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:
+        return {"train_clf_loss": totals["clf_sum"] / totals["images"],
+                "train_adv_acc": totals["correct"] / totals["images"]}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"schedule": self.schedule, "last_step": self.last_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if (state.get("schedule"), state.get("last_step")) != (self.schedule, self.last_step):
+            LOGGER.warning("the LR schedule changes on resume: %s over %s steps before, %s over "
+                           "%s steps now", state.get("schedule"), state.get("last_step"),
+                           self.schedule, self.last_step)
+
+    def describe(self) -> str:
+        return f"stage 1: adversarial training, {self.schedule} LR over {self.last_step} steps"

@@ -1,0 +1,8 @@
+"""DAT (stage 2): objective, step and curriculum."""
+
+from rebm.methods.dat.curriculum import Curriculum
+from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy, loss_weights
+from rebm.methods.dat.step import DAT, global_aucs
+
+__all__ = ["DAT", "Curriculum", "clf_loss", "dat_loss", "ebm_loss", "energy", "global_aucs",
+           "loss_weights"]

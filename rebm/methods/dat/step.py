@@ -1,0 +1,132 @@
+"""DAT, the method of stage 2 (docs/design.md §1): one optimizer step and its metrics.
+
+Per micro-batch: negatives x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
+x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
+if it is, in eval mode; then the energy + classifier loss through the wrapper, so gradients are
+all-reduced. After the step, the curriculum gets the AUC of the all-gathered global batch, so T
+follows the same schedule on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from rebm.attacks.pgd import pgd_from_config
+from rebm.data import MicroBatch
+from rebm.distributed.collectives import all_gather_cat
+from rebm.distributed.runtime import Runtime
+from rebm.eval.auc import binary_auc
+from rebm.methods.base import (
+    Method,
+    MicroOutput,
+    StepContext,
+    StepResult,
+    accumulate,
+    mean_terms,
+)
+from rebm.methods.dat.curriculum import Curriculum
+from rebm.methods.dat.objective import dat_loss, loss_weights
+
+
+def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """f_y(x) in eval mode, without gradients (AUC scores when they cannot be reused)."""
+    with torch.no_grad():
+        return model(x).float().gather(1, y[:, None]).squeeze(1)
+
+
+class DAT(Method):
+    name = "DAT"
+    stage = 2
+    loss_streams = 3  # in-dist, negatives and adversarial classifier batch in one loss pass
+    eval_samples = True
+    keep_best = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.curriculum = Curriculum.from_config(cfg)
+        self.weights = loss_weights(cfg)
+        self.frozen_bn = not cfg.model.use_batchnorm  # train-mode logits equal eval-mode ones
+
+    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
+             ) -> StepResult:
+        """Attacks -> losses -> backward over the micro-batches -> one optimizer step.
+        `log_now` adds the clean out-distribution AUC (one more forward per micro-batch)."""
+        cfg, steps = self.cfg, self.curriculum.T
+
+        def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
+            ctx.attacked.eval()
+            with ctx.precision.autocast():
+                x_adv = pgd_from_config(
+                    ctx.attacked, batch.x_out, cfg.attack, steps=steps, y=batch.y_in,
+                    objective="lse" if cfg.logsumexp_sampling else "logit",
+                    random_start_keys=batch.key_out)
+                x_c_adv = pgd_from_config(ctx.attacked, batch.x_c, cfg.indist_attack_clf,
+                                          objective="ce", y=batch.y_c,
+                                          random_start_keys=batch.key_c)
+            keep: Dict[str, torch.Tensor] = {}
+            if log_now:
+                keep["out"] = _fy(ctx.attacked, batch.x_out, batch.y_in)
+            if not self.frozen_bn:
+                keep["in"] = _fy(ctx.attacked, batch.x_in, batch.y_in)
+                keep["adv"] = _fy(ctx.attacked, x_adv, batch.y_in)
+            ctx.model.train()
+            with ctx.precision.autocast():
+                losses = dat_loss(ctx.model, batch.x_in, batch.y_in, x_adv, x_c_adv, batch.y_c,
+                                  batch.x_out, weights=self.weights, logsumexp=cfg.logsumexp,
+                                  r1reg=cfg.r1reg, fused=self.frozen_bn)
+            if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
+                keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
+            if index == 0:
+                keep.update(x_adv=x_adv.detach(), x_c_adv=x_c_adv.detach())
+            terms = {name: term.detach() for name, term in losses.terms.items()}
+            return MicroOutput(loss=losses.loss, terms=terms, keep=keep)
+
+        outputs = accumulate(ctx, micro_batches, micro_step)
+        terms = mean_terms(outputs)
+        scores = {k: torch.cat([o.keep[k] for o in outputs]).float()
+                  for k in ("in", "adv", "out") if k in outputs[0].keep}
+        return StepResult(
+            loss=sum(terms.values()), losses=terms,
+            window={**{name: float(value) for name, value in terms.items()}, "n": 1.0},
+            x_adv=outputs[0].keep["x_adv"], x_c_adv=outputs[0].keep["x_c_adv"], scores=scores)
+
+    def after_step(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
+        """AUCs of the all-gathered global batch, then the curriculum's update; every rank."""
+        outdist_steps = self.curriculum.T  # the T this step trained with
+        adv_auc, clean_auc = global_aucs(runtime, result.scores)
+        self.curriculum.update(adv_auc, self.cfg.batch_size)
+        stats = {"train_adv_auc": adv_auc, "cur_outdist_steps": outdist_steps}
+        if clean_auc is not None:
+            stats["train_clean_auc"] = clean_auc
+        return stats
+
+    def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:
+        """Mean of each loss term over ranks and steps: train_ebm_binary_loss, train_clf_loss,
+        train_r1_loss."""
+        return {f"train_{name}_loss": value / totals["n"]
+                for name, value in totals.items() if name != "n"}
+
+    def progress(self) -> Dict[str, Any]:
+        window = self.curriculum.window
+        return {"T": self.curriculum.T, "auc": window[-1] if window else float("nan")}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"curriculum": self.curriculum.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.curriculum.load_state_dict(state["curriculum"])
+
+    def describe(self) -> str:
+        return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_steps})"
+
+
+def global_aucs(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:
+    """(adv AUC, clean AUC or None) on the all-gathered global batch, so the curriculum does not
+    depend on the number of ranks. Every rank calls this with the same set of scores."""
+    columns = [scores["in"], scores["adv"]] + ([scores["out"]] if "out" in scores else [])
+    gathered = all_gather_cat(runtime, torch.stack(columns, dim=1).cpu())
+    adv_auc = float(binary_auc(gathered[:, 0], gathered[:, 1]))
+    clean_auc = float(binary_auc(gathered[:, 0], gathered[:, 2])) if len(columns) > 2 else None
+    return adv_auc, clean_auc

@@ -26,7 +26,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check rebm tests benchmarks
+	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py

@@ -22,17 +22,18 @@ from typing import List, Optional
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rebm import cli
+from rebm.config import eval_batch_size
 from rebm.data.pipeline import build_eval_data
 from rebm.distributed import print_line, setup_logging
 from rebm.eval.calibration import evaluate_ece
-from rebm.eval.evaluate import eval_batch_size, evaluate_model, load_eval_model
+from rebm.eval.evaluate import evaluate_model, load_eval_model
 
 
 def run(cfg, runtime, calibration_only: bool) -> dict:
     setup_logging(runtime)
     model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
     if calibration_only:
-        loader = build_eval_data(cfg, runtime, eval_batch_size(cfg, runtime))
+        loader = build_eval_data(cfg, runtime, eval_batch_size(cfg, runtime.world_size))
         metrics = {"ece": evaluate_ece(model, loader, runtime)}
     else:
         autoattack = importlib.util.find_spec("torchattacks") is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +70,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, reps: int) -> None:
-    model.eval()
-
+def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str, Callable]:
+    """The three things compared, on one batch: a PGD step (input gradient only), a training
+    forward + backward (parameter gradients), a forward alone."""
     def attack_step():
         pgd_attack(model, x, steps=1, step_size=0.1, objective="logit", y=y)
 
@@ -83,22 +84,39 @@ def bench(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, reps: i
         with torch.no_grad():
             model(x)
 
-    fns = {"attack": attack_step, "train": train_step, "fwd": forward_only}
-    times = {k: [] for k in fns}
-    for rep in range(reps + 3):  # interleaved, so background load hits all three alike
+    return {"attack": attack_step, "train": train_step, "fwd": forward_only}
+
+
+def interleaved_times(fns: Dict[str, Callable], reps: int, warmup: int, device: torch.device
+                      ) -> Dict[str, List[float]]:
+    """Seconds of each function per repetition, the functions interleaved within a repetition
+    so background load hits all alike; the first `warmup` repetitions are not kept."""
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for rep in range(warmup + reps):
         for key, fn in fns.items():
-            _sync(x.device)
+            _sync(device)
             t0 = time.perf_counter()
             fn()
-            _sync(x.device)
-            if rep >= 3:  # warm-up
+            _sync(device)
+            if rep >= warmup:
                 times[key].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(times: Dict[str, List[float]]) -> float:
+    """Median over repetitions of attack time / training time."""
+    return statistics.median(a / t for a, t in zip(times["attack"], times["train"], strict=True))
+
+
+def bench(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, reps: int) -> None:
+    model.eval()
+    times = interleaved_times(step_fns(model, x, y), reps, 3, x.device)
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = statistics.median(a / t for a, t in zip(times["attack"], times["train"], strict=True))
     print(
         f"{name:22s} attack step {1e3 * med['attack']:8.2f} ms | fwd+bwd(params) "
         f"{1e3 * med['train']:8.2f} ms | fwd {1e3 * med['fwd']:8.2f} ms | "
-        f"attack/train {med['attack'] / med['train']:.3f} (median of paired ratios {ratio:.3f})"
+        f"attack/train {med['attack'] / med['train']:.3f} (median of paired ratios "
+        f"{paired_ratio(times):.3f})"
     )
 
 

@@ -23,17 +23,17 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from fake_data import write_fake_cifar10  # noqa: E402
 
-from rebm.distributed import Runtime  # noqa: E402
-from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
 from rebm.config import TrainConfig, plan_batches  # noqa: E402
-from rebm.data.pipeline import build_train_data, load_indist, outdist_source  # noqa: E402
+from rebm.data import build_train_data, load_indist, outdist_source  # noqa: E402
+from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
 from rebm.data.sampling import StreamSchedule  # noqa: E402
+from rebm.distributed import Runtime  # noqa: E402
+from tests.fake_data import write_fake_cifar10  # noqa: E402
 
 TINY_RECORDS = 80_000_000
 

@@ -16,12 +16,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from rebm.config import eval_batch_size, load_config
+from rebm.data import load_indist
 from rebm.distributed import Runtime
-from rebm.eval.evaluate import eval_batch_size, evaluate_model
-from rebm.models import build_model, dataset_stats
-from rebm.config import load_config
-from rebm.data.pipeline import load_indist
-from rebm.training.modeling import get_optimizer
+from rebm.engine.build import get_optimizer
+from rebm.eval.evaluate import evaluate_model
+from rebm.models import model_from_config
 
 
 def main(argv):
@@ -29,9 +29,7 @@ def main(argv):
     overrides = [a for a in argv if "=" in a]
     cfg = load_config(path, overrides)
     torch.manual_seed(cfg.rand_seed)
-    mean, std = dataset_stats(cfg.data.indist_dataset)
-    model = build_model(cfg.model.model_type, cfg.data.num_classes, mean=mean, std=std,
-                        use_batchnorm=cfg.model.use_batchnorm)
+    model = model_from_config(cfg)
     optimizer = get_optimizer(cfg, model.parameters())
     train = load_indist(cfg, "train", augm="none")
     loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
@@ -47,7 +45,7 @@ def main(argv):
     attack = cfg.indist_attack_clf
     metrics.update(eps=attack.eps, norm=attack.norm,
                    steps=cfg.robust_eval_steps or attack.max_steps,
-                   eval_batch=eval_batch_size(cfg, runtime))
+                   eval_batch=eval_batch_size(cfg, runtime.world_size))
     print(json.dumps(metrics))
 
 

@@ -12,8 +12,6 @@ from ema_pytorch import EMA
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
-from rebm.distributed import barrier, setup_distributed, spawn, teardown
-from rebm.models import build_model
 from rebm.checkpoint.weights import (
     CheckpointError,
     atomic_torch_save,
@@ -21,6 +19,8 @@ from rebm.checkpoint.weights import (
     save_model,
 )
 from rebm.config import TrainConfig
+from rebm.distributed import barrier, setup_distributed, spawn, teardown
+from rebm.models import build_model
 from rebm.training.modeling import get_model, unwrap
 
 ARCH = "WideResNet10x1"

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from rebm.training import train as train_entry
 from rebm.config import (
     ConfigError,
     ignored_fields_set,
     load_config,
     plan_batches,
 )
+from rebm.training import train as train_entry
 from tests.helpers import REPO, run_command
 
 EXPERIMENTS = sorted(glob.glob(str(REPO / "experiments" / "**" / "*.yaml"), recursive=True))

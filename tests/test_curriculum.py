@@ -9,7 +9,8 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from rebm.config import TrainConfig
-from rebm.methods.dat.curriculum import Curriculum, binary_auc
+from rebm.eval.auc import binary_auc
+from rebm.methods.dat.curriculum import Curriculum
 
 
 @pytest.mark.parametrize("n_pos,n_neg,levels", [(50, 70, None), (128, 128, 5), (7, 300, 3), (1, 1, None), (40, 3, 2)])

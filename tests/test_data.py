@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from rebm.distributed import Runtime
-from rebm.data.augmentations import augment_batch, build_augmentation
 from rebm.config import TrainConfig, plan_batches
+from rebm.data.augmentations import augment_batch, build_augmentation
+from rebm.data.files import _UncheckedCIFAR10
 from rebm.data.pipeline import (
     DataError,
     build_eval_data,
@@ -25,8 +25,9 @@ from rebm.data.pipeline import (
     load_outdist,
     loader_workers,
 )
-from rebm.data.sources import TinyImagesSource, _UncheckedCIFAR10
 from rebm.data.sampling import KeyedPermutation, rank_positions
+from rebm.data.sources import TinyImagesSource
+from rebm.distributed import Runtime
 from tests.fake_data import (
     write_fake_cifar10,
     write_fake_cifar100,
@@ -401,62 +402,3 @@ def test_loader_settings_on_cpu(cifar_root):
     assert loader_workers(cfg, Runtime(local_world_size=cores + 1)) == 0
     loader = build_eval_data(cfg, Runtime(), batch_size=4)
     assert loader.pin_memory is False
-
-
-# --------------------------------------------------------------------------------------------
-# Clear errors
-# --------------------------------------------------------------------------------------------
-def _assert_one_line_error(excinfo, path):
-    message = str(excinfo.value)
-    assert "\n" not in message and str(path) in message, message
-
-
-def test_missing_cifar_root(tmp_path):
-    with pytest.raises(DataError) as excinfo:
-        load_indist(make_cfg(str(tmp_path / "nowhere")), "train")
-    _assert_one_line_error(excinfo, tmp_path / "nowhere" / "cifar-10-batches-py")
-    assert "data.download=true" in str(excinfo.value)
-
-
-def test_corrupt_cifar_pickle(tmp_path):
-    folder = write_fake_cifar10(str(tmp_path), n_train=10, n_test=5)
-    bad = os.path.join(folder, "data_batch_3")
-    with open(bad, "wb") as f:
-        f.write(b"this is not a pickle")
-    with pytest.raises(DataError) as excinfo:
-        load_indist(make_cfg(str(tmp_path)), "train")
-    _assert_one_line_error(excinfo, bad)
-
-
-def test_empty_image_folder(tmp_path):
-    (tmp_path / "train" / "a").mkdir(parents=True)
-    cfg = make_cfg(str(tmp_path), indist_dataset="imagefolder")
-    with pytest.raises(DataError) as excinfo:
-        load_indist(cfg, "train")
-    _assert_one_line_error(excinfo, tmp_path / "train")
-    cfg = make_cfg(str(tmp_path), outdist_dataset="imagefolder",
-                   outdist_std_dir=str(tmp_path / "train"))
-    with pytest.raises(DataError) as excinfo:
-        load_outdist(cfg)
-    _assert_one_line_error(excinfo, tmp_path / "train")
-
-
-def test_wrong_tinyimages_size(tmp_path):
-    path = tmp_path / "tiny_images.bin"
-    path.write_bytes(b"\0" * (3072 * 2 + 5))
-    cfg = make_cfg(str(tmp_path), outdist_dataset="80m-tinyimages",
-                   outdist_std_dir=str(tmp_path))
-    with pytest.raises(DataError) as excinfo:
-        load_outdist(cfg)
-    _assert_one_line_error(excinfo, path)
-
-
-def test_bad_tensor_file(tmp_path):
-    path = tmp_path / "bad.npy"
-    np.save(path, np.zeros((4, 5, 6, 7), dtype=np.uint8))
-    with pytest.raises(DataError) as excinfo:
-        image_tensor_file(str(path))
-    _assert_one_line_error(excinfo, path)
-    np.save(path, np.full((2, 3, 4, 4), 7.0, dtype=np.float32))
-    with pytest.raises(DataError, match=r"\[0, 1\]"):
-        image_tensor_file(str(path))

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from rebm import distributed as rd
+from rebm.config import load_config, plan_batches
 from rebm.eval import fid
 from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_calibration_error
 from rebm.eval.generation import SeedImageError, SeedImages
-from rebm.config import load_config
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
@@ -61,8 +61,8 @@ def _fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def fake_cifar(tmp_path_factory):
     """(data root, checkpoint path) of a tiny CIFAR-10 and a model that fits part of its test set."""
-    from rebm.models import build_model
     from rebm.data.pipeline import indist_source
+    from rebm.models import build_model
 
     root = tmp_path_factory.mktemp("cifar")
     write_fake_cifar10(str(root), n_train=10, n_test=N_TEST)
@@ -78,13 +78,13 @@ def fake_cifar(tmp_path_factory):
 
 
 def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
+    from rebm.data.pipeline import build_eval_data
     from rebm.eval.accuracy import evaluate_accuracy
     from rebm.eval.calibration import evaluate_ece
     from rebm.eval.evaluate import load_eval_model
     from rebm.eval.fid import compute_fid
     from rebm.eval.generation import generate_samples
     from rebm.eval.ood import build_ood_data, evaluate_ood
-    from rebm.data.pipeline import build_eval_data
 
     runtime = rd.setup_distributed()
     cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
@@ -158,12 +158,18 @@ def test_samples_identical_on_1_2_3_ranks(sharded_results):
     (("per_device_eval_batch_size=100",), {1: 100, 2: 100, 4: 100, 8: 100}),
 ])
 def test_eval_batch_does_not_shrink_with_world_size_until_memory_says_so(overrides, expected):
-    from rebm.eval.evaluate import eval_batch_size
+    from rebm.config import eval_batch_size
 
     cfg = load_config(None, ["batch_size=64", *overrides])
     for world_size, want in expected.items():
-        runtime = rd.Runtime(world_size=world_size)
-        assert eval_batch_size(cfg, runtime) == want, world_size
+        assert eval_batch_size(cfg, world_size) == want, world_size
+        # the training batch plan carries the same number (one source)
+        assert plan_batches(cfg, world_size).eval_batch_size == want, world_size
+
+
+def test_stage1_plan_evaluates_in_micro_batches():
+    cfg = load_config(None, ["batch_size=64"])
+    assert plan_batches(cfg, 2, loss_streams=1).eval_batch_size == 32
 
 
 def test_ece_hand_example():
@@ -275,8 +281,8 @@ def test_seed_images_from_tensor_file_folder_and_noise(tmp_path):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_evaluate_entry_point_prints_json(tmp_path):
-    from rebm.models import build_model, dataset_stats
     from rebm.data.pipeline import load_indist
+    from rebm.models import build_model, dataset_stats
 
     config = str(REPO / "experiments" / "quickstart" / "digits.yaml")
     cfg = load_config(config)

@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rebm.checkpoint.weights import save_model
+from rebm.config import TrainConfig
 from rebm.distributed import Runtime
 from rebm.models import MODEL_NAMES, build_model, dataset_stats
 from rebm.models.wideresnet import ARCHITECTURES, CIFAR10_MEAN, CIFAR10_STD
-from rebm.checkpoint.weights import save_model
-from rebm.config import TrainConfig
 from rebm.training.modeling import get_model, get_optimizer, unwrap
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rebm.config import TrainConfig, loss_weights
-from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy
+from rebm.config import TrainConfig
+from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy, loss_weights
 
 
 class TinyNet(nn.Module):

@@ -14,14 +14,15 @@ import torch.nn.functional as F
 
 from rebm.attacks import pgd as pgd_module
 from rebm.attacks.pgd import pgd_attack, pgd_from_config
-from rebm.distributed import Runtime
-from rebm.models import build_model
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
-from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
+from rebm.distributed import Runtime
+from rebm.distributed.precision import Precision
 from rebm.methods.dat.objective import dat_loss
-from rebm.methods.dat.step import Precision, dat_step
+from rebm.methods.dat.step import dat_step
+from rebm.models import build_model
+from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,14 +88,14 @@ def test_dat_step_runs_under_each_precision(amp):
     torch.manual_seed(0)
     model, raw = get_model(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
-    precision = Precision.from_config(cfg, runtime.device)
+    precision = Precision(cfg.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
     before = [p.detach().clone() for p in raw.parameters()]
     batches = next(iter(build_train_data(cfg, runtime, plan)))
     for _ in range(2):
         metrics = dat_step(model, optimizer, batches, 2, cfg, plan, precision)
         assert metrics.finite
-        assert metrics.in_scores.dtype == torch.float32
+        assert metrics.scores["in"].dtype == torch.float32
     assert any(not torch.equal(a, p) for a, p in zip(before, raw.parameters(), strict=True))
     assert all(p.dtype == torch.float32 for p in raw.parameters())  # master weights stay fp32
     state = precision.state_dict()
@@ -168,7 +169,7 @@ def test_get_model_with_compile_keeps_raw_module_uncompiled():
 def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     """With model.compile the attacks (T + K of the step's T + K + 1 passes) must go through
     the compiled module, not the plain one `unwrap` returns."""
-    from rebm.training import step as step_module
+    from rebm.methods.dat import step as step_module
 
     cfg = load_config("experiments/quickstart/digits.yaml",
                       ["model.compile=true", f"run_dir={tmp_path}"])

@@ -87,8 +87,8 @@ def test_metrics_contract_and_rank0_only_outputs(runs):
     run_dir = runs["ddp2"]
     assert sorted(os.listdir(run_dir / "logs")) == ["rank0.log", "rank1.log"]
     assert (run_dir / "config.yaml").exists() and (run_dir / "model_final.pth").exists()
-    assert sorted(os.listdir(run_dir / "samples")) == ["train_adv_step0000010.png",
-                                                       "train_adv_step0000020.png"]
+    assert sorted(os.listdir(run_dir / "samples")) == ["train_adv_step00000010.png",
+                                                       "train_adv_step00000020.png"]
     # model_final.pth is the plain (unprefixed) EMA state dict
     final = torch.load(run_dir / "model_final.pth", weights_only=True)
     ema = load_state(run_dir, 20)["ema"]
@@ -114,8 +114,8 @@ def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
 
 
 def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
-    from rebm.distributed import Runtime
     from rebm.config import load_config
+    from rebm.distributed import Runtime
     from rebm.engine.tracking import Tracker
 
     cfg = load_config(CONFIG, ["wandb_disabled=true"])

@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from rebm.errors import UserError
 from rebm.distributed.parallel import unwrap
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 

@@ -8,7 +8,7 @@ value is reported once at start-up (`ignored_fields_set`); nothing else reads th
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, List, Optional, Set
+from typing import Any, List, Optional, Sequence, Set
 
 
 class Frozen:
@@ -16,6 +16,7 @@ class Frozen:
     nothing changes the experiment at run time; unfrozen instances (tests) behave normally."""
 
     _frozen = False
+    _explicit_keys: tuple = ()  # the dotted keys the YAML file and the overrides set
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._frozen:
@@ -24,8 +25,11 @@ class Frozen:
         object.__setattr__(self, name, value)
 
 
-def freeze(cfg: Any) -> Any:
-    """Freeze a config and its sections in place; returns it."""
+def freeze(cfg: Any, explicit_keys: Optional[Sequence[str]] = None) -> Any:
+    """Freeze a config and its sections in place; returns it. `explicit_keys`: the keys the user
+    set (kept for reporting ignored legacy fields)."""
+    if explicit_keys is not None:
+        object.__setattr__(cfg, "_explicit_keys", tuple(sorted(set(explicit_keys))))
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if is_dataclass(value):
@@ -111,15 +115,7 @@ def legacy_keys(cfg_cls: type, prefix: str = "") -> Set[str]:
     return keys
 
 
-def ignored_fields_set(cfg: Any, prefix: str = "") -> List[str]:
-    """Legacy fields set to a value other than their default (reported once at start-up)."""
-    found = []
-    defaults = type(cfg)()
-    legacy = legacy_names(type(cfg))
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            found += ignored_fields_set(value, prefix + f.name + ".")
-        elif f.name in legacy and value != getattr(defaults, f.name):
-            found.append(prefix + f.name)
-    return found
+def ignored_fields_set(cfg: Any) -> List[str]:
+    """Legacy fields the config file or the command line set (reported once at start-up)."""
+    legacy = legacy_keys(type(cfg))
+    return [key for key in cfg._explicit_keys if key in legacy]

@@ -73,6 +73,15 @@ def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{source}: invalid value for '{key}': {str(err).splitlines()[0]}")
 
 
+def _explicit_keys(container: Any, prefix: str = "") -> List[str]:
+    out = []
+    if isinstance(container, dict):
+        for key, value in container.items():
+            out.append(f"{prefix}{key}")
+            out.extend(_explicit_keys(value, f"{prefix}{key}."))
+    return out
+
+
 def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
@@ -83,6 +92,7 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
     """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
     schema = OmegaConf.structured(TrainConfig)
+    explicit: List[str] = []
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML file")
@@ -93,6 +103,7 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
             raise ConfigError(f"{path}: not valid YAML ({first})") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"{path}: the top level of a config must be a mapping of keys")
+        explicit += _explicit_keys(OmegaConf.to_container(loaded))
         schema = _merge(schema, loaded, path)
     overrides = list(overrides)
     for item in overrides:
@@ -103,13 +114,14 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
             dotlist = OmegaConf.from_dotlist(overrides)
         except OmegaConfBaseException as err:
             raise ConfigError(f"command line: cannot parse overrides: {err}") from None
+        explicit += _explicit_keys(OmegaConf.to_container(dotlist))
         schema = _merge(schema, dotlist, "command line")
     try:
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _translate(err, path or "command line") from None
     validate(cfg, source=path or "command line")
-    return freeze(cfg)
+    return freeze(cfg, explicit)
 
 
 def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> None:

@@ -95,7 +95,7 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig
                 LOGGER.info("first batch after %.2fs", time.perf_counter() - started)
                 started = None
             log_now = (plan.crossed(cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
-                       or parts.progress.step + 1 == last_step)
+                       or (method.log_final_step and parts.progress.step + 1 == last_step))
             result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
             step = parts.progress.step
             bar.update(loss=float(result.loss), **method.progress())

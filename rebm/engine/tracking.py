@@ -38,7 +38,8 @@ def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> TrainConfig:
                               "writable run_dir=PATH") from None
         return chosen
 
-    return freeze(dataclasses.replace(cfg, run_dir=decide_on_main(runtime, choose)))
+    chosen = decide_on_main(runtime, choose)
+    return freeze(dataclasses.replace(cfg, run_dir=chosen), cfg._explicit_keys)
 
 
 def wandb_mode(cfg: TrainConfig) -> str:

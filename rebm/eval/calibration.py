@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from rebm.distributed import Runtime, all_reduce_sum
-from rebm.eval.accuracy import eval_mode
 from rebm.distributed.parallel import unwrap
+from rebm.eval.accuracy import eval_mode
 
 N_BINS = 20
 

@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat
+from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
-from rebm.distributed.parallel import unwrap
 
 LOGGER = logging.getLogger("rebm")
 
@@ -87,7 +87,8 @@ class SeedImages:
 
     def _open(self, path: str) -> None:
         # Imported here: the data module is heavy and only file/folder seeds need it.
-        from rebm.data.sources import ImageFileSource, image_tensor_file, list_image_files
+        from rebm.data.files import image_tensor_file, list_image_files
+        from rebm.data.sources import ImageFileSource
 
         if os.path.isdir(path):
             files = list_image_files(path)

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data.sampling import eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
+from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode, index_keys
 from rebm.eval.auc import binary_auc
-from rebm.distributed.parallel import unwrap
 
 SCORES = ("max_softmax", "lse")
 OOD_ATTACK_EPOCH = 1  # key stream of the OOD attack, distinct from the robust-accuracy attack

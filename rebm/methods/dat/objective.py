@@ -15,7 +15,7 @@ gets its own forward, so the double backward of the R1 term only runs through th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -152,26 +152,21 @@ def clf_loss(model: nn.Module, x: Tensor, y: Tensor) -> ClfLoss:
     return ClfLoss(loss=F.cross_entropy(logits, y), logits=logits.detach())
 
 
-def dat_loss(
-    model: nn.Module,
-    x_in: Tensor,
-    y_in: Tensor,
-    x_adv: Tensor,
-    x_clf: Tensor,
-    y_clf: Tensor,
-    x_out: Optional[Tensor] = None,
-    *,
-    weights: Tuple[float, float, float] = (0.5, 0.0, 0.5),
-    logsumexp: bool = True,
-    r1reg: float = 0.0,
-    fused: bool = True,
-) -> DATLoss:
-    """ebm_loss + clf_loss; when fused, a single forward covers every stream (x_in apart if r1)."""
+def dat_loss(model: nn.Module, x_in: Tensor, y_in: Tensor, x_adv: Tensor, x_clf: Tensor,
+             y_clf: Tensor, x_out: Optional[Tensor] = None, **options: Any) -> DATLoss:
+    """ebm_loss + clf_loss; when fused, a single forward covers every stream (x_in apart if r1).
+    `options`: weights, logsumexp, r1reg, fused, with the defaults of `ebm_loss`."""
+    weights, logsumexp, r1reg, fused = _energy_options(**options)
     streams = _ebm_inputs(x_in, x_adv, x_out, weights, r1reg)
     logits = _forward(model, streams + [x_clf.detach()], fused, own_first=r1reg > 0)
     ebm = _ebm_from_logits(logits[:-1], streams[0], y_in, weights, logsumexp, r1reg)
     clf = ClfLoss(loss=F.cross_entropy(logits[-1], y_clf), logits=logits[-1].detach())
     return DATLoss(loss=ebm.loss + clf.loss, ebm=ebm, clf=clf)
+
+
+def _energy_options(weights: Tuple[float, float, float] = (0.5, 0.0, 0.5), logsumexp: bool = True,
+                    r1reg: float = 0.0, fused: bool = True) -> tuple:
+    return weights, logsumexp, r1reg, fused
 
 
 def loss_weights(cfg: TrainConfig) -> Tuple[float, float, float]:

@@ -16,6 +16,8 @@ import torch
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data import MicroBatch
 from rebm.distributed.collectives import all_gather_cat
+from rebm.distributed.parallel import strip_parallel
+from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.eval.auc import binary_auc
 from rebm.methods.base import (
@@ -130,3 +132,15 @@ def global_aucs(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:
     adv_auc = float(binary_auc(gathered[:, 0], gathered[:, 1]))
     clean_auc = float(binary_auc(gathered[:, 0], gathered[:, 2])) if len(columns) > 2 else None
     return adv_auc, clean_auc
+
+
+def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             micro_batches: List[MicroBatch], outdist_steps: int, cfg, plan,
+             precision: Precision, log_now: bool = False) -> StepResult:
+    """One DAT step at a fixed T outside the engine (notebooks, tests, inspecting a step): the
+    returned result holds the losses, x_adv / x_c_adv and the AUC scores."""
+    method = DAT(cfg)
+    method.curriculum.T = outdist_steps
+    ctx = StepContext(model=model, attacked=strip_parallel(model), optimizer=optimizer,
+                      precision=precision, plan=plan, cfg=cfg)
+    return method.step(ctx, micro_batches, log_now)

@@ -1,0 +1,148 @@
+"""Section `breakdown`: one DAT step taken apart into the calls DAT.step and train_one_step make
+(data, negative attack, classifier attack, forward + backward, optimizer, EMA, bookkeeping), each
+timed; the loop's metrics log, image grid and checkpoint, amortized over their intervals; and the
+real loop step on the next batch, to check that the pieces add up."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+
+from rebm import distributed as rd
+from rebm.attacks.pgd import pgd_from_config
+from rebm.data import build_train_data
+from rebm.distributed.parallel import micro_step_sync
+from rebm.engine.loop import log_metrics, save_training_state
+from rebm.engine.tracking import Tracker
+from rebm.methods.base import MicroOutput, StepResult, mean_terms
+from rebm.methods.dat import dat_loss
+from sections.common import (
+    Bench,
+    Stopwatch,
+    loop_step,
+    median,
+    section_result,
+    single_process,
+)
+
+PIECES = ["data_wait", "neg_attack", "clf_attack", "fwd_bwd", "optimizer", "ema", "bookkeeping"]
+EVENTS = {"metrics_log": "n_imgs_per_metrics_log", "image_log": "n_imgs_per_image_log",
+          "checkpoint": "n_imgs_per_ckpt_save"}
+
+
+def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).float().gather(1, y[:, None])[:, 0]
+
+
+def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOutput:
+    """One micro-batch of DAT.step, piece by piece: attacks on the module without DDP (compiled
+    if it is) in eval mode, then the loss forward and backward through the wrapper."""
+    cfg, parts, method, attacked = bench.cfg, bench.parts, bench.parts.method, bench.ctx.attacked
+    precision = parts.precision
+    with watch("data_wait"):
+        batch = batch.to(bench.runtime.device)
+    attacked.eval()
+    with watch("neg_attack"), precision.autocast():
+        x_adv = pgd_from_config(attacked, batch.x_out, cfg.attack, steps=method.curriculum.T,
+                                y=batch.y_in,
+                                objective="lse" if cfg.logsumexp_sampling else "logit",
+                                random_start_keys=batch.key_out)
+    with watch("clf_attack"), precision.autocast():
+        x_c_adv = pgd_from_config(attacked, batch.x_c, cfg.indist_attack_clf, objective="ce",
+                                  y=batch.y_c, random_start_keys=batch.key_c)
+    keep: Dict[str, torch.Tensor] = {"x_adv": x_adv.detach()}
+    with watch("fwd_bwd"):
+        if not method.frozen_bn:
+            keep["in"], keep["adv"] = _fy(attacked, batch.x_in, batch.y_in), _fy(
+                attacked, x_adv, batch.y_in)
+        parts.model.train()
+        with micro_step_sync(parts.model, last=last):
+            with precision.autocast():
+                losses = dat_loss(parts.model, batch.x_in, batch.y_in, x_adv, x_c_adv, batch.y_c,
+                                  batch.x_out, weights=method.weights, logsumexp=cfg.logsumexp,
+                                  r1reg=cfg.r1reg, fused=method.frozen_bn)
+            precision.backward(losses.loss / bench.plan.accumulation_steps)
+    if method.frozen_bn:
+        keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
+    terms = {name: term.detach() for name, term in losses.terms.items()}
+    return MicroOutput(loss=losses.loss.detach(), terms=terms, keep=keep)
+
+
+def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
+    """next(batches), DAT.step and train_one_step's EMA and bookkeeping, plus the loop's
+    consensus, each piece timed into `watch`."""
+    parts, runtime = bench.parts, bench.runtime
+    with watch("data_wait"):
+        micro_batches = next(batches)
+    with watch("optimizer"):
+        parts.optimizer.zero_grad(set_to_none=True)
+    outputs = [_micro_pieces(bench, batch, index == len(micro_batches) - 1, watch)
+               for index, batch in enumerate(micro_batches)]
+    with watch("optimizer"):
+        parts.precision.step(parts.optimizer)
+    if parts.ema is not None:
+        with watch("ema"):
+            parts.ema.update()
+    terms = mean_terms(outputs)
+    result = StepResult(
+        loss=sum(terms.values()), losses=terms,
+        window={**{name: float(value) for name, value in terms.items()}, "n": 1.0},
+        x_adv=outputs[0].keep["x_adv"],
+        scores={k: torch.cat([o.keep[k] for o in outputs]).float() for k in ("in", "adv")})
+    with watch("bookkeeping"):
+        parts.progress.step += 1
+        result.stats = parts.method.after_step(runtime, result)  # global AUCs, curriculum
+        parts.progress.window.add(result.window)
+        rd.consensus(runtime, preempt=False, nonfinite=not result.finite)
+    return result
+
+
+def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatch) -> None:
+    """The loop's metrics log, image grid and checkpoint, each once."""
+    with watch("metrics_log"):
+        log_metrics(bench.parts, result, bench.plan, bench.runtime, tracker, 0)
+    with watch("image_log"):
+        tracker.save_grid(result.x_adv, f"bench_{rep:03d}.png")
+    with watch("checkpoint"):
+        save_training_state(bench.parts, bench.cfg, bench.runtime, tracker)
+
+
+def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:
+    cfg = bench.cfg
+    intervals = {event: getattr(cfg, field) for event, field in EVENTS.items()}
+    amortized = {event: med[event] * (cfg.batch_size / interval if interval else 0.0)
+                 for event, interval in intervals.items()}
+    per_step_s = {k: med.get(k, 0.0) for k in PIECES}
+    per_step_s["logging_checkpoint_amortized"] = sum(amortized.values())
+    return section_result(
+        "breakdown", args, bench, T=bench.parts.method.curriculum.T,
+        K=cfg.indist_attack_clf.max_steps, per_step_s=per_step_s,
+        per_event_s={k: med[k] for k in EVENTS}, intervals_imgs=intervals,
+        amortized_s=amortized, sum_of_pieces_s=sum(per_step_s.values()),
+        full_loop_step_s=median(full))
+
+
+def section_breakdown(args) -> dict:
+    bench = single_process(args)
+    os.makedirs(bench.cfg.run_dir, exist_ok=True)
+    tracker = Tracker(bench.cfg, bench.runtime, bench.cfg.run_dir)
+    batches = iter(build_train_data(bench.cfg, bench.runtime, bench.plan, start_step=0))
+    pieces: Dict[str, List[float]] = {}
+    full: List[float] = []
+    for rep in range(args.warmup + args.reps):
+        watch = Stopwatch(bench.runtime.device)
+        result = _pieces_step(bench, batches, watch)
+        _events(bench, result, tracker, rep, watch)  # amortized over their intervals below
+        # The real loop step on the next batch, for the sum-of-pieces check.
+        with watch("data_wait_full"):
+            micro_batches = next(batches)
+        step_times = loop_step(bench, micro_batches)
+        if rep >= args.warmup:
+            for key, value in watch.times.items():
+                pieces.setdefault(key, []).append(value)
+            full.append(step_times["total"] + watch.times["data_wait_full"])
+    tracker.close()
+    return _result(args, bench, {k: median(v) for k, v in pieces.items()}, full)

@@ -46,6 +46,13 @@ from rebm.data.files import (
     load_tensor_file,
     load_unlabelled_folder,
 )
+from rebm.data.sampling import (
+    PURPOSE_AUGMENT,
+    PURPOSE_SAMPLE,
+    StreamSchedule,
+    eval_shard,
+    sample_keys,
+)
 from rebm.data.sources import (
     DEFAULT_NOISE_LENGTH,
     DataError,
@@ -55,13 +62,6 @@ from rebm.data.sources import (
     TinyImagesSource,
 )
 from rebm.distributed.runtime import Runtime
-from rebm.data.sampling import (
-    PURPOSE_AUGMENT,
-    PURPOSE_SAMPLE,
-    StreamSchedule,
-    eval_shard,
-    sample_keys,
-)
 
 __all__ = [
     "DataError",

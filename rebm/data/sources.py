@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import List, Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch

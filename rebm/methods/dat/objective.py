@@ -169,6 +169,13 @@ def _energy_options(weights: Tuple[float, float, float] = (0.5, 0.0, 0.5), logsu
     return weights, logsumexp, r1reg, fused
 
 
+def loss_options(cfg: TrainConfig) -> Dict[str, Any]:
+    """The objective's options from the config: the one place the DAT step's loss reads it.
+    Fused forwards need frozen BatchNorm (the batch composition must not matter)."""
+    return dict(weights=loss_weights(cfg), logsumexp=cfg.logsumexp, r1reg=cfg.r1reg,
+                fused=not cfg.model.use_batchnorm)
+
+
 def loss_weights(cfg: TrainConfig) -> Tuple[float, float, float]:
     """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE, normalised."""
     raw = raw_loss_weights(cfg)

@@ -29,7 +29,7 @@ from rebm.methods.base import (
     mean_terms,
 )
 from rebm.methods.dat.curriculum import Curriculum
-from rebm.methods.dat.objective import dat_loss, loss_weights
+from rebm.methods.dat.objective import dat_loss, loss_options
 
 
 def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ class DAT(Method):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.curriculum = Curriculum.from_config(cfg)
-        self.weights = loss_weights(cfg)
+        self.loss_options = loss_options(cfg)
         self.frozen_bn = not cfg.model.use_batchnorm  # train-mode logits equal eval-mode ones
 
     def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
@@ -76,8 +76,7 @@ class DAT(Method):
             ctx.model.train()
             with ctx.precision.autocast():
                 losses = dat_loss(ctx.model, batch.x_in, batch.y_in, x_adv, x_c_adv, batch.y_c,
-                                  batch.x_out, weights=self.weights, logsumexp=cfg.logsumexp,
-                                  r1reg=cfg.r1reg, fused=self.frozen_bn)
+                                  batch.x_out, **self.loss_options)
             if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
                 keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
             if index == 0:

@@ -51,9 +51,6 @@ class LegacyImageLogFields(Frozen):
     img_extension: Optional[str] = None  # original field, unused
     save_dir: Optional[str] = None  # original field, unused (grids go to <run_dir>/samples)
     target_class: Optional[int] = None  # original field, unused
-    adaptive_steps: bool = False  # original field, unused
-    step_sweep_range: Optional[List[int]] = None  # original field, unused
-    sweep_num_samples: int = 500  # original field, unused
     lr: Optional[float] = None  # original field, unused
 
 

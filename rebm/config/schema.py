@@ -47,7 +47,7 @@ AMP_MODES = ("none", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DDP_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
-RESUME_MODES = ("auto", "never")
+RESUME_MODES = ("auto", "never", "force")
 WHICH_LOGIT = ("first", "all", "bird")
 
 
@@ -70,11 +70,19 @@ class ImageLogConfig(LegacyImageLogFields):
     """Class-conditional sample generation (images and FID)."""
 
     num_steps: int = 20  # PGD steps from the seed images
-    log_fid: bool = False  # compute FID of the samples (needs local Inception weights)
-    data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma)
+    log_fid: bool = False  # compute FID of the samples against data_dir (see docs/evaluation.md)
+    data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma; python -m rebm.eval.fid_stats)
+    inception_weights: Optional[str] = None  # FID Inception weights file; default: the FID library's cache
     num_samples: int = 100  # samples per evaluation, labels balanced over the classes
     step_size: float = 0.1  # PGD step length of generation
     eps: float = math.inf  # PGD radius of generation
+    norm: str = "L2"  # L2 (normalised-gradient steps) or Linf (sign steps) for generation
+    adaptive_steps: bool = False  # pick num_steps by FID over a sweep before each FID evaluation
+    step_sweep_range: Optional[List[int]] = None  # step counts the sweep tries (default: see sweep_radius)
+    sweep_radius: int = 5  # without step_sweep_range: try num_steps - r ... num_steps + r
+    sweep_num_samples: int = 500  # samples per candidate of the sweep
+    blur_kernel_size: int = 0  # Gaussian blur of the seed images (odd kernel size; 0 = none)
+    adaptive_blur: bool = False  # scale blur_kernel_size with data.image_size / 32
     seed_images: str = "noise"  # generation starts from: noise, lowfreq-noise, gaussian (fitted to the data), a .pt/.npz file or a folder
 
 
@@ -151,6 +159,8 @@ class TrainConfig(LegacyTrainFields):
     logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
     augm_type_classification: str = "autoaugment_cutout"  # augmentation of the classifier stream
     augm_type_generation: str = "original"  # augmentation of the EBM in-dist and out-dist streams
+    track_r1: bool = False  # log the R1 penalty of the in-dist batch (train_r1_loss) without training on it
+    keep_samples: bool = False  # also write every generated sample as a PNG under samples/step_<N>/
     robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
     robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)
     per_device_eval_batch_size: Optional[int] = None  # eval images per rank and batch; default min(batch_size, 3 x micro-batch)
@@ -167,7 +177,7 @@ class TrainConfig(LegacyTrainFields):
     run_dir: Optional[str] = None  # output directory (default runs/<time>); holds the states
     resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
     resume_path: Optional[str] = None  # original spelling of resume_from_state
-    resume: str = "auto"  # auto: resume from the newest state in run_dir; never: refuse a run_dir with states
+    resume: str = "auto"  # auto: continue from the newest state in run_dir (same training config); force: even if the config changed; never: refuse a run_dir with states
     keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
 
     # Distributed

@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig
     # model.ckpt_path is then not read (the file may have moved); the data position is the step,
     # so the loader starts there directly.
     state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume == "auto")
+                            allow_auto=cfg.resume in ("auto", "force"))
     data = build_train_data(cfg, runtime, plan, start_step=int(state["step"]) if state else 0)
     last_step = planned_last_step(cfg, data.steps_per_epoch)
     parts = build_parts(cfg, runtime, method, last_step, load_pretrained=state is None)

@@ -5,6 +5,7 @@ ones), and turning the user-fixable errors into one line and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ import torch
 from rebm.config import (
     ConfigError,
     TrainConfig,
+    default_run_dir,
+    freeze,
     ignored_fields_set,
     load_config,
     plan_batches,
@@ -144,6 +147,11 @@ def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
 
 def parse_and_load(parser: argparse.ArgumentParser,
                    argv: Optional[List[str]] = None) -> tuple:
+    """(args, config); a config without `run_dir` gets the deterministic default, so running
+    the same command again continues the same run."""
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
     cfg = load_config(args.config, args.overrides)
+    if cfg.run_dir is None:
+        run_dir = default_run_dir(args.config, args.overrides)
+        cfg = freeze(dataclasses.replace(cfg, run_dir=run_dir), cfg._explicit_keys)
     return args, cfg

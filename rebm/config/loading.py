@@ -164,10 +164,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
             f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "
             f"'attack.max_steps' ({cfg.attack.max_steps})"
         )
-    if cfg.image_log.step_size < 0 or cfg.image_log.num_steps < 0:
-        raise ConfigError(f"{source}: 'image_log.step_size' and 'image_log.num_steps' must be >= 0")
-    if not cfg.image_log.eps > 0:
-        raise ConfigError(f"{source}: 'image_log.eps' must be > 0 (or .inf)")
+    _validate_image_log(cfg, source)
     if cfg.robust_eval_steps is not None and cfg.robust_eval_steps < 0:
         raise ConfigError(f"{source}: 'robust_eval_steps' must be >= 0 or null")
     for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",
@@ -183,6 +180,14 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: 'lr' must be > 0, got {cfg.lr}")
     if not 0 <= cfg.ema_decay < 1:
         raise ConfigError(f"{source}: 'ema_decay' must be in [0, 1), got {cfg.ema_decay}")
+    if not 0 <= cfg.AUC_th <= 1:  # 0: T advances whenever the window is full (tests use it)
+        raise ConfigError(f"{source}: 'AUC_th' must be in [0, 1], got {cfg.AUC_th}")
+    for key in ("wd", "r1reg"):
+        if not getattr(cfg, key) >= 0:
+            raise ConfigError(f"{source}: '{key}' must be >= 0, got {getattr(cfg, key)}")
+    for key in ("num_classes", "image_size"):
+        if getattr(cfg.data, key) < 1:
+            raise ConfigError(f"{source}: 'data.{key}' must be >= 1, got {getattr(cfg.data, key)}")
     if not cfg.fixed_lr:
         raise ConfigError(
             f"{source}: 'fixed_lr: false' is not supported (DAT uses a constant learning rate); "
@@ -201,6 +206,30 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     if cfg.resume_path and not cfg.resume_from_state:
         cfg.resume_from_state = cfg.resume_path
 
+
+def _validate_image_log(cfg: TrainConfig, source: str) -> None:
+    """The ranges of the `image_log.*` fields (sample generation and its step sweep)."""
+    log = cfg.image_log
+    _check_choice(log.norm, NORMS, "image_log.norm", source)
+    if log.step_size < 0 or log.num_steps < 0:
+        raise ConfigError(f"{source}: 'image_log.step_size' and 'image_log.num_steps' must be >= 0")
+    if not log.eps > 0:
+        raise ConfigError(f"{source}: 'image_log.eps' must be > 0 (or .inf)")
+    for key in ("num_samples", "sweep_num_samples"):
+        if getattr(log, key) <= 0:
+            raise ConfigError(
+                f"{source}: 'image_log.{key}' must be a positive integer, got {getattr(log, key)}")
+    if log.sweep_radius < 0:
+        raise ConfigError(f"{source}: 'image_log.sweep_radius' must be >= 0, got {log.sweep_radius}")
+    if log.step_sweep_range is not None and (
+            not log.step_sweep_range or min(log.step_sweep_range) < 1):
+        raise ConfigError(
+            f"{source}: 'image_log.step_sweep_range' must be a non-empty list of step counts "
+            f">= 1 (or null), got {list(log.step_sweep_range)}")
+    if log.blur_kernel_size < 0 or (log.blur_kernel_size > 0 and log.blur_kernel_size % 2 == 0):
+        raise ConfigError(
+            f"{source}: 'image_log.blur_kernel_size' must be 0 (no blur) or an odd size >= 1, "
+            f"got {log.blur_kernel_size}")
 
 
 def raw_loss_weights(cfg: TrainConfig) -> tuple:

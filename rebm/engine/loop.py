@@ -12,11 +12,19 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 from rebm.checkpoint.state import agree_on_resume, replicas_identical, save_on_main
 from rebm.checkpoint.weights import save_model
-from rebm.config import BatchPlan, TrainConfig, ignored_fields_set, plan_batches
+from rebm.config import (
+    BatchPlan,
+    ConfigError,
+    TrainConfig,
+    ignored_fields_set,
+    plan_batches,
+    to_dict,
+    training_diff,
+)
 from rebm.data import build_train_data
 from rebm.distributed.collectives import (
     broadcast_buffers,
@@ -29,7 +37,8 @@ from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import PreemptionFlag
 from rebm.engine.metrics import MetricsWindow, peak_memory
 from rebm.engine.parts import Parts, build_parts
-from rebm.engine.tracking import Tracker, progress_bar, resolve_run_dir
+from rebm.engine.rundir import resolve_run_dir
+from rebm.engine.tracking import Tracker, progress_bar
 from rebm.errors import UserError
 from rebm.eval.evaluate import evaluate_model
 from rebm.methods.base import Method, StepContext, StepResult
@@ -53,9 +62,34 @@ def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
 
 def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig], Method]
           ) -> Dict[str, Any]:
+    """Train with the method `make_method(cfg)` builds, in cfg.run_dir, held by this job (rank
+    0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
-    cfg = resolve_run_dir(cfg, runtime)
-    run_dir, method = cfg.run_dir, make_method(cfg)
+    cfg, lock = resolve_run_dir(cfg, runtime)
+    try:
+        return run(cfg, runtime, make_method(cfg), started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def resume_point(cfg: TrainConfig, runtime: Runtime) -> Optional[dict]:
+    """The state to resume from (rank 0 decides, every rank reads it), refused when the run
+    it belongs to trained with another config, unless resume=force."""
+    state = agree_on_resume(runtime, cfg.run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume in ("auto", "force"))
+    if state is None or cfg.resume == "force":
+        return state
+    changed = training_diff(state.get("config", {}), to_dict(cfg))
+    if changed:
+        raise ConfigError(
+            f"'{state['_path']}' was trained with another config ({'; '.join(changed)}); to "
+            f"continue it anyway pass resume=force, to start afresh choose another run_dir")
+    return state
+
+
+def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> Dict[str, Any]:
+    run_dir = cfg.run_dir
     plan = plan_batches(cfg, runtime.world_size, method.loss_streams)
     setup_logging(runtime, run_dir)
     LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d accumulation",
@@ -64,11 +98,9 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
 
-    # The state to resume from (rank 0 decides, every rank reads it). It holds the weights, so
-    # model.ckpt_path is then not read (the file may have moved); the data position is the step,
-    # so the loader starts there directly.
-    state = agree_on_resume(runtime, run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume in ("auto", "force"))
+    # A resumed run takes its weights from the state, so model.ckpt_path is not read (the file
+    # may have moved); the data position is the step, so the loader starts there directly.
+    state = resume_point(cfg, runtime)
     data = build_train_data(cfg, runtime, plan, start_step=int(state["step"]) if state else 0)
     last_step = planned_last_step(cfg, data.steps_per_epoch)
     parts = build_parts(cfg, runtime, method, last_step, load_pretrained=state is None)
@@ -151,7 +183,7 @@ def at_intervals(parts: Parts, result: StepResult, cfg: TrainConfig, plan: Batch
     if log_now:
         log_metrics(parts, result, plan, runtime, tracker, epoch)
     if plan.crossed(cfg.n_imgs_per_image_log, step) and result.x_adv is not None:
-        tracker.save_grid(result.x_adv, f"train_adv_step{step:08d}.png")
+        tracker.save_grid(result.x_adv, f"train_adv_step{step:08d}.png", step)
     if plan.crossed(cfg.n_imgs_per_evaluation_log, step):
         evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
     if plan.crossed(cfg.n_imgs_per_ckpt_save, step) and step < last_step:
@@ -179,6 +211,9 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
                              run_dir=tracker.run_dir, step=step,
                              samples=parts.method.eval_samples)
     tracker.log(step, plan.images(step), epoch, results)
+    tracker.log_table("eval/table", step, results)
+    tracker.log_image(os.path.join(tracker.run_dir, "samples", f"samples_step{step:08d}.png"),
+                      step)
     if not parts.method.keep_best:
         return results
     for metric, filename, higher_is_better in (

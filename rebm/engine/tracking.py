@@ -1,50 +1,30 @@
-"""What a run writes for people to read (docs/design.md §4): the run directory, config.yaml,
-metrics.jsonl, wandb, PNG grids. Only rank 0 writes; the `Tracker` of other ranks is inert, so
+"""What a run writes for people to read (docs/design.md §4): config.yaml, metrics.jsonl, wandb,
+PNG grids. Only rank 0 writes; the `Tracker` of other ranks is inert, so
 the training loop calls it unconditionally and never runs a collective inside a rank guard."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
-import time
+import uuid
 from typing import Any, Dict, Optional
 
 import torch
 
-from rebm.config import TrainConfig, freeze, to_dict, to_yaml
-from rebm.distributed import Runtime, decide_on_main, print_line
-from rebm.errors import UserError
+from rebm.config import TrainConfig, to_dict, to_yaml
+from rebm.distributed import Runtime, print_line
 from rebm.eval.report import jsonable
 
 LOGGER = logging.getLogger("rebm")
 
 
-class RunDirError(UserError, OSError):
-    """The run directory cannot be created."""
-
-
-def resolve_run_dir(cfg: TrainConfig, runtime: Runtime) -> TrainConfig:
-    """Rank 0 chooses the run directory (the configured one, or runs/<time>), all ranks get it;
-    returns the config with that `run_dir`. Called by every rank (it contains a broadcast)."""
-    def choose() -> str:
-        chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
-        try:
-            os.makedirs(chosen, exist_ok=True)
-        except OSError as err:
-            raise RunDirError(f"cannot create run_dir '{chosen}' ({err.strerror}); choose a "
-                              "writable run_dir=PATH") from None
-        return chosen
-
-    chosen = decide_on_main(runtime, choose)
-    return freeze(dataclasses.replace(cfg, run_dir=chosen), cfg._explicit_keys)
-
-
 def wandb_mode(cfg: TrainConfig) -> str:
-    """disabled (explicitly, or the original wandb_disabled flag), else online when an API key is
-    configured and offline otherwise, unless wandb_mode / WANDB_MODE says otherwise."""
+    """Precedence: the config's `wandb_disabled: true` / `wandb_mode: disabled` always win (an
+    experiment that says no wandb gets none); otherwise the WANDB_MODE environment variable wins
+    over `wandb_mode` (a job script decides for its machine); `auto` is online when an API key is
+    configured (WANDB_API_KEY or ~/.netrc) and offline otherwise."""
     if cfg.wandb_disabled or cfg.wandb_mode == "disabled":
         return "disabled"
     if os.environ.get("WANDB_MODE"):
@@ -92,11 +72,15 @@ class Tracker:
         except ImportError:
             LOGGER.warning("wandb is not installed; metrics go to metrics.jsonl only")
             return
-        self.wandb_run_id = self.wandb_run_id or wandb.util.generate_id()
+        # The id is the run's identity in wandb: kept in every training state, so a resumed run
+        # (any attempt, any world size) continues the same wandb run.
+        self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:16]
         self.wandb_run = wandb.init(
             project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
             tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
+            name=os.path.basename(os.path.normpath(self.run_dir)),
         )
+        LOGGER.info("wandb %s run %s (%s)", mode, self.wandb_run_id, self.wandb_run.dir)
 
     def truncate_metrics_after(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight
@@ -124,14 +108,36 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
-    def save_grid(self, images: torch.Tensor, name: str, nrow: int = 8) -> Optional[str]:
+    def save_grid(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
+                  ) -> Optional[str]:
+        """A PNG grid in samples/, also logged to wandb as an image."""
         if not self.active:
             return None
         from torchvision.utils import save_image
 
         path = os.path.join(self.run_dir, "samples", name)
         save_image(images.detach().float().cpu().clamp(0, 1), path, nrow=nrow)
+        self.log_image(path, step)
         return path
+
+    def log_image(self, path: str, step: int) -> None:
+        """An image file (a sample grid) to wandb under its name's stem, e.g. `samples`."""
+        if self.wandb_run is None or not os.path.exists(path):
+            return
+        import wandb
+
+        key = "images/" + os.path.basename(path).split("_step")[0]
+        self.wandb_run.log({key: wandb.Image(path)}, step=step)
+
+    def log_table(self, name: str, step: int, values: Dict[str, Any]) -> None:
+        """One evaluation's numbers to wandb as a table (metric, value), besides the scalars."""
+        if self.wandb_run is None:
+            return
+        import wandb
+
+        rows = [[k, jsonable(v)] for k, v in values.items() if isinstance(v, (int, float))]
+        self.wandb_run.log({name: wandb.Table(columns=["metric", "value"], data=rows)},
+                           step=step)
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -20,7 +20,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rebm import cli
@@ -32,10 +33,11 @@ from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import evaluate_accuracy
 from rebm.eval.calibration import evaluate_ece
-from rebm.eval.fid import compute_fid
+from rebm.eval.fid import Features, fid_scorer, require_fid_ready, to_8bit
 from rebm.eval.generation import generate_samples, save_grid
 from rebm.eval.ood import build_ood_data, evaluate_ood
 from rebm.eval.report import jsonable
+from rebm.eval.sweep import sweep_steps, with_steps
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
@@ -70,7 +72,7 @@ def evaluate_model(
 
     Returns the same dict on every rank: "test_acc", "n_test", "robust_test_acc" (when
     cfg.robust_eval), "fid" (when samples are drawn, image_log.log_fid is set and FID can be
-    computed here), "ece" / "ood_auroc" / "autoattack_test_acc" when asked for. With `samples`,
+    computed here; see `sample_metrics` for the sweep), "ece" / "ood_auroc" / "autoattack_test_acc" when asked for. With `samples`,
     rank 0 saves a PNG grid into <run_dir>/samples/. Pass `loader` (from `build_eval_data`) to
     reuse one across calls. `batch_size`: images per rank and batch (default: the batch plan's
     evaluation batch, `rebm.config.eval_batch_size`). Every rank must call this with the same
@@ -91,16 +93,49 @@ def evaluate_model(
         metrics.update(evaluate_ood(model, loader, ood_loader, runtime,
                                     score="lse" if cfg.logsumexp else "max_softmax"))
     if samples and cfg.image_log.num_samples > 0:
-        images, _ = generate_samples(model, cfg, runtime, batch_size=batch_size)
-        if runtime.is_main and run_dir is not None:
-            path = save_grid(images, run_dir, cfg.data.num_classes, step)
-            LOGGER.info("samples saved to %s", path)
-        if cfg.image_log.log_fid:
-            fid = compute_fid(images, cfg.image_log.data_dir, runtime.device,
-                              batch_size=batch_size, runtime=runtime)
-            if fid is not None:
-                metrics["fid"] = fid
+        metrics.update(sample_metrics(model, cfg, runtime, batch_size, run_dir, step))
     return metrics
+
+
+def sample_metrics(model: nn.Module, cfg, runtime: Runtime, batch_size: int,
+                   run_dir: Optional[str] = None, step: Optional[int] = None,
+                   features: Optional[Features] = None) -> Dict[str, Any]:
+    """Class-conditional samples: the PNG grid (and every sample with `keep_samples`), and with
+    image_log.log_fid their "fid"; with image_log.adaptive_steps first the step sweep
+    ("fid_best_steps", "fid_sweep/<steps>"). `features`: a stand-in for Inception (tests).
+    Every rank must call this."""
+    metrics: Dict[str, Any] = {}
+    scorer = fid_scorer(cfg, runtime, batch_size, features) if cfg.image_log.log_fid else None
+    if scorer is not None and cfg.image_log.adaptive_steps:
+        best, fids = sweep_steps(model, cfg, runtime, scorer, batch_size)
+        metrics["fid_best_steps"] = best
+        metrics.update({f"fid_sweep/{s}": value for s, value in fids.items()})
+        cfg = with_steps(cfg, best)
+    images, _ = generate_samples(model, cfg, runtime, batch_size=batch_size)
+    if runtime.is_main and run_dir is not None:
+        path = save_grid(images, run_dir, cfg.data.num_classes, step)
+        LOGGER.info("samples saved to %s", path)
+        if cfg.keep_samples:
+            LOGGER.info("every sample saved to %s", save_sample_files(images, run_dir, step))
+    if scorer is not None:
+        fid = scorer(images)
+        if fid is not None:
+            metrics["fid"] = fid
+    return metrics
+
+
+def save_sample_files(images: Tensor, run_dir: str, step: Optional[int] = None) -> str:
+    """Sample i as <run_dir>/samples/step_<8-digit step>/<i>.png (samples/eval/ without a step),
+    8-bit like the images FID sees. Rank 0 only calls this; returns the folder."""
+    from PIL import Image
+
+    name = "eval" if step is None else f"step_{step:08d}"
+    folder = os.path.join(run_dir, "samples", name)
+    os.makedirs(folder, exist_ok=True)
+    pixels = to_8bit(images.detach().cpu()).mul(255).round().to(torch.uint8)
+    for index, image in enumerate(pixels.permute(0, 2, 3, 1).numpy()):
+        Image.fromarray(image).save(os.path.join(folder, f"{index}.png"))
+    return folder
 
 
 def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
@@ -122,6 +157,8 @@ def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
 
 def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     setup_logging(runtime)
+    if args.samples:
+        require_fid_ready(cfg)  # before any work: a missing weights/statistics file is one line
     model = load_eval_model(cfg, runtime)
     run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
     run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks

@@ -1,32 +1,61 @@
-"""FID of generated samples against reference statistics (pytorch-fid `.npz`: `mu`, `sigma`).
+"""FID of generated samples against reference statistics, through pytorch-fid (docs/evaluation.md).
 
-The Fréchet distance itself is computed here (`frechet_distance`). The Inception features come
-from a maintained library, never from weights this project ships or downloads:
-- pytorch-fid (`pip install pytorch-fid`), weights file
-  `$TORCH_HOME/hub/checkpoints/pt_inception-2015-12-05-6726825d.pth`;
-- torch-fidelity (also what torchmetrics' FID uses), weights file
-  `$TORCH_HOME/hub/checkpoints/weights-inception-2015-12-05-6726825d.pth`.
-Only a weights file already on disk is used (compute nodes often have no internet, and a
-download attempt would hang or crash an evaluation). Without library or weights, or without the
-reference file, FID is skipped: one warning, and `compute_fid` returns None — never a crash,
-never a made-up number.
+- The features are pytorch-fid's `InceptionV3` pool3 features (2048-d). Its weights file
+  `pt_inception-2015-12-05-6726825d.pth` is read from `image_log.inception_weights` when set,
+  else from the torch hub cache where pytorch-fid looks (`$TORCH_HOME/hub/checkpoints/`). It is
+  never downloaded: pytorch-fid's loader is handed the local state dict instead of the URL.
+- The distance is pytorch-fid's `calculate_frechet_distance`; the reference statistics are a
+  pytorch-fid `.npz` with `mu` and `sigma` (`image_log.data_dir`, written by
+  `python -m rebm.eval.fid_stats`).
+- Another feature network can stand in for Inception (tests, experiments): pass `features` (a
+  callable float [0, 1] images (N, 3, H, W) -> (N, D) features), or set the environment variable
+  `REBM_FID_FEATURES=module:function` naming such a callable; entry points and subprocesses then
+  use it for the samples and for `fid_stats` alike.
+
+Samples are quantised to 8 bits before the features (as if written to and read from PNG files,
+which is what the original DAT code fed pytorch-fid). The features are computed sharded: fixed
+chunks of `batch_size` images, chunk k on rank k % W, so an image's features do not depend on
+the world size; the sums of the features and of their outer products are all-reduced, so every
+rank gets the same mu and sigma.
+
+`fid_problems(cfg)` lists what is missing (a `--check` warning each); `require_fid_ready(cfg)`
+raises one `FIDError` line at the start of a run. Inside an evaluation, a missing piece makes
+every rank (by consensus) skip FID with one warning: never a made-up number, never a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import logging
 import os
-from typing import Callable, Optional
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
+from pytorch_fid.fid_score import calculate_frechet_distance
 from torch import Tensor
+
+from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 
-PYTORCH_FID_WEIGHTS = "pt_inception-2015-12-05-6726825d.pth"
-TORCH_FIDELITY_WEIGHTS = "weights-inception-2015-12-05-6726825d.pth"
+Features = Callable[[Tensor], Tensor]  # float [0, 1] images (N, 3, H, W) -> (N, D)
+
+INCEPTION_WEIGHTS_FILE = "pt_inception-2015-12-05-6726825d.pth"
+INCEPTION_DIMS = 2048
+FEATURES_ENV = "REBM_FID_FEATURES"
 _warned: set = set()  # each distinct reason is reported once per process
+_INCEPTION: Dict[str, torch.nn.Module] = {}  # weights path -> network, built once
+
+
+class FIDError(UserError, ValueError):
+    """FID cannot be computed: weights or statistics missing or unreadable; one line that names
+    the path, the config key and the fix."""
 
 
 def _warn_once(message: str) -> None:
@@ -36,151 +65,296 @@ def _warn_once(message: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The distance
+# The distance and the statistics
 # --------------------------------------------------------------------------------------------
 def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
-    """||mu1 - mu2||² + Tr(S1 + S2 - 2 (S1 S2)^½) between two Gaussians.
+    """pytorch-fid's Fréchet distance ||mu1 - mu2||² + Tr(S1 + S2 - 2 (S1 S2)^½), as a float.
 
-    (S1 S2)^½ of covariances estimated from few samples can be singular (sqrtm gives inf/nan)
-    or pick up tiny imaginary parts from round-off; the former is handled by adding eps·I to
-    both covariances, the latter by keeping the real part when the imaginary part is negligible.
+    Shapes are checked here (pytorch-fid only asserts). Its notice on a singular covariance
+    product goes to the log instead of stdout; scipy's deprecation of the `disp` argument that
+    pytorch-fid 0.3 passes is silenced.
     """
-    from scipy import linalg
-
     mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
     sigma1 = np.atleast_2d(np.asarray(sigma1, np.float64))
     sigma2 = np.atleast_2d(np.asarray(sigma2, np.float64))
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape:
         raise ValueError(f"FID statistics differ in shape: mu {mu1.shape} vs {mu2.shape}, "
                          f"sigma {sigma1.shape} vs {sigma2.shape}")
-    diff = mu1 - mu2
-    covmean = linalg.sqrtm(sigma1 @ sigma2)
-    if not np.isfinite(covmean).all():
-        LOGGER.info("FID: singular covariance product; adding %g to the diagonals", eps)
-        offset = np.eye(sigma1.shape[0]) * eps
-        covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
-    if np.iscomplexobj(covmean):
-        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            raise ValueError(f"FID: imaginary component {np.abs(covmean.imag).max():.3g} in the "
-                             "covariance square root")
-        covmean = covmean.real
-    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * np.trace(covmean))
+    notice = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(notice):
+        warnings.filterwarnings("ignore", message=".*disp.*", category=DeprecationWarning)
+        value = calculate_frechet_distance(mu1, sigma1, mu2, sigma2, eps=eps)
+    if notice.getvalue().strip():
+        LOGGER.info("FID: %s", notice.getvalue().strip())
+    return float(value)
 
 
-def feature_statistics(features: np.ndarray):
-    """(mu, sigma) of (N, D) features, in the pytorch-fid convention (unbiased covariance)."""
+def feature_statistics(features) -> Tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of (N, D) features, as pytorch-fid computes them (unbiased covariance)."""
     features = np.asarray(features, np.float64)
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
+def to_8bit(images: Tensor) -> Tensor:
+    """Images rounded to 8 bits (the PNG values torchvision's save_image writes), as float."""
+    return images.float().mul(255).add(0.5).clamp(0, 255).floor().div(255)
+
+
+def shard_chunks(n: int, chunk: int, rank: int, world_size: int) -> List[range]:
+    """Index chunks [k·chunk, (k+1)·chunk) of [0, n) with k % world_size == rank: every chunk
+    holds the same images on any world size."""
+    starts = range(rank * chunk, n, world_size * chunk)
+    return [range(s, min(s + chunk, n)) for s in starts]
+
+
+def moments_statistics(feature_batches: Iterable[Tensor], runtime: Runtime
+                       ) -> Tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of all ranks' features together: this rank's batches are summed in float64
+    (count, sum, sum of outer products), the sums all-reduced. Every rank must call this, with
+    any number of batches (also none)."""
+    count, s1, s2 = 0, None, None
+    for feats in feature_batches:
+        feats = feats.detach().flatten(1).double()
+        if s1 is None:
+            s1 = feats.new_zeros(feats.shape[1])
+            s2 = feats.new_zeros(feats.shape[1], feats.shape[1])
+        count += feats.shape[0]
+        s1 += feats.sum(0)
+        s2 += feats.T @ feats
+    dims = int(all_reduce_max(runtime, torch.tensor([0 if s1 is None else s1.numel()]))[0])
+    if s1 is None:
+        s1 = torch.zeros(dims, dtype=torch.float64, device=runtime.device)
+        s2 = torch.zeros(dims, dims, dtype=torch.float64, device=runtime.device)
+    packed = torch.cat([s1.new_tensor([count]), s1, s2.flatten()])
+    packed = all_reduce_sum(runtime, packed).cpu().numpy()
+    n, s1_all, s2_all = packed[0], packed[1:dims + 1], packed[dims + 1:].reshape(dims, dims)
+    if n < 2:
+        raise ValueError(f"FID statistics need at least 2 images, got {int(n)}")
+    mu = s1_all / n
+    sigma = (s2_all - n * np.outer(mu, mu)) / (n - 1)
+    return mu, (sigma + sigma.T) / 2
+
+
 # --------------------------------------------------------------------------------------------
-# Inception features from an installed library with local weights
+# Feature networks: pytorch-fid's Inception from a local file, or a stand-in
 # --------------------------------------------------------------------------------------------
-def _local_weights(filename: str) -> Optional[str]:
-    path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
-    return path if os.path.isfile(path) else None
+def hub_weights_path() -> str:
+    """Where pytorch-fid's loader looks for the weights: <torch hub dir>/checkpoints/."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", INCEPTION_WEIGHTS_FILE)
 
 
-def _pytorch_fid_extractor(device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
-    try:
-        from pytorch_fid.inception import InceptionV3
-    except ImportError:
-        return None
-    if _local_weights(PYTORCH_FID_WEIGHTS) is None:
-        return None
-    # With the file in the hub cache, load_state_dict_from_url reads it without a download.
-    net = InceptionV3([InceptionV3.BLOCK_INDEX_BY_DIM[2048]]).to(device).eval()
-    return lambda x: net(x)[0].flatten(1)  # float [0, 1] input, resized inside
+def missing_weights_message(configured: Optional[str] = None) -> str:
+    from pytorch_fid.inception import FID_WEIGHTS_URL
+
+    if configured:
+        return (f"image_log.inception_weights '{configured}' does not exist; point it at "
+                f"{INCEPTION_WEIGHTS_FILE} (from {FID_WEIGHTS_URL}), or unset it to use "
+                f"{hub_weights_path()}")
+    return (f"no Inception weights for FID: put {INCEPTION_WEIGHTS_FILE} (from {FID_WEIGHTS_URL}, "
+            f"downloaded on a machine with internet) at {hub_weights_path()} or set "
+            "image_log.inception_weights=PATH (or image_log.log_fid=false)")
 
 
-def _torch_fidelity_extractor(device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
-    try:
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-    except ImportError:
-        return None
-    weights = _local_weights(TORCH_FIDELITY_WEIGHTS)
-    if weights is None:
-        return None
-    net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
-                                      feature_extractor_weights_path=weights).to(device).eval()
-    return lambda x: net(x.mul(255).round().to(torch.uint8))[0]  # uint8 input
-
-
-def inception_extractor(device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
-    """Images float [0, 1] (N, 3, H, W) -> (N, 2048) pool features, or None (with one warning)
-    when no library with local weights is available."""
-    for build in (_pytorch_fid_extractor, _torch_fidelity_extractor):
-        extractor = build(device)
-        if extractor is not None:
-            return extractor
-    _warn_once(
-        "FID skipped: no Inception network with local weights (install pytorch-fid or "
-        f"torch-fidelity and put {PYTORCH_FID_WEIGHTS} / {TORCH_FIDELITY_WEIGHTS} in "
-        f"{os.path.join(torch.hub.get_dir(), 'checkpoints')})"
-    )
-    return None
-
-
-def load_reference(path: Optional[str]):
-    """(mu, sigma) from a pytorch-fid .npz, or None with a warning naming the path."""
-    if not path:
-        _warn_once("FID skipped: image_log.data_dir (reference statistics .npz) is not set")
-        return None
+def inception_weights_path(configured: Optional[str] = None) -> str:
+    """The weights file to use: `configured` (image_log.inception_weights), else the hub cache;
+    FIDError when it is not there."""
+    path = configured or hub_weights_path()
     if not os.path.isfile(path):
-        _warn_once(f"FID skipped: reference statistics '{path}' not found (image_log.data_dir; "
-                   "a .npz with mu and sigma, e.g. from `python -m pytorch_fid --save-stats`)")
+        raise FIDError(missing_weights_message(configured))
+    return path
+
+
+@contextmanager
+def _offline_loader(state_dict: dict):
+    """pytorch-fid's `fid_inception_v3` calls `load_state_dict_from_url(FID_WEIGHTS_URL)`; for
+    the duration of the construction it gets the local state dict instead (no network)."""
+    from pytorch_fid import inception
+
+    original = inception.load_state_dict_from_url
+    inception.load_state_dict_from_url = lambda *args, **kwargs: state_dict
+    try:
+        yield
+    finally:
+        inception.load_state_dict_from_url = original
+
+
+def inception_network(path: str) -> torch.nn.Module:
+    """pytorch-fid's InceptionV3 (FID variant, pool3 block) with the weights of `path`, built
+    once per process (on the CPU; move it with `.to`)."""
+    from pytorch_fid.inception import InceptionV3
+
+    if path not in _INCEPTION:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            with _offline_loader(state):
+                net = InceptionV3([InceptionV3.BLOCK_INDEX_BY_DIM[INCEPTION_DIMS]])
+        except Exception as err:  # unpickling, truncated file, wrong keys or shapes
+            text = str(err).strip().splitlines()
+            raise FIDError(f"Inception weights '{path}' cannot be loaded into pytorch-fid's "
+                           f"InceptionV3 ({type(err).__name__}: {text[0] if text else ''}); "
+                           f"use the original {INCEPTION_WEIGHTS_FILE}") from None
+        _INCEPTION[path] = net.eval()
+    return _INCEPTION[path]
+
+
+def inception_features(device, weights: Optional[str] = None) -> Features:
+    """Pool3 features (N, 2048) of float [0, 1] images (resized to 299 inside pytorch-fid)."""
+    net = inception_network(inception_weights_path(weights)).to(device)
+    return lambda images: net(images)[0].flatten(1)
+
+
+def env_features() -> Optional[Features]:
+    """The stand-in named by REBM_FID_FEATURES=module:function, or None when it is unset."""
+    spec = os.environ.get(FEATURES_ENV)
+    if not spec:
         return None
+    module_name, _, name = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise FIDError(f"{FEATURES_ENV}='{spec}' does not name an importable module:function "
+                       f"({type(err).__name__}: {err})") from None
+    if not callable(found):
+        raise FIDError(f"{FEATURES_ENV}='{spec}' is not callable")
+    return found
+
+
+def feature_extractor(device, weights: Optional[str] = None) -> Features:
+    """The REBM_FID_FEATURES stand-in when set, else Inception from the local weights."""
+    return env_features() or inception_features(device, weights)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference statistics and start-up checks
+# --------------------------------------------------------------------------------------------
+def _make_stats_hint(path: str) -> str:
+    return f"make it with `python -m rebm.eval.fid_stats CONFIG --out {path}`"
+
+
+def load_reference(path: Optional[str], dims: Optional[int] = None
+                   ) -> Tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of a pytorch-fid .npz; FIDError naming image_log.data_dir when it is not set,
+    missing, unreadable, or not (D,) / (D, D) (with D = `dims` when given)."""
+    if not path:
+        raise FIDError("image_log.data_dir (FID reference statistics .npz) is not set; "
+                       f"{_make_stats_hint('STATS.npz')} and set image_log.data_dir=STATS.npz")
+    if not os.path.isfile(path):
+        raise FIDError(f"image_log.data_dir '{path}' (FID reference statistics) does not "
+                       f"exist; {_make_stats_hint(path)}")
     try:
         with np.load(path) as ref:
-            return ref["mu"], ref["sigma"]
-    except (KeyError, ValueError, OSError) as err:
-        _warn_once(f"FID skipped: cannot read mu/sigma from '{path}' ({type(err).__name__}: "
-                   f"{err})")
+            mu, sigma = np.asarray(ref["mu"], np.float64), np.asarray(ref["sigma"], np.float64)
+    except Exception as err:  # not a zip, no mu/sigma key, pickled object arrays, ...
+        raise FIDError(f"image_log.data_dir '{path}' is not a .npz with mu and sigma "
+                       f"({type(err).__name__}: {err}); {_make_stats_hint(path)}") from None
+    want = dims or (mu.shape[0] if mu.ndim == 1 else -1)
+    if mu.shape != (want,) or sigma.shape != (want, want):
+        expect = f"({dims},) and ({dims}, {dims})" if dims else "(D,) and (D, D)"
+        raise FIDError(f"image_log.data_dir '{path}' holds mu {mu.shape} and sigma "
+                       f"{sigma.shape}, expected {expect}; {_make_stats_hint(path)}")
+    return mu, sigma
+
+
+def fid_problems(cfg) -> List[str]:
+    """One line per thing FID needs and this machine lacks, when the config computes FID
+    (`image_log.log_fid` with samples): the Inception weights (unless REBM_FID_FEATURES names a
+    stand-in) and the reference statistics. For `--check` warnings; loads nothing big."""
+    log = cfg.image_log
+    if not log.log_fid or log.num_samples <= 0:
+        return []
+    problems = []
+    stand_in = bool(os.environ.get(FEATURES_ENV))
+    if not stand_in:
+        path = log.inception_weights or hub_weights_path()
+        if not os.path.isfile(path):
+            problems.append(missing_weights_message(log.inception_weights))
+    try:
+        load_reference(log.data_dir, None if stand_in else INCEPTION_DIMS)
+    except FIDError as err:
+        problems.append(str(err))
+    return problems
+
+
+def require_fid_ready(cfg) -> None:
+    """At the start of a run that computes FID: raise one FIDError line when the weights or the
+    statistics are missing, and load the feature network once (a broken weights file fails now,
+    not after hours of training)."""
+    problems = fid_problems(cfg)
+    if problems:
+        raise FIDError("; ".join(problems))
+    if cfg.image_log.log_fid and cfg.image_log.num_samples > 0:
+        feature_extractor("cpu", cfg.image_log.inception_weights)
+
+
+# --------------------------------------------------------------------------------------------
+# FID of images
+# --------------------------------------------------------------------------------------------
+class FIDScorer:
+    """FID of image sets against one reference, on every rank (all ranks call it together with
+    the same images, as `generate_samples` returns them)."""
+
+    def __init__(self, features: Features, reference: Tuple[np.ndarray, np.ndarray],
+                 runtime: Runtime, batch_size: int, label: str = "the reference"):
+        self.features = features
+        self.reference = reference
+        self.runtime = runtime
+        self.batch_size = batch_size
+        self.label = label
+
+    def statistics(self, images: Tensor) -> Tuple[np.ndarray, np.ndarray]:
+        rt = self.runtime
+        chunks = shard_chunks(images.shape[0], self.batch_size, rt.rank, rt.world_size)
+
+        batches = (self.features(to_8bit(images[idx.start:idx.stop].to(rt.device)))
+                   for idx in chunks)
+        with torch.no_grad():
+            return moments_statistics(batches, rt)
+
+    def __call__(self, images: Tensor) -> Optional[float]:
+        """FID of `images` (float [0, 1]), or None with one warning when there are fewer than 2
+        images or the statistics do not match the reference (same answer on every rank)."""
+        if images.shape[0] < 2:
+            _warn_once(f"FID skipped: needs at least 2 samples, got {images.shape[0]}")
+            return None
+        mu, sigma = self.statistics(images)
+        try:
+            return frechet_distance(mu, sigma, *self.reference)
+        except ValueError as err:  # another feature size, imaginary sqrtm
+            _warn_once(f"FID skipped: {err} (reference {self.label}; remake it with "
+                       "`python -m rebm.eval.fid_stats`)")
+            return None
+
+
+def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int = 100,
+                features: Optional[Features] = None,
+                inception_weights: Optional[str] = None) -> Optional[FIDScorer]:
+    """A scorer against the statistics at `ref_stats_path`, or None on every rank (one warning)
+    when any rank lacks the statistics or the feature network. Every rank must call this."""
+    problem = None
+    try:
+        reference = load_reference(ref_stats_path)
+        features = features or feature_extractor(runtime.device, inception_weights)
+    except FIDError as err:
+        problem = str(err)
+    if consensus(runtime, skip=problem is not None)["skip"]:
+        _warn_once(f"FID skipped: {problem or 'another rank cannot compute FID (see its log)'}")
         return None
+    return FIDScorer(features, reference, runtime, batch_size, str(ref_stats_path))
 
 
-def _features(images: Tensor, extractor, device, batch_size: int) -> Tensor:
-    out = []
-    with torch.no_grad():
-        for start in range(0, images.shape[0], batch_size):
-            batch = images[start:start + batch_size].to(device).float()
-            out.append(extractor(batch).double())
-    return torch.cat(out) if out else torch.zeros(0, 2048, dtype=torch.float64, device=device)
+def fid_scorer(cfg, runtime: Runtime, batch_size: int,
+               features: Optional[Features] = None) -> Optional[FIDScorer]:
+    """`prepare_fid` with the config's statistics (image_log.data_dir) and weights."""
+    return prepare_fid(cfg.image_log.data_dir, runtime, batch_size, features,
+                       cfg.image_log.inception_weights)
 
 
 def compute_fid(images: Tensor, ref_stats_path: Optional[str], device, batch_size: int = 100,
-                runtime=None) -> Optional[float]:
-    """FID of `images` (float [0, 1], N x 3 x H x W) against the reference statistics, or None
-    when it cannot be computed here (reason logged once).
-
-    With a distributed `runtime` (every rank holds the same `images` and calls this), rank r
-    extracts the features of images r, r+W, ... and the features are all-gathered, so every
-    rank returns the same number at 1/W of the Inception cost. Whether FID runs at all is agreed
-    by one consensus, so a rank without weights cannot leave the others in a collective.
-    """
-    from rebm.distributed import consensus
-
-    reference = load_reference(ref_stats_path)
-    extractor = inception_extractor(torch.device(device)) if reference is not None else None
-    too_few = images.shape[0] < 2
-    if runtime is not None and runtime.distributed:
-        if consensus(runtime, skip=extractor is None or too_few)["skip"]:
-            return None
-    elif extractor is None or too_few:
-        if too_few and extractor is not None:
-            _warn_once(f"FID skipped: needs at least 2 samples, got {images.shape[0]}")
-        return None
-    if runtime is not None and runtime.distributed:
-        from rebm.eval.generation import gather_by_index
-
-        local = torch.arange(runtime.rank, images.shape[0], runtime.world_size)
-        mine = _features(images[local], extractor, device, batch_size)
-        features = gather_by_index(runtime, mine, local.to(mine.device), images.shape[0])
-    else:
-        features = _features(images, extractor, device, batch_size)
-    mu, sigma = feature_statistics(features.cpu().numpy())
-    try:
-        return frechet_distance(mu, sigma, *reference)
-    except ValueError as err:  # reference of another feature size, imaginary sqrtm, ...
-        _warn_once(f"FID skipped: {err} (reference {ref_stats_path})")
-        return None
+                runtime: Optional[Runtime] = None, features: Optional[Features] = None,
+                inception_weights: Optional[str] = None) -> Optional[float]:
+    """FID of `images` (float [0, 1], N x 3 x H x W, the same on every rank) against the
+    statistics at `ref_stats_path`, or None when it cannot be computed (reason logged once).
+    Without `runtime`, a single process on `device`."""
+    runtime = runtime or Runtime(device=torch.device(device))
+    scorer = prepare_fid(ref_stats_path, runtime, batch_size, features, inception_weights)
+    return None if scorer is None else scorer(images)

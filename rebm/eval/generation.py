@@ -1,7 +1,8 @@
 """Class-conditional samples: PGD ascent on f_y(x) from fixed seed images (docs/design.md §1).
 
 Sample i starts from seed image i with target label i % num_classes (balanced classes), and runs
-`image_log.num_steps` L2 steps of `image_log.step_size` inside radius `image_log.eps`.
+`image_log.num_steps` steps of `image_log.step_size` inside radius `image_log.eps`: L2
+normalised-gradient steps in an L2 ball, or with `image_log.norm: Linf` sign steps in an Linf box.
 
 Seeds (`image_log.seed_images`):
 - "noise": uniform [0, 1] noise that is a pure function of (rand_seed, i) — the same on any world
@@ -10,6 +11,10 @@ Seeds (`image_log.seed_images`):
   sampled from the same per-index keys;
 - a .pt/.npz/.npy image tensor file, or a folder of images: image i is seed i (cycled when there
   are fewer seeds than samples), resized to data.image_size.
+With `image_log.blur_kernel_size` k > 0 every seed is then blurred by a k x k Gaussian (sigma by
+torchvision's default rule for k, reflect padding); `adaptive_blur` first scales k by
+data.image_size / 32 and rounds it to the nearest odd size. The blur is a pure function of each
+image, so seeds stay a function of the sample index alone.
 
 The samples are sharded over ranks by index (i = rank, rank+W, ...) and all-gathered, so every
 rank holds the full, index-ordered set (rank 0 saves it; FID needs it) and the result does not
@@ -72,11 +77,61 @@ def _resize(images: Tensor, size: int) -> Tensor:
                          antialias=True).clamp(0.0, 1.0)
 
 
-class SeedImages:
-    """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source."""
+def blur_kernel_size(cfg) -> int:
+    """The seeds' Gaussian kernel size: `image_log.blur_kernel_size` (0 = no blur), with
+    `adaptive_blur` scaled by data.image_size / 32 and rounded to the nearest odd size (a tie goes
+    up): 2 * floor(k * S / 64) + 1, exact in integers. k=5 gives 5 at 32 px and 35 at 224 px."""
+    k = cfg.image_log.blur_kernel_size
+    if k <= 0 or not cfg.image_log.adaptive_blur:
+        return max(k, 0)
+    return 2 * (k * cfg.data.image_size // 64) + 1
 
-    def __init__(self, spec: str, image_size: int, rand_seed: int, cfg=None):
+
+def gaussian_kernel1d(size: int) -> Tensor:
+    """Normalised 1-D Gaussian of odd `size` taps; sigma = 0.3 * ((size - 1) / 2 - 1) + 0.8, the
+    rule torchvision's gaussian_blur (and OpenCV) use when no sigma is given."""
+    sigma = 0.3 * ((size - 1) * 0.5 - 1) + 0.8
+    half = (size - 1) * 0.5
+    pdf = torch.exp(-0.5 * (torch.linspace(-half, half, size) / sigma).pow(2))
+    return pdf / pdf.sum()
+
+
+def _reflect(positions: Tensor, n: int) -> Tensor:
+    """Reflect-padding source index of each position (edge not repeated, as F.pad 'reflect'),
+    for any distance outside [0, n)."""
+    if n == 1:
+        return torch.zeros_like(positions)
+    period = 2 * (n - 1)
+    folded = positions.remainder(period)
+    return torch.where(folded < n, folded, period - folded)
+
+
+def gaussian_blur(images: Tensor, kernel_size: int) -> Tensor:
+    """(B, C, H, W) images blurred by a separable kernel_size x kernel_size Gaussian with reflect
+    padding (torchvision's gaussian_blur up to rounding; kernels wider than the image allowed).
+    Element-wise sums in a fixed order: each image's result is the same in any batch."""
+    if kernel_size <= 1:
+        return images
+    taps = gaussian_kernel1d(kernel_size).to(images.dtype).tolist()
+    radius = kernel_size // 2
+    for dim in (-1, -2):  # along the width, then the height
+        n = images.shape[dim]
+        positions = torch.arange(n, device=images.device)
+        out = torch.zeros_like(images)
+        for j, weight in enumerate(taps):
+            out = out + weight * images.index_select(dim, _reflect(positions + j - radius, n))
+        images = out
+    return images
+
+
+class SeedImages:
+    """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source, blurred
+    when blur_kernel_size > 1 (see `blur_kernel_size(cfg)` for the configured size)."""
+
+    def __init__(self, spec: str, image_size: int, rand_seed: int, cfg=None,
+                 blur_kernel_size: int = 0):
         self.spec = spec
+        self.blur_kernel_size = blur_kernel_size
         self.cfg = cfg  # "gaussian" seeds are fitted to cfg's in-distribution training images
         self.size = image_size
         self.rand_seed = rand_seed
@@ -112,6 +167,12 @@ class SeedImages:
 
     def __call__(self, indices: Tensor) -> Tensor:
         """(k, 3, S, S) float seeds for the sample indices (cpu)."""
+        seeds = self._unblurred(indices)
+        if self.blur_kernel_size <= 1:
+            return seeds
+        return gaussian_blur(seeds, self.blur_kernel_size).clamp(0.0, 1.0)
+
+    def _unblurred(self, indices: Tensor) -> Tensor:
         idx = np.asarray(indices.cpu(), dtype=np.int64)
         if self._tensor is not None:
             return self._tensor[torch.from_numpy(idx % self._tensor.shape[0])]
@@ -175,7 +236,8 @@ def generate_samples(
     model = unwrap(model)  # defensive: never a rank-local forward through DDP
     log = cfg.image_log
     n = log.num_samples if num_samples is None else num_samples
-    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg)
+    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
+                       blur_kernel_size=blur_kernel_size(cfg))
     local = torch.arange(runtime.rank, n, runtime.world_size, dtype=torch.int64)
     chunks = []
     with eval_mode(model):
@@ -184,7 +246,7 @@ def generate_samples(
             x = seeds(idx).to(runtime.device)
             y = balanced_labels(idx, cfg.data.num_classes).to(runtime.device)
             chunks.append(pgd_attack(model, x, steps=log.num_steps, step_size=log.step_size,
-                                     eps=log.eps, norm="L2", objective="logit", y=y))
+                                     eps=log.eps, norm=log.norm, objective="logit", y=y))
     size = cfg.data.image_size
     mine = torch.cat(chunks) if chunks else torch.zeros(0, 3, size, size, device=runtime.device)
     images = gather_by_index(runtime, mine, local.to(runtime.device), n)

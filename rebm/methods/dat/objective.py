@@ -10,6 +10,9 @@ Every loss is a mean over the micro-batch it is given, so with equal micro-batch
 forwards when the batch composition does not matter (BatchNorm frozen / eval, `use_batchnorm:
 false`); with live BatchNorm pass `fused=False`. When `r1reg > 0` the in-distribution batch always
 gets its own forward, so the double backward of the R1 term only runs through that part.
+
+`r1_penalty` measures the R1 penalty without training on it (`track_r1`): a separate,
+side-effect-free input-gradient pass, so the training arithmetic is untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rebm.attacks.pgd import input_gradients_only
 from rebm.config import TrainConfig, raw_loss_weights
 
 
@@ -62,6 +66,20 @@ def _score(logits: Tensor, y: Optional[Tensor], logsumexp: bool) -> Tensor:
 def energy(model: nn.Module, x: Tensor, y: Optional[Tensor], logsumexp: bool) -> Tensor:
     """s(x) = logsumexp_k f_k(x) if logsumexp else f_y(x) (one value per sample)."""
     return _score(model(x), y, logsumexp)
+
+
+def r1_penalty(model: nn.Module, x_in: Tensor, y_in: Tensor, logsumexp: bool) -> Tensor:
+    """1/2 mean_i ||grad_x s(x_in_i)||^2, unweighted and detached: the value `track_r1` logs.
+
+    Like the attacks it takes the gradient w.r.t. the input only, with the parameters'
+    requires_grad off for the pass: no parameter gradient, no graph kept, no random numbers, so
+    the training step is bit-identical with or without it. The model's train/eval mode is the
+    caller's (the DAT step measures in eval mode, so live BatchNorm statistics never move; with
+    frozen BatchNorm that equals the training forward)."""
+    x = x_in.detach().requires_grad_(True)
+    with input_gradients_only(model), torch.enable_grad():
+        (grad,) = torch.autograd.grad(energy(model, x, y_in, logsumexp).sum(), x)
+    return (0.5 * grad.flatten(1).pow(2).sum(1).mean()).detach()
 
 
 def _forward(model: nn.Module, xs: Sequence[Tensor], fused: bool, own_first: bool) -> List[Tensor]:

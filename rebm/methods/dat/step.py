@@ -5,6 +5,12 @@ x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms coll
 if it is, in eval mode; then the energy + classifier loss through the wrapper, so gradients are
 all-reduced. After the step, the curriculum gets the AUC of the all-gathered global batch, so T
 follows the same schedule on any number of ranks.
+
+`track_r1` (with r1reg = 0): on metrics-log steps only, one more input-gradient pass per
+micro-batch measures 1/2 mean ||grad_x s(x_in)||^2 (unweighted: the weight is 0) on the module the
+attacks use, in eval mode, without touching parameters, their gradients or BatchNorm statistics;
+it is logged as `train_r1_loss` (the mean over the window's log steps), never trained. With
+r1reg > 0 the trained term r1reg * 1/2 mean ||grad||^2 is logged every step, as without it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from rebm.methods.base import (
     mean_terms,
 )
 from rebm.methods.dat.curriculum import Curriculum
-from rebm.methods.dat.objective import dat_loss, loss_options
+from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
 
 
 def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -50,11 +56,13 @@ class DAT(Method):
         self.curriculum = Curriculum.from_config(cfg)
         self.loss_options = loss_options(cfg)
         self.frozen_bn = not cfg.model.use_batchnorm  # train-mode logits equal eval-mode ones
+        self.track_r1 = cfg.track_r1 and not cfg.r1reg > 0  # measured, not trained
 
     def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
              ) -> StepResult:
         """Attacks -> losses -> backward over the micro-batches -> one optimizer step.
-        `log_now` adds the clean out-distribution AUC (one more forward per micro-batch)."""
+        `log_now` adds the clean out-distribution AUC (one more forward per micro-batch) and,
+        with track_r1, the measured R1 penalty (one input-gradient pass per micro-batch)."""
         cfg, steps = self.cfg, self.curriculum.T
 
         def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
@@ -70,6 +78,10 @@ class DAT(Method):
             keep: Dict[str, torch.Tensor] = {}
             if log_now:
                 keep["out"] = _fy(ctx.attacked, batch.x_out, batch.y_in)
+                if self.track_r1:
+                    with ctx.precision.autocast():
+                        keep["r1"] = r1_penalty(ctx.attacked, batch.x_in, batch.y_in,
+                                                cfg.logsumexp)
             if not self.frozen_bn:
                 keep["in"] = _fy(ctx.attacked, batch.x_in, batch.y_in)
                 keep["adv"] = _fy(ctx.attacked, x_adv, batch.y_in)
@@ -86,11 +98,15 @@ class DAT(Method):
 
         outputs = accumulate(ctx, micro_batches, micro_step)
         terms = mean_terms(outputs)
+        loss = sum(terms.values())  # the trained terms only
+        window = {**{name: float(value) for name, value in terms.items()}, "n": 1.0}
+        if "r1" in outputs[0].keep:  # track_r1 on a log step: averaged over such steps only
+            terms["r1"] = torch.stack([o.keep["r1"] for o in outputs]).mean()
+            window.update(r1=float(terms["r1"]), n_r1=1.0)
         scores = {k: torch.cat([o.keep[k] for o in outputs]).float()
                   for k in ("in", "adv", "out") if k in outputs[0].keep}
         return StepResult(
-            loss=sum(terms.values()), losses=terms,
-            window={**{name: float(value) for name, value in terms.items()}, "n": 1.0},
+            loss=loss, losses=terms, window=window,
             x_adv=outputs[0].keep["x_adv"], x_c_adv=outputs[0].keep["x_c_adv"], scores=scores)
 
     def after_step(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
@@ -105,9 +121,10 @@ class DAT(Method):
 
     def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:
         """Mean of each loss term over ranks and steps: train_ebm_binary_loss, train_clf_loss,
-        train_r1_loss."""
-        return {f"train_{name}_loss": value / totals["n"]
-                for name, value in totals.items() if name != "n"}
+        train_r1_loss. A term with its own count `n_<name>` (the tracked R1, measured on log
+        steps only) is averaged over those."""
+        return {f"train_{name}_loss": value / totals.get(f"n_{name}", totals["n"])
+                for name, value in totals.items() if name != "n" and not name.startswith("n_")}
 
     def progress(self) -> Dict[str, Any]:
         window = self.curriculum.window

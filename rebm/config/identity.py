@@ -1,0 +1,62 @@
+"""What makes two configs the same experiment: the keys that decide what a run trains.
+
+A run may be continued with other values of `RUN_KEYS` (how long it runs, where, on what hardware,
+how often it logs, evaluates and saves, how it is evaluated), never with other values of the
+rest. The default run directory is named after the config file and those training keys, so
+re-running a command with a larger `max_steps` continues the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+from rebm.config.legacy import legacy_keys
+from rebm.config.schema import TrainConfig
+
+# Dotted keys (a section name covers the whole section) that do not change what a run trains.
+RUN_KEYS = (
+    "max_steps", "total_epochs", "run_dir", "resume", "resume_from_state", "resume_path",
+    "keep_last_states", "wandb_project", "wandb_dir", "wandb_disabled", "wandb_mode", "tags",
+    "use_ddp", "ddp_backend", "device", "find_unused_parameters", "ddp_timeout_s",
+    "ddp_step_timeout_s", "per_device_batch_size", "per_device_eval_batch_size",
+    "n_imgs_per_metrics_log", "n_imgs_per_image_log", "n_imgs_per_evaluation_log",
+    "n_imgs_per_ckpt_save", "robust_eval", "robust_eval_steps", "track_r1", "keep_samples",
+    "data.num_workers", "data.download", "data.indist_ds_dir", "data.outdist_std_dir",
+    "model.ckpt_path", "model.compile", "model.channels_last", "image_log",
+)
+
+
+def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _is_training_key(key: str, legacy: set) -> bool:
+    return key not in legacy and not any(key == k or key.startswith(k + ".") for k in RUN_KEYS)
+
+
+def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """'key: saved -> current' for every training key whose value differs between two config
+    dicts (keys one of them lacks, e.g. fields added since, are not compared)."""
+    legacy = legacy_keys(TrainConfig)
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys())
+            if _is_training_key(key, legacy) and old[key] != new[key]]
+
+
+def default_run_dir(config_path: Optional[str], overrides: Sequence[str]) -> str:
+    """runs/<config file name>, plus a short hash of the command line's training overrides, so
+    `lr=0.01` is another run and `max_steps=...` the same one."""
+    name = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    legacy = legacy_keys(TrainConfig)
+    training = sorted(o for o in overrides if _is_training_key(o.split("=", 1)[0], legacy))
+    if training:
+        name += "-" + hashlib.sha256("\n".join(training).encode()).hexdigest()[:8]
+    return os.path.join("runs", name)

@@ -1,0 +1,112 @@
+"""FID reference statistics of a config's in-distribution data: `python -m rebm.eval.fid_stats
+CONFIG [key=value ...] --out PATH.npz [--split train|test] [--num-images N]`.
+
+Writes a pytorch-fid .npz (`mu`, `sigma` of the Inception pool3 features; `np.load(PATH)['mu']`)
+of the first N images (default: all) of the split, loaded by rebm's data loading at
+`data.image_size` without augmentation, as the samples are generated. Point `image_log.data_dir`
+at it. Runs as one process or under torchrun (`torchrun --nproc_per_node=N -m
+rebm.eval.fid_stats ...`): the images are sharded over the ranks and the statistics are those of
+one process. The Inception weights come from the same place as for FID (docs/evaluation.md);
+REBM_FID_FEATURES names a stand-in feature network instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader
+
+from rebm import cli
+from rebm.config import eval_batch_size
+from rebm.data import load_indist
+from rebm.data.pipeline import loader_workers
+from rebm.distributed import Runtime, print_line, setup_logging
+from rebm.eval.fid import (
+    Features,
+    FIDError,
+    feature_extractor,
+    moments_statistics,
+    shard_chunks,
+)
+
+LOGGER = logging.getLogger("rebm")
+
+
+def dataset_statistics(cfg, runtime: Runtime, split: str = "train",
+                       num_images: Optional[int] = None, batch_size: Optional[int] = None,
+                       features: Optional[Features] = None):
+    """(mu, sigma, n) of the features of the first `num_images` images of the in-distribution
+    `split`, the same on every rank. Chunks of `batch_size` images are spread over the ranks
+    (chunk k on rank k % W). Every rank must call this."""
+    dataset = load_indist(cfg, split, "test")
+    n = len(dataset) if num_images is None else min(num_images, len(dataset))
+    if n < 2:
+        raise FIDError(f"FID statistics need at least 2 images; the {split} split of "
+                       f"{cfg.data.indist_dataset} gives {n}")
+    batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
+    features = features or feature_extractor(runtime.device, cfg.image_log.inception_weights)
+    mine = [i for chunk in shard_chunks(n, batch_size, runtime.rank, runtime.world_size)
+            for i in chunk]
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=mine, drop_last=False,
+                        num_workers=loader_workers(cfg, runtime))
+    # Every chunk but the last one overall is full, so the loader's batches are the chunks.
+    batches = (features(x.to(runtime.device)) for x, _ in loader)
+    with torch.no_grad():
+        mu, sigma = moments_statistics(batches, runtime)
+    return mu, sigma, n
+
+
+def save_statistics(path: str, mu: np.ndarray, sigma: np.ndarray) -> None:
+    """Write the .npz through a temporary file and os.replace (never a half-written file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp.npz")
+    np.savez(tmp, mu=mu, sigma=sigma)
+    os.replace(tmp, path)
+
+
+def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
+    setup_logging(runtime)
+    out = args.out if args.out.endswith(".npz") else args.out + ".npz"
+    features = feature_extractor(runtime.device, cfg.image_log.inception_weights)  # fail first
+    mu, sigma, n = dataset_statistics(cfg, runtime, args.split, args.num_images,
+                                      features=features)
+    summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
+               "dims": int(mu.shape[0]), "world_size": runtime.world_size}
+    if runtime.is_main:
+        save_statistics(out, mu, sigma)
+        LOGGER.info("FID statistics of %d %s images written to %s", n, args.split, out)
+        sys.stderr.flush()
+        print_line(json.dumps(summary))
+    return summary
+
+
+def build_parser():
+    parser = cli.build_parser("rebm.eval.fid_stats", __doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the .npz to write (mu, sigma)")
+    parser.add_argument("--split", choices=("train", "test"), default="train",
+                        help="in-distribution split (default: train)")
+    parser.add_argument("--num-images", type=int, default=None,
+                        help="use the first N images of the split (default: all)")
+    return parser
+
+
+def check_args(args, cfg) -> None:
+    if args.num_images is not None and args.num_images < 2:
+        raise FIDError(f"--num-images {args.num_images}: FID statistics need at least 2 images")
+
+
+@record
+def main(argv: Optional[List[str]] = None) -> int:
+    return cli.run_entry(build_parser(), argv, run, prepare=check_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

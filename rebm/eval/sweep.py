@@ -1,0 +1,61 @@
+"""DAT's adaptive step sweep: pick the number of generation steps by FID (docs/evaluation.md).
+
+With `image_log.adaptive_steps`, each FID evaluation first generates `sweep_num_samples` samples
+for every candidate step count (`image_log.step_sweep_range`, else num_steps - sweep_radius ...
+num_steps + sweep_radius, clipped at 1), computes the FID of each, and generates the full
+`num_samples` at the step count with the lowest FID (the fewest steps on a tie). The candidates'
+samples are the same seeds with the same labels, generated sharded over the ranks like every
+sample, so the choice is the same on any world size; rank 0's choice is broadcast all the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Dict, List, Tuple
+
+from torch import nn
+
+from rebm.distributed import Runtime, broadcast_object
+from rebm.eval.fid import FIDScorer
+from rebm.eval.generation import generate_samples
+
+LOGGER = logging.getLogger("rebm")
+
+
+def sweep_candidates(image_log) -> List[int]:
+    """The step counts the sweep tries, ascending, without repeats, each >= 1."""
+    if image_log.step_sweep_range:
+        steps = [int(s) for s in image_log.step_sweep_range]
+    else:
+        radius = max(0, int(image_log.sweep_radius))
+        steps = list(range(image_log.num_steps - radius, image_log.num_steps + radius + 1))
+    return sorted({max(1, s) for s in steps})
+
+
+def with_steps(cfg, steps: int):
+    """A copy of the (frozen) config that generates with `steps` PGD steps."""
+    return dataclasses.replace(cfg, image_log=dataclasses.replace(cfg.image_log, num_steps=steps))
+
+
+def sweep_steps(model: nn.Module, cfg, runtime: Runtime, scorer: FIDScorer, batch_size: int
+                ) -> Tuple[int, Dict[int, float]]:
+    """(best step count, {step count: FID of its sweep samples}). A candidate whose FID cannot
+    be computed counts as +inf; when none can, the configured num_steps stays. Every rank must
+    call this."""
+    log = cfg.image_log
+    candidates = sweep_candidates(log)
+    LOGGER.info("FID step sweep: steps %s, %d samples each", candidates, log.sweep_num_samples)
+    fids: Dict[int, float] = {}
+    for steps in candidates:
+        images, _ = generate_samples(model, with_steps(cfg, steps), runtime,
+                                     num_samples=log.sweep_num_samples, batch_size=batch_size)
+        value = scorer(images)
+        fids[steps] = math.inf if value is None else value
+        LOGGER.info("FID step sweep: %d steps -> FID %.4f", steps, fids[steps])
+    finite = {s: v for s, v in fids.items() if math.isfinite(v)}
+    best = min(finite, key=lambda s: (finite[s], s)) if finite else log.num_steps
+    best = broadcast_object(runtime, best)
+    LOGGER.info("FID step sweep: best %d steps", best)
+    return best, fids

@@ -1,0 +1,369 @@
+"""FID through pytorch-fid (rebm/eval/fid.py, fid_stats.py, sweep.py; docs/evaluation.md).
+
+The distance is always pytorch-fid's. The feature network is Inception where its weights are on
+disk; elsewhere `standin_features` below stands in for it, passed as an argument in-process and
+named by REBM_FID_FEATURES=tests.test_fid:standin_features in real subprocesses. The data is a
+tiny CIFAR-10 in the real on-disk format, the model a random WideResNet-10-1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rebm.config import load_config
+from rebm.distributed import Runtime
+from rebm.eval import fid
+from tests.fake_data import write_fake_cifar10
+from tests.helpers import REPO, base_env, run_command, torchrun_cmd
+
+STANDIN = "tests.test_fid:standin_features"
+OVERRIDES = [
+    "data.indist_dataset=cifar10",
+    "data.num_workers=0",
+    "data.outdist_dataset=noise",
+    "data.image_size=16",
+    "model.model_type=WideResNet10x1",
+    "robust_eval=false",
+    "image_log.step_size=0.5",
+    "image_log.num_samples=13",
+    "rand_seed=3",
+]
+
+
+def standin_features(images: torch.Tensor) -> torch.Tensor:
+    """A small deterministic feature network: 2x2-pooled colour means and per-channel spread
+    (15-d), per image, in float64 (so an image's features do not depend on its batch)."""
+    x = images.double()
+    return torch.cat([F.adaptive_avg_pool2d(x, 2).flatten(1), x.flatten(2).std(dim=2)], dim=1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(tmp folder, config file, overrides) of a tiny CIFAR-10 and a random WideResNet."""
+    from rebm.models import build_model
+
+    tmp = tmp_path_factory.mktemp("fid")
+    write_fake_cifar10(str(tmp), n_train=40, n_test=11)
+    torch.manual_seed(0)
+    torch.save(build_model("WideResNet10x1", 10).state_dict(), tmp / "model.pth")
+    config = tmp / "config.yaml"
+    config.write_text("rand_seed: 3\n")
+    overrides = [*OVERRIDES, f"data.indist_ds_dir={tmp}", f"model.ckpt_path={tmp / 'model.pth'}"]
+    return tmp, str(config), overrides
+
+
+def _cfg(setup, *extra):
+    return load_config(setup[1], [*setup[2], *extra])
+
+
+def _standin_env():
+    return base_env(1, {"REBM_FID_FEATURES": STANDIN, "PYTHONPATH": str(REPO)})
+
+
+def _model(cfg):
+    from rebm.eval.evaluate import load_eval_model
+
+    return load_eval_model(cfg, Runtime())
+
+
+# --------------------------------------------------------------------------------------------
+# The distance and the statistics
+# --------------------------------------------------------------------------------------------
+def test_frechet_distance_is_pytorch_fids_and_matches_the_closed_form():
+    from pytorch_fid.fid_score import calculate_frechet_distance
+
+    assert fid.calculate_frechet_distance is calculate_frechet_distance  # no copy of our own
+    rng = np.random.default_rng(0)
+    mu1, mu2 = rng.normal(size=6), rng.normal(size=6)
+    s1, s2 = rng.uniform(0.1, 3.0, size=6), rng.uniform(0.1, 3.0, size=6)
+    closed_form = np.sum((mu1 - mu2) ** 2) + np.sum(s1 + s2 - 2 * np.sqrt(s1 * s2))
+    assert fid.frechet_distance(mu1, np.diag(s1), mu2, np.diag(s2)) == pytest.approx(closed_form)
+    with pytest.raises(ValueError, match="differ in shape"):
+        fid.frechet_distance(mu1, np.diag(s1), mu2[:5], np.diag(s2[:5]))
+
+
+def test_sharded_moments_equal_numpy_statistics():
+    rng = np.random.default_rng(1)
+    feats = torch.from_numpy(rng.normal(2.0, 0.5, size=(37, 5)))
+    mu, sigma = fid.moments_statistics(feats.split(8), Runtime())
+    ref_mu, ref_sigma = fid.feature_statistics(feats.numpy())
+    np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
+    # the chunks of every world size cover each index once, in the same chunks
+    for world in (1, 2, 3):
+        shards = [fid.shard_chunks(37, 8, r, world) for r in range(world)]
+        chunks = sorted((c.start, c.stop) for shard in shards for c in shard)
+        assert chunks == [(s, min(s + 8, 37)) for s in range(0, 37, 8)]
+
+
+# --------------------------------------------------------------------------------------------
+# The whole path in real processes: fid_stats, then evaluate on 1 and 2 ranks
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stats_file(setup):
+    """Statistics of the train split written by `torchrun -m rebm.eval.fid_stats` on 2 ranks."""
+    tmp, config, overrides = setup
+    out = tmp / "stats.npz"
+    cmd = torchrun_cmd("rebm.eval.fid_stats", [config, *overrides, "--out", str(out),
+                                               "--split", "train"], nproc=2)
+    result = run_command(cmd, timeout=120, env=_standin_env()).assert_ok()
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["num_images"] == 40 and summary["world_size"] == 2
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file):
+    from rebm.data import load_indist
+    from rebm.eval.fid_stats import dataset_statistics
+
+    cfg = _cfg(setup)
+    with np.load(stats_file) as stats:  # what pytorch-fid reads
+        mu, sigma = stats["mu"], stats["sigma"]
+    images = torch.stack([load_indist(cfg, "train")[i][0] for i in range(40)])
+    ref_mu, ref_sigma = fid.feature_statistics(standin_features(images).numpy())
+    np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
+    one_mu, one_sigma, n = dataset_statistics(cfg, Runtime(), "train", num_images=40,
+                                              batch_size=7, features=standin_features)
+    assert n == 40
+    np.testing.assert_allclose(one_mu, mu, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(one_sigma, sigma, rtol=0, atol=1e-12)
+
+
+def _evaluate(setup, stats, nproc: int, run_dir):
+    tmp, config, overrides = setup
+    args = [config, *overrides, "image_log.log_fid=true", f"image_log.data_dir={stats}",
+            "image_log.num_steps=2", "image_log.adaptive_steps=true", "image_log.sweep_radius=1",
+            "image_log.sweep_num_samples=12", "keep_samples=true", f"run_dir={run_dir}",
+            "--samples", "--no-ece"]
+    module = "rebm.eval.evaluate"
+    cmd = [sys.executable, "-m", module, *args] if nproc == 1 else torchrun_cmd(module, args, 2)
+    result = run_command(cmd, timeout=120, env=_standin_env()).assert_ok()
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(240)
+def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path):
+    one = _evaluate(setup, stats_file, 1, tmp_path / "w1")
+    two = _evaluate(setup, stats_file, 2, tmp_path / "w2")
+    sweep = {int(k.split("/")[1]): v for k, v in one.items() if k.startswith("fid_sweep/")}
+    assert sorted(sweep) == [1, 2, 3]
+    assert one["fid_best_steps"] == min(sweep, key=sweep.get)
+    assert np.isfinite(one["fid"]) and one["fid"] > 0
+    assert two["world_size"] == 2 and two["fid_best_steps"] == one["fid_best_steps"]
+    for key in ("fid", *(f"fid_sweep/{s}" for s in sweep)):
+        assert two[key] == pytest.approx(one[key], rel=1e-9, abs=1e-9), key
+    # keep_samples: every sample as a PNG; they are exactly what the FID was computed on
+    for run_dir, metrics in ((tmp_path / "w1", one), (tmp_path / "w2", two)):
+        files = sorted(os.listdir(run_dir / "samples" / "eval"), key=lambda f: int(f[:-4]))
+        assert files == [f"{i}.png" for i in range(13)]
+        from PIL import Image
+
+        pngs = torch.stack([torch.from_numpy(np.array(Image.open(run_dir / "samples" / "eval" / f)))
+                            for f in files]).permute(0, 3, 1, 2).float() / 255
+        again = fid.compute_fid(pngs, str(stats_file), "cpu", features=standin_features)
+        assert again == pytest.approx(metrics["fid"], rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# The adaptive sweep
+# --------------------------------------------------------------------------------------------
+def test_sweep_candidates():
+    from rebm.eval.sweep import sweep_candidates
+
+    cfg = load_config(None, ["image_log.num_steps=2", "image_log.sweep_radius=3"])
+    assert sweep_candidates(cfg.image_log) == [1, 2, 3, 4, 5]  # clipped at 1, no repeats
+    cfg = load_config(None, ["image_log.step_sweep_range=[30,5,10,5]"])
+    assert sweep_candidates(cfg.image_log) == [5, 10, 30]
+
+
+@pytest.mark.timeout(60)
+def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
+    from rebm.eval.evaluate import sample_metrics
+    from rebm.eval.generation import generate_samples
+    from rebm.eval.sweep import with_steps
+
+    ref = tmp_path / "ref.npz"
+    cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={ref}",
+               "image_log.adaptive_steps=true", "image_log.num_steps=2",
+               "image_log.sweep_radius=2", "image_log.sweep_num_samples=20",
+               "image_log.num_samples=30")
+    model, runtime = _model(cfg), Runtime()
+    # The reference is the sweep's own samples at 4 steps, so 4 steps has FID 0 and must win,
+    # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).
+    images, _ = generate_samples(model, with_steps(cfg, 4), runtime, num_samples=20,
+                                 batch_size=8)
+    scorer = fid.FIDScorer(standin_features, (np.zeros(15), np.eye(15)), runtime, 8)
+    np.savez(ref, **dict(zip(("mu", "sigma"), scorer.statistics(images), strict=True)))
+    metrics = sample_metrics(model, cfg, runtime, 8, features=standin_features)
+    sweep = {s: metrics[f"fid_sweep/{s}"] for s in (1, 2, 3, 4)}
+    assert metrics["fid_best_steps"] == 4
+    assert sweep[4] == pytest.approx(0.0, abs=1e-6)
+    assert min(sweep[s] for s in (1, 2, 3)) > 1e-3
+    # the reported fid is of num_samples samples at the chosen step count
+    final, _ = generate_samples(model, with_steps(cfg, 4), runtime, batch_size=8)
+    assert final.shape[0] == 30
+    assert metrics["fid"] == pytest.approx(
+        fid.compute_fid(final, str(ref), "cpu", features=standin_features), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Missing pieces: one line, at the start
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def empty_hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.delenv(fid.FEATURES_ENV, raising=False)
+    return tmp_path / "torch_home" / "hub" / "checkpoints" / fid.INCEPTION_WEIGHTS_FILE
+
+
+def _one_line_error(cfg) -> str:
+    with pytest.raises(fid.FIDError) as info:
+        fid.require_fid_ready(cfg)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_weights_and_statistics_are_one_line_naming_path_and_key(setup, empty_hub,
+                                                                          tmp_path, monkeypatch):
+    stats = tmp_path / "stats.npz"
+    np.savez(stats, mu=np.zeros(fid.INCEPTION_DIMS), sigma=np.eye(fid.INCEPTION_DIMS))
+    message = _one_line_error(_cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={stats}"))
+    assert str(empty_hub) in message and "image_log.inception_weights" in message
+    absent = tmp_path / "absent.pth"
+    message = _one_line_error(_cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={stats}",
+                                   f"image_log.inception_weights={absent}"))
+    assert str(absent) in message and "image_log.inception_weights" in message
+    # without log_fid nothing is needed; a stand-in needs no Inception weights
+    assert fid.fid_problems(_cfg(setup, f"image_log.data_dir={tmp_path / 'none.npz'}")) == []
+    monkeypatch.setenv(fid.FEATURES_ENV, STANDIN)
+    assert fid.fid_problems(_cfg(setup, "image_log.log_fid=true",
+                                 f"image_log.data_dir={stats}")) == []
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["does not exist", "rebm.eval.fid_stats"]),
+    (b"not a zip file", ["is not a .npz with mu and sigma"]),
+    ({"mean": np.zeros(3)}, ["is not a .npz with mu and sigma"]),
+    ({"mu": np.zeros(3), "sigma": np.eye(3)}, ["expected (2048,) and (2048, 2048)"]),
+])
+def test_bad_statistics_file_is_one_line_naming_path_and_key(setup, tmp_path, monkeypatch,
+                                                              content, words):
+    weights = tmp_path / "weights.pth"
+    weights.write_bytes(b"")  # present: only the statistics are wrong here
+    path = tmp_path / "stats.npz"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        np.savez(path, **content)
+    cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={path}",
+               f"image_log.inception_weights={weights}")
+    monkeypatch.delenv(fid.FEATURES_ENV, raising=False)
+    message = _one_line_error(cfg)
+    assert str(path) in message and "image_log.data_dir" in message
+    assert all(word in message for word in words), message
+    unset = _one_line_error(_cfg(setup, "image_log.log_fid=true",
+                                 f"image_log.inception_weights={weights}"))
+    assert "image_log.data_dir" in unset and "is not set" in unset
+
+
+def test_entry_points_fail_at_start_with_one_line(setup, empty_hub, capsys, tmp_path):
+    from rebm.eval import evaluate, fid_stats
+
+    _, config, overrides = setup
+    stats = tmp_path / "no_stats.npz"
+    absent_ckpt = tmp_path / "absent.pth"  # FID is checked first: this error never comes
+    with pytest.raises(SystemExit) as info:
+        evaluate.main([config, *overrides, f"model.ckpt_path={absent_ckpt}",
+                       "image_log.log_fid=true", f"image_log.data_dir={stats}", "--samples"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(stats) in err[0] and str(empty_hub) in err[0], err
+    with pytest.raises(SystemExit) as info:
+        fid_stats.main([config, *overrides, "--out", str(tmp_path / "s.npz")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(empty_hub) in err[0], err
+    assert not (tmp_path / "s.npz").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The Inception path
+# --------------------------------------------------------------------------------------------
+def _random_fid_inception_state() -> dict:
+    """A state dict of pytorch-fid's FID Inception architecture with random weights (the real
+    file cannot be downloaded here); the blocks are those of pytorch_fid.inception's
+    fid_inception_v3."""
+    from pytorch_fid import inception as pf
+
+    net = pf._inception_v3(num_classes=1008, aux_logits=False, weights=None)
+    net.Mixed_5b = pf.FIDInceptionA(192, pool_features=32)
+    net.Mixed_5c = pf.FIDInceptionA(256, pool_features=64)
+    net.Mixed_5d = pf.FIDInceptionA(288, pool_features=64)
+    net.Mixed_6b = pf.FIDInceptionC(768, channels_7x7=128)
+    net.Mixed_6c = pf.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6d = pf.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6e = pf.FIDInceptionC(768, channels_7x7=192)
+    net.Mixed_7b = pf.FIDInceptionE_1(1280)
+    net.Mixed_7c = pf.FIDInceptionE_2(2048)
+    return net.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_inception_from_a_local_file_never_downloads(empty_hub, tmp_path, monkeypatch):
+    import urllib.request
+
+    from pytorch_fid import inception as pf
+
+    torch.manual_seed(0)
+    empty_hub.parent.mkdir(parents=True)
+    torch.save(_random_fid_inception_state(), empty_hub)
+    configured = tmp_path / "elsewhere.pth"
+    configured.write_bytes(empty_hub.read_bytes())
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(pf, "load_state_dict_from_url", no_network)
+    monkeypatch.setattr(fid, "_INCEPTION", {})
+    images = torch.rand(3, 3, 16, 16)
+    from_hub = fid.inception_features("cpu")(images)
+    from_path = fid.inception_features("cpu", str(configured))(images)
+    assert from_hub.shape == (3, fid.INCEPTION_DIMS) and torch.isfinite(from_hub).all()
+    torch.testing.assert_close(from_path, from_hub, rtol=0, atol=0)
+    assert pf.load_state_dict_from_url is no_network  # restored after the construction
+    # the same numbers as pytorch-fid's own InceptionV3 reading its hub cache
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_HOME", str(empty_hub.parents[2]))
+    library = pf.InceptionV3([3]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(library(images)[0].flatten(1), from_hub)
+    broken = tmp_path / "broken.pth"
+    broken.write_bytes(b"truncated")
+    with pytest.raises(fid.FIDError, match="cannot be loaded"):
+        fid.inception_network(str(broken))
+
+
+@pytest.mark.timeout(300)
+def test_real_inception_weights_when_present():
+    path = fid.hub_weights_path()
+    if not os.path.isfile(path):
+        pytest.skip(f"no {fid.INCEPTION_WEIGHTS_FILE} in {os.path.dirname(path)}")
+    torch.manual_seed(0)
+    images = torch.rand(8, 3, 32, 32)
+    features = fid.inception_features("cpu")
+    scorer = fid.FIDScorer(features, (np.zeros(2048), np.eye(2048)), Runtime(), 4)
+    mu, sigma = scorer.statistics(images)
+    assert mu.shape == (2048,) and sigma.shape == (2048, 2048)
+    assert fid.frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-3)
+    assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4)(torch.rand(8, 3, 32, 32)) > 1.0

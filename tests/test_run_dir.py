@@ -1,0 +1,94 @@
+"""What a shipped config does as a user runs it: real wandb (offline), the same command resumes
+(deterministic run dir), a changed training config is refused, and one job per run dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rebm.config import default_run_dir
+from tests.helpers import REPO, run_command, run_train
+from tests.wandb_files import offline_runs, read_run
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG = "experiments/quickstart/digits.yaml"
+SMALL = ["batch_size=32", "attack.max_steps=2", "attack.start_step=1",
+         "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=64",
+         "n_imgs_per_evaluation_log=128", "n_imgs_per_ckpt_save=64", "image_log.num_samples=10",
+         "image_log.num_steps=2", "robust_eval_steps=1"]
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def metrics_keys(run_dir):
+    with open(run_dir / "metrics.jsonl") as fh:
+        return [set(json.loads(line)) - {"step"} for line in fh]
+
+
+def test_wandb_offline_two_ranks_and_the_same_command_continues_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train([CONFIG, *SMALL, "wandb_disabled=false", "max_steps=4"], nproc=2,
+                      run_dir=run_dir, extra_env=WANDB_OFFLINE).assert_ok()
+    again = run_train([CONFIG, *SMALL, "wandb_disabled=false", "max_steps=8"], nproc=2,
+                      run_dir=run_dir, extra_env=WANDB_OFFLINE).assert_ok()
+    assert "resumed from" in again.output and "at step 4" in again.output, again.output[-2000:]
+    folders = offline_runs(run_dir)
+    assert len(folders) == 2, folders  # rank 0 only: one wandb run per attempt
+    runs = [read_run(folder) for folder in folders]
+    assert runs[0]["id"] == runs[1]["id"]  # the same wandb run continues
+    assert {r["name"] for r in runs} == {"run"}  # named after the run dir
+    logged = [keys for r in runs for keys in r["history"]]
+    for keys in metrics_keys(run_dir):  # every metrics.jsonl key reached wandb
+        assert any(keys <= wandb_keys for wandb_keys in logged), keys
+    assert any(any(k.startswith("images/samples") for k in ks) for ks in logged)  # sample grid
+    assert any(any(k.startswith("eval/table") for k in ks) for ks in logged)  # eval table
+    assert "Traceback" not in first.output
+
+
+def test_default_run_dir_is_the_config_name_and_survives_length_overrides():
+    assert default_run_dir("experiments/cifar10/dat.yaml", []) == "runs/dat"
+    assert default_run_dir("x/dat.yaml", ["max_steps=10", "total_epochs=3"]) == "runs/dat"
+    other = default_run_dir("x/dat.yaml", ["lr=0.01"])
+    assert other.startswith("runs/dat-") and other != default_run_dir("x/dat.yaml", ["lr=0.02"])
+    result = run_command([sys.executable, "-m", "rebm.training.train", CONFIG, "max_steps=7",
+                          "--check"], timeout=120).assert_ok()
+    assert "run_dir: runs/digits\n" in result.output
+
+
+def test_a_changed_training_config_is_refused_unless_forced(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir).assert_ok()
+    before = (run_dir / "metrics.jsonl").read_text()
+    refused = run_train([CONFIG, *SMALL, "max_steps=4", "lr=0.5"], run_dir=run_dir)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert "lr: 0.001 -> 0.5" in refused.output and "resume=force" in refused.output
+    assert "Traceback" not in refused.output
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing written
+    forced = run_train([CONFIG, *SMALL, "max_steps=4", "lr=0.5", "resume=force"],
+                       run_dir=run_dir).assert_ok()
+    assert "at step 2" in forced.output
+
+
+def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from rebm.engine.rundir import RunDirLock; "
+         f"lock = RunDirLock({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        in_use = f"run_dir '{run_dir}' is in use by pid {holder.pid}"
+        second = run_train([CONFIG, *SMALL, "max_steps=2"], nproc=2, run_dir=run_dir)
+        assert second.returncode != 0 and in_use in second.output, second.output[-3000:]
+        alone = run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir)
+        assert alone.returncode == 2 and in_use in alone.output
+        assert "Traceback" not in alone.output  # one line (torchrun's agent adds its own)
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir).assert_ok()  # lock released

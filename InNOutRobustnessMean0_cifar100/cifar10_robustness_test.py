@@ -19,17 +19,16 @@ import os
 import sys
 from typing import List, Optional
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from rebm import cli
-from rebm.config import eval_batch_size
-from rebm.data.pipeline import build_eval_data
-from rebm.distributed import print_line, setup_logging
-from rebm.eval.calibration import evaluate_ece
-from rebm.eval.evaluate import evaluate_model, load_eval_model
 
 
 def run(cfg, runtime, calibration_only: bool) -> dict:
+    from rebm.config import eval_batch_size
+    from rebm.data.pipeline import build_eval_data
+    from rebm.distributed import print_line, setup_logging
+    from rebm.eval.calibration import evaluate_ece
+    from rebm.eval.evaluate import evaluate_model, load_eval_model
+
     setup_logging(runtime)
     model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
     if calibration_only:
@@ -48,7 +47,6 @@ def run(cfg, runtime, calibration_only: bool) -> dict:
     return metrics
 
 
-@record
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("cifar10_robustness_test.py", __doc__.splitlines()[0])
     parser.add_argument("--calibration_only", action="store_true",

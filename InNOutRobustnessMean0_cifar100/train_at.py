@@ -18,18 +18,20 @@ import os
 import sys
 from typing import List, Optional
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from rebm import cli
 from rebm.config import ConfigError
-from rebm.engine.loop import train
-from rebm.methods.at import SCHEDULES, AdversarialTraining
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATASETS = {"cifar100": 100, "cifar10": 10}
 
 
+SCHEDULES = ("cosine", "constant")  # rebm.methods.at.SCHEDULES (not imported: --help stays fast)
+
+
 def run(cfg, runtime, args) -> dict:
+    from rebm.engine.loop import train
+    from rebm.methods.at import AdversarialTraining
+
     return train(cfg, runtime, functools.partial(AdversarialTraining, schedule=args.schedule))
 
 
@@ -70,7 +72,6 @@ def with_default_config(argv: Optional[List[str]]) -> List[str]:
     return [config, *overrides, *flags, *(["--check"] if args.check else [])]
 
 
-@record
 def main(argv: Optional[List[str]] = None) -> int:
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     return cli.run_entry(build_parser(), argv, run, prepare=require_live_batchnorm)

@@ -11,8 +11,6 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
-import torch
-
 from rebm.config import (
     ConfigError,
     TrainConfig,
@@ -28,16 +26,19 @@ from rebm.errors import UserError
 EXIT_USER_ERROR = 2
 
 
-def build_parser(prog: str, description: str, config_optional: bool = False
+def build_parser(prog: str, description: str, config_optional: bool = False,
+                 example: str = "lr=0.01 data.num_workers=0 attack.max_steps=5"
                  ) -> argparse.ArgumentParser:
+    """The arguments every entry point shares. Importing this module does not import torch, so
+    `--help` answers at once."""
+    launch = f"-m {prog}" if "." in prog and not prog.endswith(".py") else prog
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "overrides: key=value or a.b=value (OmegaConf dot-list), e.g. lr=0.01 "
-            "data.num_workers=0 attack.max_steps=5\n"
-            "launch on N processes with: torchrun --nproc_per_node=N -m " + prog + " CONFIG ..."
+            f"overrides: key=value or a.b=value (OmegaConf dot-list), e.g. {example}\n"
+            f"launch on N processes with: torchrun --nproc_per_node=N {launch} CONFIG ..."
         ),
     )
     parser.add_argument("config", nargs="?" if config_optional else None,
@@ -50,6 +51,8 @@ def build_parser(prog: str, description: str, config_optional: bool = False
 
 def environment_warnings(cfg: TrainConfig) -> List[str]:
     """Things this machine lacks; warnings under --check (login nodes have no data or GPUs)."""
+    import torch
+
     problems = []
     file_datasets = {"cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional",
                      "imagefolder"}
@@ -114,8 +117,6 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
     the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
     process, or in `args.nproc` spawned ones when the parser has `--nproc`. A user-fixable
     error anywhere is one line and exit code 2."""
-    from rebm.distributed.launch import spawn
-
     with user_errors_exit():
         args, cfg = parse_and_load(parser, argv)
         if prepare is not None:
@@ -128,12 +129,23 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
                 raise ConfigError("--nproc starts its own processes: do not combine it with "
                                   "torchrun")
             plan_batches(cfg, nproc)  # fail here, once, not in N children
+    from rebm.distributed.launch import spawn  # torch: imported once the arguments are good
+
     spawn(run_worker, nproc, body, cfg, args)
     return 0
 
 
 def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
-    """One process (plain, torchrun or spawned): its rank comes from the environment."""
+    """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
+    `record` writes a failing worker's error where the agent reports it; every error, one-line
+    or not, also goes to this rank's log file."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_worker)(body, cfg, args)
+
+
+def _worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
+    from rebm.distributed.logs import log_to_file
     from rebm.distributed.runtime import setup_distributed, teardown
 
     with user_errors_exit():
@@ -141,6 +153,12 @@ def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
                                     device=cfg.device, timeout_s=cfg.ddp_timeout_s)
         try:
             body(cfg, runtime, args)
+        except UserError as err:
+            log_to_file(f"error: {one_line(err)}")
+            raise
+        except BaseException as err:
+            log_to_file("uncaught error", exc_info=err)
+            raise
         finally:
             teardown(runtime)
 

@@ -195,7 +195,7 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
     cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={ref}",
                "image_log.adaptive_steps=true", "image_log.num_steps=2",
                "image_log.sweep_radius=2", "image_log.sweep_num_samples=20",
-               "image_log.num_samples=30")
+               "image_log.num_samples=30", "image_log.step_size=3.0")
     model, runtime = _model(cfg), Runtime()
     # The reference is the sweep's own samples at 4 steps, so 4 steps has FID 0 and must win,
     # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).

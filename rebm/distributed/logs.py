@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Iterable, Optional
 
 from rebm.distributed.runtime import Runtime
 
@@ -19,6 +19,30 @@ class _RankFormatter(logging.Formatter):
         super().__init__(fmt, datefmt="%H:%M:%S")
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """Console lines through tqdm.write, so a log line never lands on a progress bar's line
+    (tqdm clears the bars, writes the line, redraws them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # never let logging kill the run
+            self.handleError(record)
+
+
+def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:
+    """Write to this rank's log file only (the console has its own report of the error)."""
+    for handler in LOGGER.handlers:
+        if isinstance(handler, logging.FileHandler):
+            record = LOGGER.makeRecord(LOGGER.name, logging.ERROR, __file__, 0, message, (),
+                                       (type(exc_info), exc_info, exc_info.__traceback__)
+                                       if exc_info is not None else None)
+            handler.handle(record)
+
+
 def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Logger:
     """Console: rank 0 at INFO, other ranks at WARNING, prefixed [rank r/W];
     file: every rank at INFO to <run_dir>/logs/rank<r>.log."""
@@ -28,7 +52,7 @@ def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Lo
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    console = logging.StreamHandler(sys.stderr)
+    console = _ConsoleHandler(sys.stderr)
     console.setLevel(logging.INFO if runtime.is_main else logging.WARNING)
     console.setFormatter(_RankFormatter(runtime, with_time=True))
     logger.addHandler(console)
@@ -49,3 +73,26 @@ def print_line(text: str) -> None:
     lines could run together ("...okrank 0/4 ...")."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def progress_enabled(stream=None) -> bool:
+    """Progress bars: REBM_PROGRESS=1 forces them on, REBM_PROGRESS=0 (or the older
+    REBM_NO_PROGRESS=1) off; by default on only when the bar's stream (stderr) is a terminal,
+    so the logs of batch jobs get no bar lines."""
+    forced = os.environ.get("REBM_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if os.environ.get("REBM_NO_PROGRESS") == "1":
+        return False
+    return (stream or sys.stderr).isatty()
+
+
+def progress(iterable: Iterable, runtime: Runtime, desc: str, total: Optional[int] = None
+             ) -> Iterable:
+    """`iterable` with a tqdm bar on rank 0 when bars are on (evaluation, generation loops)."""
+    if not runtime.is_main or not progress_enabled():
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                mininterval=1.0)

@@ -41,6 +41,7 @@ from rebm.engine.rundir import resolve_run_dir
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.errors import UserError
 from rebm.eval.evaluate import evaluate_model
+from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepContext, StepResult
 
 LOGGER = logging.getLogger("rebm")
@@ -130,7 +131,8 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
                        or (method.log_final_step and parts.progress.step + 1 == last_step))
             result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
             step = parts.progress.step
-            bar.update(loss=float(result.loss), **method.progress())
+            bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
+                       epoch=data.epoch_of(step - 1), **method.progress())
             if steps_run == 0:  # start-up is over: from now on a missing rank surfaces quickly
                 set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
             steps_run += 1
@@ -210,7 +212,9 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
     results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
                              run_dir=tracker.run_dir, step=step,
                              samples=parts.method.eval_samples)
+    parts.progress.last_eval = results
     tracker.log(step, plan.images(step), epoch, results)
+    LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
     tracker.log_table("eval/table", step, results)
     tracker.log_image(os.path.join(tracker.run_dir, "samples", f"samples_step{step:08d}.png"),
                       step)
@@ -240,16 +244,21 @@ def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tr
                     "total_epochs to continue it)", final_step)
         tracker.close()
         return {"step": final_step}
+    results = parts.progress.last_eval
     if cfg.n_imgs_per_evaluation_log and not plan.crossed(cfg.n_imgs_per_evaluation_log,
                                                           final_step):
-        evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
+        results = evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
     # model_final first: once the final state exists, a rerun has nothing left to do
     if runtime.is_main:  # plain state dict: loads as model.ckpt_path of the next stage
         save_model(parts.eval_model, os.path.join(tracker.run_dir, "model_final.pth"))
         LOGGER.info("wrote %s", os.path.join(tracker.run_dir, "model_final.pth"))
     save_training_state(parts, cfg, runtime, tracker)
     tracker.close()
-    LOGGER.info("finished at step %d", final_step)
+    LOGGER.info("finished at step %d%s", final_step,
+                f": {describe_evaluation(results)}" if results else "")
+    LOGGER.info("files in %s: model_final.pth (evaluated weights), metrics.jsonl, samples/, "
+                "checkpoints/ (training states; the same command continues the run), logs/",
+                tracker.run_dir)
     return {"step": final_step}
 
 

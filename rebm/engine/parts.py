@@ -34,6 +34,7 @@ class Progress:
     best: Dict[str, float] = field(default_factory=dict)
     window: MetricsWindow = field(default_factory=MetricsWindow)  # sums since the last log
     wandb_run_id: Optional[str] = None
+    last_eval: Dict[str, Any] = field(default_factory=dict)  # this process's newest evaluation
 
 
 @dataclass

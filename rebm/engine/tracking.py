@@ -15,6 +15,7 @@ import torch
 
 from rebm.config import TrainConfig, to_dict, to_yaml
 from rebm.distributed import Runtime, print_line
+from rebm.distributed.logs import progress_enabled
 from rebm.eval.report import jsonable
 
 LOGGER = logging.getLogger("rebm")
@@ -58,7 +59,6 @@ class Tracker:
         self.wandb_run_id = wandb_run_id
         if not self.active:
             return
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as fh:
             fh.write(to_yaml(cfg))
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -116,6 +116,7 @@ class Tracker:
         from torchvision.utils import save_image
 
         path = os.path.join(self.run_dir, "samples", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         save_image(images.detach().float().cpu().clamp(0, 1), path, nrow=nrow)
         self.log_image(path, step)
         return path
@@ -146,7 +147,8 @@ class Tracker:
 
 
 class _ProgressBar:
-    """tqdm on rank 0 (images/s, current T, adversarial AUC); nothing on other ranks."""
+    """tqdm on rank 0 (images/s, ETA, loss, lr, epoch, and the method's numbers, e.g. T and
+    the adversarial AUC); nothing on other ranks."""
 
     def __init__(self, runtime: Runtime, start: int, total: float, batch_size: int):
         self.bar = None
@@ -156,13 +158,13 @@ class _ProgressBar:
             self.bar = tqdm(
                 initial=start * batch_size, total=None if math.isinf(total) else total * batch_size,
                 unit="img", unit_scale=True, dynamic_ncols=True, mininterval=2.0,
-                disable=os.environ.get("REBM_NO_PROGRESS") == "1",
+                disable=not progress_enabled(),
             )
         self.batch_size = batch_size
 
     def update(self, **postfix: Any) -> None:
         if self.bar is not None:
-            self.bar.set_postfix({k: (round(v, 3) if isinstance(v, float) else v)
+            self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v)
                                   for k, v in postfix.items()}, refresh=False)
             self.bar.update(self.batch_size)
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_reduce_sum
+from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 
 LOGGER = logging.getLogger("rebm")
@@ -94,7 +95,7 @@ def evaluate_accuracy(
     # [clean correct, robust correct, autoattack correct, images]; int64 so sums are exact
     counts = torch.zeros(4, dtype=torch.int64, device=device)
     with eval_mode(model):
-        for x, y, index in loader:
+        for x, y, index in progress(loader, runtime, "evaluation", total=len(loader)):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             with torch.no_grad():

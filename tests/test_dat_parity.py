@@ -21,6 +21,7 @@ from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats
 from rebm.models.wideresnet import WideResNet
 from rebm.training.modeling import get_model, get_optimizer, load_checkpoint
+from tests.test_models import _randomise_bn  # non-trivial BatchNorm statistics
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,17 +39,6 @@ class BaseModelConfig:
     normalize_input: bool = True
     use_batchnorm: bool = False
     use_layernorm: bool = True
-
-
-def _randomise_bn(model: nn.Module, seed: int = 0) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
-            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
-            m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
-            m.bias.data.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------

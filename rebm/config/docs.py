@@ -75,5 +75,17 @@ def render() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rebm.config.docs",
+        description="Print the configuration reference (Markdown) generated from the config "
+                    "dataclasses; the repository keeps it as docs/configs.md.")
+    parser.parse_args(argv)
     print(render(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

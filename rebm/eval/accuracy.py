@@ -29,6 +29,7 @@ from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 
@@ -54,14 +55,17 @@ def index_keys(seed: int, indices: Tensor, epoch: int = ROBUST_EVAL_EPOCH) -> Te
     return torch.from_numpy(sample_keys(seed, "eval", epoch, idx))
 
 
+class AutoAttackMissing(UserError, ImportError):
+    """--autoattack without its package."""
+
+
 def _autoattack(model: nn.Module, attack_cfg, num_classes: int, seed: int):
     """torchattacks.AutoAttack for the threat model, or None when the package is missing."""
     try:
         import torchattacks  # optional dependency, not in pyproject
     except ImportError:
-        LOGGER.warning("AutoAttack asked for but `torchattacks` is not installed "
-                       "(pip install torchattacks); autoattack_test_acc skipped")
-        return None
+        raise AutoAttackMissing("AutoAttack was asked for (--autoattack) but the torchattacks "
+                                "package is not installed: pip install torchattacks") from None
     return torchattacks.AutoAttack(model, norm=attack_cfg.norm, eps=attack_cfg.eps,
                                    version="standard", n_classes=num_classes, seed=seed)
 

@@ -36,7 +36,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
-from pytorch_fid.fid_score import calculate_frechet_distance
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
@@ -80,10 +79,12 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape:
         raise ValueError(f"FID statistics differ in shape: mu {mu1.shape} vs {mu2.shape}, "
                          f"sigma {sigma1.shape} vs {sigma2.shape}")
+    from pytorch_fid import fid_score  # scipy.linalg and friends: imported when needed
+
     notice = io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stdout(notice):
         warnings.filterwarnings("ignore", message=".*disp.*", category=DeprecationWarning)
-        value = calculate_frechet_distance(mu1, sigma1, mu2, sigma2, eps=eps)
+        value = fid_score.calculate_frechet_distance(mu1, sigma1, mu2, sigma2, eps=eps)
     if notice.getvalue().strip():
         LOGGER.info("FID: %s", notice.getvalue().strip())
     return float(value)

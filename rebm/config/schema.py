@@ -159,7 +159,7 @@ class TrainConfig(LegacyTrainFields):
     logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
     augm_type_classification: str = "autoaugment_cutout"  # augmentation of the classifier stream
     augm_type_generation: str = "original"  # augmentation of the EBM in-dist and out-dist streams
-    track_r1: bool = False  # log the R1 penalty of the in-dist batch (train_r1_loss) without training on it
+    track_r1: bool = False  # log 1/2 mean ||grad_x s(x_in)||^2 (train_r1_loss, unweighted, on metrics-log steps) without training on it
     keep_samples: bool = False  # also write every generated sample as a PNG under samples/step_<N>/
     robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
     robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)

@@ -27,7 +27,7 @@ def run(cfg, runtime, calibration_only: bool) -> dict:
     from rebm.data.pipeline import build_eval_data
     from rebm.distributed import print_line, setup_logging
     from rebm.eval.calibration import evaluate_ece
-    from rebm.eval.evaluate import evaluate_model, load_eval_model
+    from rebm.eval.evaluation import evaluate_model, load_eval_model
 
     setup_logging(runtime)
     model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema

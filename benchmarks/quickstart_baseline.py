@@ -20,7 +20,7 @@ from rebm.config import eval_batch_size, load_config
 from rebm.data import load_indist
 from rebm.distributed import Runtime
 from rebm.engine.build import get_optimizer
-from rebm.eval.evaluate import evaluate_model
+from rebm.eval.evaluation import evaluate_model
 from rebm.models import model_from_config
 
 

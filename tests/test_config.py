@@ -131,3 +131,8 @@ def test_configs_doc_is_generated_from_the_dataclasses():
     assert committed == render(), "regenerate: python -m rebm.config.docs > docs/configs.md"
     for key in ("batch_size", "per_device_batch_size", "attack.eps", "data.indist_dataset"):
         assert f"`{key}`" in committed
+
+
+def test_a_bad_override_is_blamed_on_the_command_line():
+    with pytest.raises(ConfigError, match=r"^command line: 'amp: fp8' is not a valid choice"):
+        load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["amp=fp8"])

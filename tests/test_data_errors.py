@@ -70,3 +70,10 @@ def test_bad_tensor_file(tmp_path):
     np.save(path, np.full((2, 3, 4, 4), 7.0, dtype=np.float32))
     with pytest.raises(DataError, match=r"\[0, 1\]"):
         image_tensor_file(str(path))
+
+
+def test_grey_float_tensor_file_loads(tmp_path):
+    path = tmp_path / "grey.npy"
+    np.save(path, np.full((3, 1, 4, 4), 0.5, dtype=np.float32))
+    images = image_tensor_file(str(path))
+    assert images.shape == (3, 3, 4, 4) and float(images.max()) == 0.5

@@ -209,7 +209,7 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
     cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={ref}",
                "image_log.adaptive_steps=true", "image_log.num_steps=2",
                "image_log.sweep_radius=2", "image_log.sweep_num_samples=20",
-               "image_log.num_samples=30", "image_log.step_size=3.0")
+               "image_log.num_samples=30", "image_log.step_size=3.0", "keep_samples=true")
     model, runtime = _model(cfg), Runtime()
     # The reference is the sweep's own samples at 4 steps, so 4 steps has FID 0 and must win,
     # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).
@@ -217,7 +217,8 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
                                  batch_size=8)
     scorer = fid.FIDScorer(standin_features, (np.zeros(15), np.eye(15)), runtime, 8)
     np.savez(ref, **dict(zip(("mu", "sigma"), scorer.statistics(images), strict=True)))
-    metrics = sample_metrics(model, cfg, runtime, 8, features=standin_features)
+    metrics = sample_metrics(model, cfg, runtime, 8, run_dir=str(tmp_path), step=7,
+                             features=standin_features)
     sweep = {s: metrics[f"fid_sweep/{s}"] for s in (1, 2, 3, 4)}
     assert metrics["fid_best_steps"] == 4
     assert sweep[4] == pytest.approx(0.0, abs=1e-6)
@@ -225,6 +226,9 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
     # the reported fid is of num_samples samples at the chosen step count
     final, _ = generate_samples(model, with_steps(cfg, 4), runtime, batch_size=8)
     assert final.shape[0] == 30
+    kept = tmp_path / "samples" / "step_00000007"
+    assert sorted(os.listdir(kept)) == sorted(f"{i}.png" for i in range(30))
+    assert (tmp_path / "samples" / "samples_step00000007.png").is_file()
     assert metrics["fid"] == pytest.approx(
         fid.compute_fid(final, str(ref), "cpu", features=standin_features), rel=1e-12)
 
@@ -302,6 +306,11 @@ def test_entry_points_fail_at_start_with_one_line(setup, empty_hub, capsys, tmp_
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(stats) in err[0] and str(empty_hub) in err[0], err
+    # --check lists the same problems as warnings and exits 0
+    assert evaluate.main([config, *overrides, "image_log.log_fid=true",
+                          f"image_log.data_dir={stats}", "--samples", "--check"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 2 and str(empty_hub) in warned[0] and str(stats) in warned[1], warned
     with pytest.raises(SystemExit) as info:
         fid_stats.main([config, *overrides, "--out", str(tmp_path / "s.npz")])
     assert info.value.code == 2

@@ -20,7 +20,7 @@ from sections.common import (
 
 def _eval_worker(opts: dict) -> None:
     from rebm.config import eval_batch_size
-    from rebm.eval.evaluate import evaluate_model
+    from rebm.eval.evaluation import evaluate_model
     from rebm.models import model_from_config
 
     runtime = rd.setup_distributed(use_ddp=True, backend=opts["backend"], device=opts["device"])

@@ -120,8 +120,21 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _translate(err, path or "command line") from None
-    validate(cfg, source=path or "command line")
+    try:
+        validate(cfg, source=path or "command line")
+    except ConfigError as err:
+        if path and overrides and _file_alone_is_valid(path):  # the overrides broke it
+            raise ConfigError(str(err).replace(f"{path}:", "command line:", 1)) from None
+        raise
     return freeze(cfg, explicit)
+
+
+def _file_alone_is_valid(path: str) -> bool:
+    try:
+        load_config(path)
+    except ConfigError:
+        return False
+    return True
 
 
 def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> None:

@@ -266,7 +266,7 @@ def _check_values(array: Tensor, path: str) -> Tensor:
         if lo < -1e-4 or hi > 1 + 1e-4:
             raise DataError(f"{path}: float images must lie in [0, 1], found [{lo:.3g}, "
                             f"{hi:.3g}]; divide by 255 or save as uint8")
-        return array.float().clamp_(0, 1)
+        return array.float().contiguous().clamp_(0, 1)  # contiguous: an expanded grey channel
     if array.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
         if array.numel() and (int(array.min()) < 0 or int(array.max()) > 255):
             raise DataError(f"{path}: integer images must lie in [0, 255]")

@@ -40,7 +40,8 @@ from rebm.engine.parts import Parts, build_parts
 from rebm.engine.rundir import resolve_run_dir
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.errors import UserError
-from rebm.eval.evaluate import evaluate_model
+from rebm.eval.evaluation import evaluate_model
+from rebm.eval.fid import require_fid_ready
 from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepContext, StepResult
 
@@ -98,6 +99,8 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
                 plan.per_device_batch_size, plan.accumulation_steps)
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
+    if method.eval_samples and cfg.n_imgs_per_evaluation_log:
+        require_fid_ready(cfg)  # a missing FID file stops the run now, not after hours
 
     # A resumed run takes its weights from the state, so model.ckpt_path is not read (the file
     # may have moved); the data position is the step, so the loader starts there directly.

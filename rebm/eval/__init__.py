@@ -11,8 +11,13 @@ Submodules are imported on use, so `import rebm.eval` stays light.
 __all__ = [
     "accuracy",
     "calibration",
+    "auc",
     "evaluate",
+    "evaluation",
     "fid",
+    "fid_stats",
     "generation",
     "ood",
+    "report",
+    "sweep",
 ]

@@ -1,12 +1,12 @@
-"""FID reference statistics of a config's in-distribution data: `python -m rebm.eval.fid_stats
-CONFIG [key=value ...] --out PATH.npz [--split train|test] [--num-images N]`.
+"""Write FID reference statistics (a pytorch-fid .npz) of a config's in-distribution data.
 
-Writes a pytorch-fid .npz (`mu`, `sigma` of the Inception pool3 features; `np.load(PATH)['mu']`)
-of the first N images (default: all) of the split, loaded by rebm's data loading at
-`data.image_size` without augmentation, as the samples are generated. Point `image_log.data_dir`
-at it. Runs as one process or under torchrun (`torchrun --nproc_per_node=N -m
-rebm.eval.fid_stats ...`): the images are sharded over the ranks and the statistics are those of
-one process. The Inception weights come from the same place as for FID (docs/evaluation.md);
+`python -m rebm.eval.fid_stats CONFIG [key=value ...] --out PATH.npz [--split train|test]
+[--num-images N]` writes `mu` and `sigma` of the Inception pool3 features of the first N images
+(default: all) of the split, loaded by rebm's data loading at `data.image_size` without
+augmentation, as the samples are generated; pytorch-fid reads it (`np.load(PATH)['mu']`). Point
+`image_log.data_dir` at it. Runs as one process or under torchrun (`torchrun --nproc_per_node=N
+-m rebm.eval.fid_stats ...`): the images are sharded over the ranks and the statistics are those
+of one process. The Inception weights come from the same place as for FID (docs/evaluation.md);
 REBM_FID_FEATURES names a stand-in feature network instead.
 """
 

@@ -20,9 +20,18 @@ def run(cfg, runtime, _args) -> dict:
     return train(cfg, runtime, DAT)
 
 
+def warn_fid(args, cfg) -> None:
+    """`--check`: what FID lacks on this machine, as warnings (training would stop at start)."""
+    if args.check:
+        from rebm.eval.fid import fid_problems
+
+        for problem in fid_problems(cfg):
+            print(f"warning: {problem}", file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    return cli.run_entry(parser, argv, run)
+    return cli.run_entry(parser, argv, run, prepare=warn_fid)
 
 
 if __name__ == "__main__":

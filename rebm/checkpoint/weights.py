@@ -75,29 +75,52 @@ def _unreadable(path: str, err: BaseException) -> CheckpointError:
     )
 
 
-def read_checkpoint(path: str, allow_pickle: bool = True) -> Any:
-    """torch.load to CPU with weights_only=True. Files that hold other Python objects (the
-    original training states pickle e.g. their argparse/config objects) are re-read with
-    weights_only=False when `allow_pickle`, with a warning: only do that with trusted files."""
+def _safe_globals() -> List[Any]:
+    """The Python objects, besides tensors and plain containers, that real checkpoints of the
+    original code and of public robust models hold and that can be rebuilt without running
+    code: argparse namespaces (saved run arguments), numpy scalars, dtypes and arrays (saved
+    metrics)."""
+    import argparse
+    import codecs
+
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    dtype_classes = [type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32,
+                                                 np.bool_)]
+    return [argparse.Namespace, codecs.encode, np.dtype, np.ndarray, multiarray.multiarray.scalar,
+            multiarray.multiarray._reconstruct, *dtype_classes]
+
+
+TRUST_KEY = "model.trust_checkpoint"
+
+
+def read_checkpoint(path: str, trust: bool = False) -> Any:
+    """torch.load to CPU with weights_only=True and rebm's allow-list (`_safe_globals`): a file
+    is never unpickled into arbitrary objects, whose loading can run code. A well-formed file
+    that holds other objects is refused in one line naming it and the object, unless `trust`
+    (the config's model.trust_checkpoint): then it is read with weights_only=False."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint '{path}' does not exist")
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint '{path}' is a directory, not a file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # Only a well-formed file refused for its Python objects may fall back; a corrupt file
         # must not be handed to the full unpickler.
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if not (allow_pickle and found):
+        if not found:
             raise _unreadable(path, err) from None
-        LOGGER.warning(
-            "checkpoint '%s' holds Python objects (%s) that weights_only=True refuses; "
-            "loading it with weights_only=False (trusted files only)",
-            path,
-            found.group(1),
-        )
+        if not trust:
+            raise CheckpointError(
+                f"checkpoint '{path}' holds a Python object rebm does not load by default "
+                f"({found.group(1)}; loading it can run code); if you trust this file, set "
+                f"{TRUST_KEY}=true") from None
+        LOGGER.warning("checkpoint '%s' holds Python objects (%s); loading it with "
+                       "weights_only=False because %s=true", path, found.group(1), TRUST_KEY)
     except Exception as err:  # truncated zip, text file, empty file, ...
         raise _unreadable(path, err) from None
     try:
@@ -176,9 +199,11 @@ def _examples(items: List[str]) -> str:
 
 
 def load_checkpoint(
-    model: nn.Module, path: str, strict: bool = True, prefer_ema: bool = False
+    model: nn.Module, path: str, strict: bool = True, prefer_ema: bool = False,
+    trust: bool = False,
 ) -> LoadReport:
     """Load the weights in `path` into `model` (wrapped or not; they go into `unwrap(model)`).
+    `trust`: see `read_checkpoint`.
 
     strict=True: any missing / unexpected / shape-mismatched key raises CheckpointError with a
     short diff. strict=False: loads the keys that fit and logs the same diff as a warning.
@@ -186,7 +211,7 @@ def load_checkpoint(
     path = os.fspath(path)
     target = unwrap(model)
     own = target.state_dict()
-    sd, layout = extract_state_dict(read_checkpoint(path), set(own), prefer_ema, path)
+    sd, layout = extract_state_dict(read_checkpoint(path, trust), set(own), prefer_ema, path)
 
     # num_batches_tracked is absent from very old checkpoints; BatchNorm fills it in itself.
     missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]

@@ -103,6 +103,7 @@ class DataConfig(LegacyDataFields):
 class ModelConfig(LegacyModelFields):
     model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES
     ckpt_path: Optional[str] = None  # weights to start from (any format load_checkpoint reads)
+    trust_checkpoint: bool = False  # also unpickle Python objects outside rebm's allow-list from ckpt_path (they can run code): only for files you trust
     normalize_input: bool = True  # normalise inputs inside the model (CIFAR-10 statistics)
     use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
     channels_last: bool = False  # channels_last memory format (faster convolutions on GPU)

@@ -63,13 +63,28 @@ def _cifar_files(cls) -> List[str]:
     return [name for name, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """CIFAR batches hold dicts of bytes, lists and numpy arrays: nothing else is rebuilt, so a
+    file that is not the official release cannot run code when it is read."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        return super().find_class(module, name)
+
+
 def _find_corrupt_cifar_file(folder: str, names: Sequence[str]) -> Optional[tuple]:
-    """(path, reason) of the first file in `names` that is not a CIFAR pickle, else None."""
+    """(path, reason) of the first file in `names` that is not a plain CIFAR pickle (a dict of
+    arrays, read without rebuilding any other object), else None."""
     for name in names:
         path = os.path.join(folder, name)
         try:
             with open(path, "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
+                entry = _CifarUnpickler(f, encoding="latin1").load()
             if not isinstance(entry, dict):
                 return path, f"holds a {type(entry).__name__}, not a dict"
         except Exception as err:  # any unpickling failure means the file is unusable
@@ -116,16 +131,18 @@ def load_cifar(root: str, num_classes: int, train: bool, download: bool) -> Tens
 
 
 def _load_unchecked_cifar(cls, root: str, train: bool, folder: str):
+    """Files that are not the official release: checked with a restricted unpickler before
+    torchvision's loader (which unpickles freely) ever reads them."""
+    split_files = [n for n, _ in (cls.train_list if train else cls.test_list)]
+    bad = _find_corrupt_cifar_file(folder, split_files + [cls.meta["filename"]])
+    if bad is not None:
+        raise DataError(
+            f"{bad[0]}: corrupt CIFAR pickle ({bad[1]}); delete {folder} and re-extract "
+            "the archive (or set data.download=true)"
+        ) from None
     try:
         return cls(root=root, train=train, download=False)
     except Exception as err:
-        split_files = [n for n, _ in (cls.train_list if train else cls.test_list)]
-        bad = _find_corrupt_cifar_file(folder, split_files + [cls.meta["filename"]])
-        if bad is not None:
-            raise DataError(
-                f"{bad[0]}: corrupt CIFAR pickle ({bad[1]}); delete {folder} and re-extract "
-                "the archive (or set data.download=true)"
-            ) from None
         raise DataError(f"{folder}: cannot load CIFAR ({one_line(err)}); re-extract the "
                         "archive") from None
 

@@ -30,7 +30,7 @@ def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
     model = model_from_config(cfg)
     if cfg.model.ckpt_path and load_pretrained:
         # Every rank reads the file itself: no broadcast needed, and no rank-0-only branch.
-        load_checkpoint(model, cfg.model.ckpt_path)
+        load_checkpoint(model, cfg.model.ckpt_path, trust=cfg.model.trust_checkpoint)
     if cfg.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)

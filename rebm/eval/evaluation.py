@@ -141,7 +141,7 @@ def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
         raise EvalError(f"model.ckpt_path '{path}' does not exist")
     model = model_from_config(cfg)
     try:
-        load_checkpoint(model, path, prefer_ema=cfg.use_ema)
+        load_checkpoint(model, path, prefer_ema=cfg.use_ema, trust=cfg.model.trust_checkpoint)
     except CheckpointError as err:
         raise EvalError(str(err)) from None
     return model.to(runtime.device).eval()

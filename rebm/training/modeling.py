@@ -40,14 +40,12 @@ def load_checkpoint(model: nn.Module, ckpt_path: str, weights_only: bool = True,
     loader: every layout of docs/design.md §5 (`module.` from DataParallel/DDP, the original EMA
     layout, containers, ...) into a plain or wrapped model; returns `model`.
 
-    weights_only: accepted for the original's signature. The file is always read with
-    weights_only=True first; an intact file that holds Python objects is re-read without it,
-    with a warning (rebm.checkpoint.weights.read_checkpoint), which covers the original's
-    weights_only=False. `strict` / `prefer_ema`: as rebm.checkpoint.weights.load_checkpoint
-    (whose LoadReport this form does not return).
+    weights_only: True (the original's default) reads tensors, containers and rebm's allow-list
+    only (rebm.checkpoint.weights.read_checkpoint); False says the caller trusts the file, whose
+    other Python objects are then unpickled too. `strict` / `prefer_ema`: as
+    rebm.checkpoint.weights.load_checkpoint (whose LoadReport this form does not return).
     """
-    del weights_only  # see the docstring: the reader decides per file
-    load_weights(model, ckpt_path, strict=strict, prefer_ema=prefer_ema)
+    load_weights(model, ckpt_path, strict=strict, prefer_ema=prefer_ema, trust=not weights_only)
     return model
 
 

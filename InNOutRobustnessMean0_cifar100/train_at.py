@@ -74,7 +74,8 @@ def with_default_config(argv: Optional[List[str]]) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
-    return cli.run_entry(build_parser(), argv, run, prepare=require_live_batchnorm)
+    return cli.run_entry(build_parser(), argv, run, prepare=require_live_batchnorm,
+                         with_default_run_dir=True)
 
 
 if __name__ == "__main__":

@@ -111,14 +111,15 @@ Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
 
 
 def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
-              prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None
-              ) -> int:
+              prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None,
+              with_default_run_dir: bool = False) -> int:
     """The shared body of the entry points: parse, load and validate the config (`prepare` adds
     the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
-    process, or in `args.nproc` spawned ones when the parser has `--nproc`. A user-fixable
-    error anywhere is one line and exit code 2."""
+    process, or in `args.nproc` spawned ones when the parser has `--nproc`. `with_default_run_dir`
+    (training): a config without `run_dir` gets the deterministic default. A user-fixable error
+    anywhere is one line and exit code 2."""
     with user_errors_exit():
-        args, cfg = parse_and_load(parser, argv)
+        args, cfg = parse_and_load(parser, argv, with_default_run_dir)
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
@@ -163,13 +164,13 @@ def _worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
             teardown(runtime)
 
 
-def parse_and_load(parser: argparse.ArgumentParser,
-                   argv: Optional[List[str]] = None) -> tuple:
-    """(args, config); a config without `run_dir` gets the deterministic default, so running
-    the same command again continues the same run."""
+def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None,
+                   with_default_run_dir: bool = False) -> tuple:
+    """(args, config); with `with_default_run_dir`, a config without `run_dir` gets the
+    deterministic default, so running the same command again continues the same run."""
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
     cfg = load_config(args.config, args.overrides)
-    if cfg.run_dir is None:
+    if with_default_run_dir and cfg.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides)
         cfg = freeze(dataclasses.replace(cfg, run_dir=run_dir), cfg._explicit_keys)
     return args, cfg

@@ -162,14 +162,19 @@ def training_state(stage: int, step: int, model: torch.nn.Module, optimizer, ema
     }
 
 
-def load_training_state(state: Dict[str, Any], stage: int, model: torch.nn.Module, optimizer,
-                        ema, precision) -> None:
-    """Load the common fields of `training_state` (the caller loads its stage's own)."""
+def check_stage(state: Dict[str, Any], stage: int) -> None:
+    """A state of the other training stage is refused (one line)."""
     found = state.get("stage", 2)  # states written before the field existed are DAT's
     if found != stage:
         raise StateError(
             f"'{state.get('_path', 'the training state')}' is a stage-{found} training state, "
             f"but this is a stage-{stage} run; give each stage its own run_dir")
+
+
+def load_training_state(state: Dict[str, Any], stage: int, model: torch.nn.Module, optimizer,
+                        ema, precision) -> None:
+    """Load the common fields of `training_state` (the caller loads its stage's own)."""
+    check_stage(state, stage)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if ema is not None and state.get("ema") is not None:  # else: the EMA restarts from the model

@@ -14,7 +14,12 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
-from rebm.checkpoint.state import agree_on_resume, replicas_identical, save_on_main
+from rebm.checkpoint.state import (
+    agree_on_resume,
+    check_stage,
+    replicas_identical,
+    save_on_main,
+)
 from rebm.checkpoint.weights import save_model
 from rebm.config import (
     BatchPlan,
@@ -75,11 +80,14 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: Callable[[TrainConfig
             lock.release()
 
 
-def resume_point(cfg: TrainConfig, runtime: Runtime) -> Optional[dict]:
-    """The state to resume from (rank 0 decides, every rank reads it), refused when the run
-    it belongs to trained with another config, unless resume=force."""
+def resume_point(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
+    """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
+    other stage, or when the run it belongs to trained with another config (unless
+    resume=force)."""
     state = agree_on_resume(runtime, cfg.run_dir, cfg.resume_from_state,
                             allow_auto=cfg.resume in ("auto", "force"))
+    if state is not None:
+        check_stage(state, stage)
     if state is None or cfg.resume == "force":
         return state
     changed = training_diff(state.get("config", {}), to_dict(cfg))
@@ -104,7 +112,7 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
 
     # A resumed run takes its weights from the state, so model.ckpt_path is not read (the file
     # may have moved); the data position is the step, so the loader starts there directly.
-    state = resume_point(cfg, runtime)
+    state = resume_point(cfg, runtime, method.stage)
     data = build_train_data(cfg, runtime, plan, start_step=int(state["step"]) if state else 0)
     last_step = planned_last_step(cfg, data.steps_per_epoch)
     parts = build_parts(cfg, runtime, method, last_step, load_pretrained=state is None)

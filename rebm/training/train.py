@@ -31,7 +31,7 @@ def warn_fid(args, cfg) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    return cli.run_entry(parser, argv, run, prepare=warn_fid)
+    return cli.run_entry(parser, argv, run, prepare=warn_fid, with_default_run_dir=True)
 
 
 if __name__ == "__main__":

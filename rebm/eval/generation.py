@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat
+from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
@@ -241,7 +242,8 @@ def generate_samples(
     local = torch.arange(runtime.rank, n, runtime.world_size, dtype=torch.int64)
     chunks = []
     with eval_mode(model):
-        for start in range(0, len(local), batch_size):
+        starts = range(0, len(local), batch_size)
+        for start in progress(starts, runtime, "samples", total=len(starts)):
             idx = local[start:start + batch_size]
             x = seeds(idx).to(runtime.device)
             y = balanced_labels(idx, cfg.data.num_classes).to(runtime.device)

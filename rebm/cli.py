@@ -130,9 +130,14 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
                 raise ConfigError("--nproc starts its own processes: do not combine it with "
                                   "torchrun")
             plan_batches(cfg, nproc)  # fail here, once, not in N children
+    from torch.multiprocessing import ProcessExitedException
+
     from rebm.distributed.launch import spawn  # torch: imported once the arguments are good
 
-    spawn(run_worker, nproc, body, cfg, args)
+    try:
+        spawn(run_worker, nproc, body, cfg, args)
+    except ProcessExitedException as err:  # a child's one-line error was printed already
+        raise SystemExit(err.exit_code or 1) from None
     return 0
 
 
@@ -171,6 +176,6 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
-        run_dir = default_run_dir(args.config, args.overrides)
+        run_dir = default_run_dir(args.config, args.overrides, cfg)
         cfg = freeze(dataclasses.replace(cfg, run_dir=run_dir), cfg._explicit_keys)
     return args, cfg

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rebm.config import default_run_dir
+from rebm.config import default_run_dir, load_config
 from tests.helpers import REPO, run_command, run_train
 from tests.wandb_files import offline_runs, read_run
 
@@ -49,13 +49,18 @@ def test_wandb_offline_two_ranks_and_the_same_command_continues_the_run(tmp_path
 
 
 def test_default_run_dir_is_the_config_name_and_survives_length_overrides():
-    assert default_run_dir("experiments/cifar10/dat.yaml", []) == "runs/dat"
-    assert default_run_dir("x/dat.yaml", ["max_steps=10", "total_epochs=3"]) == "runs/dat"
-    other = default_run_dir("x/dat.yaml", ["lr=0.01"])
-    assert other.startswith("runs/dat-") and other != default_run_dir("x/dat.yaml", ["lr=0.02"])
+    assert default_run_dir("experiments/cifar10/dat.yaml", []) == "runs/cifar10/dat"
+    assert default_run_dir("experiments/cifar100/dat.yaml", []) == "runs/cifar100/dat"
+    assert default_run_dir("x/dat.yaml", ["max_steps=10", "total_epochs=3"]) == "runs/x/dat"
+    assert default_run_dir("x/dat.yaml", ["model.trust_checkpoint=true"]) == "runs/x/dat"
+    config = str(REPO / CONFIG)
+    other = default_run_dir(config, ["lr=0.01"], load_config(config, ["lr=0.01"]))
+    assert other.startswith("runs/quickstart/digits-")
+    assert other == default_run_dir(config, ["lr=1e-2"], load_config(config, ["lr=1e-2"]))
+    assert other != default_run_dir(config, ["lr=0.02"], load_config(config, ["lr=0.02"]))
     result = run_command([sys.executable, "-m", "rebm.training.train", CONFIG, "max_steps=7",
                           "--check"], timeout=120).assert_ok()
-    assert "run_dir: runs/digits\n" in result.output
+    assert "run_dir: runs/quickstart/digits\n" in result.output
 
 
 def test_a_changed_training_config_is_refused_unless_forced(tmp_path):

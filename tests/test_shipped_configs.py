@@ -55,7 +55,7 @@ def test_cifar10_recipe_stage1_stage2_evaluate(tmp_path):
     out = _run(torchrun_cmd("rebm.training.train", [STAGE2, *SIZES, *STAGE2_SIZES], 2), tmp_path)
     assert f"loaded checkpoint '{os.path.join('runs', 'stage1_cifar10', 'model_final.pth')}'" \
         in out, out[-3000:]
-    (stage2,) = glob.glob(str(tmp_path / "runs" / "dat_wrn34x10_seed0*"))
+    (stage2,) = glob.glob(str(tmp_path / "runs" / "cifar10" / "dat_wrn34x10_seed0*"))
     records = [json.loads(line) for line in open(os.path.join(stage2, "metrics.jsonl"))]
     evaluations = [r for r in records if "test_acc" in r]
     assert evaluations and all("fid" in r and r["fid"] >= 0 for r in evaluations)

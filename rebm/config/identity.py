@@ -13,6 +13,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from rebm.config.legacy import legacy_keys
+from rebm.config.loading import to_dict
 from rebm.config.schema import TrainConfig
 
 # Dotted keys (a section name covers the whole section) that do not change what a run trains.
@@ -24,7 +25,8 @@ RUN_KEYS = (
     "n_imgs_per_metrics_log", "n_imgs_per_image_log", "n_imgs_per_evaluation_log",
     "n_imgs_per_ckpt_save", "robust_eval", "robust_eval_steps", "track_r1", "keep_samples",
     "data.num_workers", "data.download", "data.indist_ds_dir", "data.outdist_std_dir",
-    "model.ckpt_path", "model.compile", "model.channels_last", "image_log",
+    "model.ckpt_path", "model.trust_checkpoint", "model.compile", "model.channels_last",
+    "image_log",
 )
 
 
@@ -51,12 +53,23 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
             if _is_training_key(key, legacy) and old[key] != new[key]]
 
 
-def default_run_dir(config_path: Optional[str], overrides: Sequence[str]) -> str:
-    """runs/<config file name>, plus a short hash of the command line's training overrides, so
-    `lr=0.01` is another run and `max_steps=...` the same one."""
-    name = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+def default_run_dir(config_path: Optional[str], overrides: Sequence[str],
+                    cfg: Optional[TrainConfig] = None) -> str:
+    """runs/<config folder>/<config file name>, plus a short hash of the training keys the
+    command line sets (their resolved values, so lr=0.01 and lr=1e-2 agree): `lr=0.01` is
+    another run, `max_steps=...` the same one."""
+    if config_path:
+        stem = os.path.splitext(os.path.basename(config_path))[0]
+        folder = os.path.basename(os.path.dirname(os.path.abspath(config_path)))
+        name = os.path.join(folder, stem)
+    else:
+        name = "run"
     legacy = legacy_keys(TrainConfig)
-    training = sorted(o for o in overrides if _is_training_key(o.split("=", 1)[0], legacy))
-    if training:
-        name += "-" + hashlib.sha256("\n".join(training).encode()).hexdigest()[:8]
+    keys = sorted({o.split("=", 1)[0] for o in overrides
+                   if _is_training_key(o.split("=", 1)[0], legacy)})
+    if keys:
+        values = _flatten(to_dict(cfg)) if cfg is not None else {}
+        text = "\n".join(f"{k}={values.get(k, dict(o.split('=', 1) for o in overrides)[k])!r}"
+                         for k in keys)
+        name += "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return os.path.join("runs", name)

@@ -175,7 +175,7 @@ class TrainConfig(LegacyTrainFields):
     tags: List[str] = field(default_factory=list)  # wandb tags
 
     # Run directory, resume
-    run_dir: Optional[str] = None  # output directory; default runs/<config name>[-<hash of training overrides>]
+    run_dir: Optional[str] = None  # output directory; default runs/<config folder>/<config name>[-<hash of training overrides>]
     resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
     resume_path: Optional[str] = None  # original spelling of resume_from_state
     resume: str = "auto"  # auto: continue from the newest state in run_dir (same training config); force: even if the config changed; never: refuse a run_dir with states

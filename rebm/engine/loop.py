@@ -47,6 +47,7 @@ from rebm.engine.tracking import Tracker, progress_bar
 from rebm.errors import UserError
 from rebm.eval.evaluation import evaluate_model
 from rebm.eval.fid import require_fid_ready
+from rebm.eval.generation import check_seed_images
 from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepContext, StepResult
 
@@ -108,7 +109,8 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
     if method.eval_samples and cfg.n_imgs_per_evaluation_log:
-        require_fid_ready(cfg)  # a missing FID file stops the run now, not after hours
+        require_fid_ready(cfg)  # a missing FID or seed-image file stops the run now, not
+        check_seed_images(cfg)  # after hours of training
 
     # A resumed run takes its weights from the state, so model.ckpt_path is not read (the file
     # may have moved); the data position is the step, so the loader starts there directly.
@@ -250,7 +252,8 @@ def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tr
            epoch: int, steps_run: int) -> Dict[str, Any]:
     """The final evaluation (unless the last step just ran one), model_final.pth, the state."""
     final_step = parts.progress.step
-    if steps_run == 0:  # rerun of a finished run: its final evaluation and files exist already
+    finished = os.path.exists(os.path.join(tracker.run_dir, "model_final.pth"))
+    if steps_run == 0 and finished:  # rerun of a finished run: its final files exist already
         LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
                     "total_epochs to continue it)", final_step)
         tracker.close()

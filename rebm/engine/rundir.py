@@ -8,7 +8,9 @@ with one line naming the holder, before it writes anything.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
+import logging
 import os
 import socket
 import time
@@ -19,6 +21,7 @@ from rebm.distributed import Runtime, decide_on_main
 from rebm.errors import UserError
 
 LOCK_NAME = ".lock"
+LOGGER = logging.getLogger("rebm")
 
 
 class RunDirError(UserError, OSError):
@@ -30,10 +33,20 @@ class RunDirLock:
 
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, LOCK_NAME)
-        self._file = open(self.path, "a+")
+        try:
+            self._file = open(self.path, "a+")
+        except OSError as err:
+            raise RunDirError(f"cannot write '{self.path}' ({err.strerror}); choose a writable "
+                              "run_dir=PATH") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # e.g. Lustre mounted without flock: run, but unguarded
+                LOGGER.warning("run_dir %s: this filesystem does not support file locks (%s); "
+                               "nothing stops a second job on the same run_dir", run_dir,
+                               err.strerror)
+                return
             self._file.seek(0)
             holder = self._file.read().strip() or "another process"
             self._file.close()

@@ -72,9 +72,16 @@ class Tracker:
         except ImportError:
             LOGGER.warning("wandb is not installed; metrics go to metrics.jsonl only")
             return
-        # The id is the run's identity in wandb: kept in every training state, so a resumed run
+        # The id is the run's identity in wandb: kept in every training state and in
+        # <run_dir>/wandb_id (for a run that dies before its first state), so a resumed run
         # (any attempt, any world size) continues the same wandb run.
+        id_file = os.path.join(self.run_dir, "wandb_id")
+        if not self.wandb_run_id and os.path.exists(id_file):
+            with open(id_file) as fh:
+                self.wandb_run_id = fh.read().strip() or None
         self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:16]
+        with open(id_file, "w") as fh:
+            fh.write(self.wandb_run_id + "\n")
         self.wandb_run = wandb.init(
             project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
             tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",

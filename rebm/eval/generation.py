@@ -201,6 +201,11 @@ class SeedImages:
         return (mean + z @ chol.T).float().clamp(0, 1).view(-1, 3, self.size, self.size)
 
 
+def check_seed_images(cfg) -> None:
+    """Open `image_log.seed_images` once (SeedImageError, one line, when it is unusable)."""
+    SeedImages(cfg.image_log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg)
+
+
 def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
     return indices.to(torch.int64) % num_classes
 

@@ -81,7 +81,7 @@ def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
     from rebm.data.pipeline import build_eval_data
     from rebm.eval.accuracy import evaluate_accuracy
     from rebm.eval.calibration import evaluate_ece
-    from rebm.eval.evaluate import load_eval_model
+    from rebm.eval.evaluation import load_eval_model
     from rebm.eval.fid import compute_fid
     from rebm.eval.generation import generate_samples
     from rebm.eval.ood import build_ood_data, evaluate_ood

@@ -78,7 +78,7 @@ def _standin_env():
 
 
 def _model(cfg):
-    from rebm.eval.evaluate import load_eval_model
+    from rebm.eval.evaluation import load_eval_model
 
     return load_eval_model(cfg, Runtime())
 
@@ -201,7 +201,7 @@ def test_sweep_candidates():
 
 @pytest.mark.timeout(60)
 def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
-    from rebm.eval.evaluate import sample_metrics
+    from rebm.eval.evaluation import sample_metrics
     from rebm.eval.generation import generate_samples
     from rebm.eval.sweep import with_steps
 

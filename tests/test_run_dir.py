@@ -97,3 +97,16 @@ def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_p
         holder.kill()
         holder.wait()
     run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir).assert_ok()  # lock released
+
+
+def test_wandb_mode_precedence(monkeypatch):
+    """A config that says no wandb gets none; otherwise WANDB_MODE wins over wandb_mode."""
+    from rebm.engine.tracking import wandb_mode
+
+    config = str(REPO / CONFIG)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_mode(load_config(config, ["wandb_disabled=true"])) == "disabled"
+    assert wandb_mode(load_config(config, ["wandb_mode=disabled"])) == "disabled"
+    assert wandb_mode(load_config(config, ["wandb_mode=online"])) == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_mode(load_config(config, ["wandb_mode=online"])) == "online"

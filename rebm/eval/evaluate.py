@@ -17,18 +17,6 @@ from typing import Any, Dict, List, Optional
 
 from rebm import cli
 
-# Imported from here by older code: the library lives in rebm.eval.evaluation.
-_LIBRARY = ("EvalError", "evaluate_model", "load_eval_model", "robust_eval_attack",
-            "sample_metrics", "save_sample_files")
-
-
-def __getattr__(name: str):
-    if name in _LIBRARY:
-        from rebm.eval import evaluation
-
-        return getattr(evaluation, name)
-    raise AttributeError(f"module 'rebm.eval.evaluate' has no attribute '{name}'")
-
 
 def run(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.distributed import broadcast_object, print_line, setup_logging

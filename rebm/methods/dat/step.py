@@ -99,7 +99,10 @@ class DAT(Method):
         outputs = accumulate(ctx, micro_batches, micro_step)
         terms = mean_terms(outputs)
         loss = sum(terms.values())  # the trained terms only
-        window = {**{name: float(value) for name, value in terms.items()}, "n": 1.0}
+        # one host sync for the window's sums
+        window = dict(zip(terms, torch.stack([v.float() for v in terms.values()]).tolist(),
+                          strict=True))
+        window["n"] = 1.0
         if "r1" in outputs[0].keep:  # track_r1 on a log step: averaged over such steps only
             terms["r1"] = torch.stack([o.keep["r1"] for o in outputs]).mean()
             window.update(r1=float(terms["r1"]), n_r1=1.0)

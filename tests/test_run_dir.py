@@ -107,6 +107,7 @@ def test_wandb_mode_precedence(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert wandb_mode(load_config(config, ["wandb_disabled=true"])) == "disabled"
     assert wandb_mode(load_config(config, ["wandb_mode=disabled"])) == "disabled"
-    assert wandb_mode(load_config(config, ["wandb_mode=online"])) == "offline"
+    online = ["wandb_disabled=false", "wandb_mode=online"]  # the quickstart config disables it
+    assert wandb_mode(load_config(config, online)) == "offline"
     monkeypatch.delenv("WANDB_MODE")
-    assert wandb_mode(load_config(config, ["wandb_mode=online"])) == "online"
+    assert wandb_mode(load_config(config, online)) == "online"

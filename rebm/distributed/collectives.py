@@ -9,12 +9,13 @@ from __future__ import annotations
 import datetime
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from rebm.distributed.runtime import Runtime
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 
@@ -44,21 +45,63 @@ def broadcast_object(runtime: Runtime, obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def decide_on_main(runtime: Runtime, decide: Callable[[], Any]) -> Any:
-    """Run `decide()` on rank 0 only and give its result to every rank. If it raises, every rank
-    raises (rank 0 the original, the others a copy), so no rank is left waiting in a collective
-    for a rank that already failed. Every rank must call this."""
+class RankFailed(UserError, RuntimeError):
+    """Another rank failed at a step every rank takes together; the message is its one line."""
+
+
+def _failure(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def decide_on_main(runtime: Runtime, decide: Callable[[], Any], what: str = "decide") -> Any:
+    """Run `decide()` on rank 0 only and give its result to every rank. If it raises, rank 0
+    raises the error and every other rank a `RankFailed` with its first line (only the message
+    travels: an exception object may not survive pickling), so no rank is left waiting in a
+    collective for a rank that already failed. Every rank must call this."""
     outcome: Any = None
+    error: Optional[BaseException] = None
     if runtime.is_main:
         try:
             outcome = ("ok", decide())
-        except Exception as err:  # shared below, then re-raised on every rank
-            outcome = ("error", err)
+        except Exception as err:  # shared below, then re-raised
+            error, outcome = err, ("error", _failure(err))
     outcome = broadcast_object(runtime, outcome)
+    if error is not None:
+        raise error
     kind, value = outcome
     if kind == "error":
-        raise value
+        raise RankFailed(f"rank 0 could not {what}: {value}")
     return value
+
+
+def on_main(runtime: Runtime, write: Callable[[], Any], what: str) -> None:
+    """Rank 0's writes for people (model files, metrics, images): rank 0 does them, every rank
+    learns whether they worked. Every rank must call this."""
+    decide_on_main(runtime, write, what)
+
+
+def on_every_rank(runtime: Runtime, action: Callable[[], Any], what: str) -> Any:
+    """`action()` on every rank (a per-rank read, e.g. a checkpoint a node may lack); if it
+    fails anywhere, every rank raises: the failing rank its own error, the others a
+    `RankFailed` naming the rank(s). Every rank must call this."""
+    result, error = None, None
+    try:
+        result = action()
+    except Exception as err:
+        error = err
+    if not runtime.distributed:
+        if error is not None:
+            raise error
+        return result
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32)
+    flags = all_gather_cat(runtime, failed.to(_comm_device(runtime))).cpu().tolist()
+    if error is not None:
+        raise error
+    if any(flags):
+        ranks = ", ".join(str(r) for r, f in enumerate(flags) if f)
+        raise RankFailed(f"rank {ranks} could not {what} (see the error it printed)")
+    return result
 
 
 def broadcast_buffers(runtime: Runtime, module: torch.nn.Module) -> None:
@@ -86,6 +129,11 @@ def all_reduce_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_max(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     """Maximum over ranks (returns a new tensor on the input's device)."""
     return _all_reduce(runtime, tensor, dist.ReduceOp.MAX)
+
+
+def all_reduce_min(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Minimum over ranks (returns a new tensor on the input's device)."""
+    return _all_reduce(runtime, tensor, dist.ReduceOp.MIN)
 
 
 def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:

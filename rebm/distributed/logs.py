@@ -87,9 +87,12 @@ def progress_enabled(stream=None) -> bool:
     return (stream or sys.stderr).isatty()
 
 
-def progress(iterable: Iterable, runtime: Runtime, desc: str, total: Optional[int] = None
-             ) -> Iterable:
-    """`iterable` with a tqdm bar on rank 0 when bars are on (evaluation, generation loops)."""
+def progress(iterable: Iterable, runtime: Runtime, desc: str, total: int) -> Iterable:
+    """The loop of an evaluation or generation over this rank's `total` items: interruptible by
+    a preemption (rebm.distributed.signals), with a tqdm bar on rank 0 when bars are on."""
+    from rebm.distributed.signals import interruptible
+
+    iterable = interruptible(iterable, runtime, total)
     if not runtime.is_main or not progress_enabled():
         return iterable
     from tqdm import tqdm

@@ -8,6 +8,14 @@ from typing import Optional
 import torch
 
 
+def gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient the optimizer would apply is finite (one norm over all of them;
+    under DDP the gradients are already all-reduced, so every rank gets the same answer)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
 class Precision:
     """autocast + (for fp16) GradScaler. bf16 needs no scaler; 'none' is plain fp32."""
 
@@ -15,6 +23,7 @@ class Precision:
         self.mode = mode
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, enabled=(mode == "fp16"))
+        self.update_finite = True  # whether the last `step` had finite gradients
 
     def autocast(self):
         if self.mode == "none":
@@ -26,8 +35,16 @@ class Precision:
         self.scaler.scale(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.step(optimizer)
-        self.scaler.update()
+        """The optimizer step, never with non-finite gradients: fp16's GradScaler skips such a
+        step and lowers its scale (normal for fp16); otherwise the step is skipped and
+        `update_finite` is False, which stops the run (rebm.engine.loop)."""
+        if self.scaler.is_enabled():
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return
+        self.update_finite = gradients_finite(optimizer)
+        if self.update_finite:
+            optimizer.step()
 
     def state_dict(self) -> Optional[dict]:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None

@@ -1,29 +1,108 @@
-"""Preemption signals: handlers only set a flag; the loop passes it through a consensus."""
+"""Preemption and Ctrl-C: signal handlers only set a flag; every decision to stop goes through a
+consensus, so all ranks stop at the same point (docs/distributed.md, "Preemption").
+
+- SIGTERM / SIGUSR1 (SLURM, torchrun's agent) and a first SIGINT (Ctrl-C) ask for a save at the
+  next step boundary, or inside a running evaluation (`interruptible` loops), then an exit.
+- A second SIGINT, at least `ECHO_WINDOW_S` after the first, aborts at once without saving. A
+  launcher that passes the terminal's Ctrl-C on to its workers (torchrun's agent, the `--nproc`
+  parent, srun) makes them see one Ctrl-C twice within milliseconds: that echo is not a second
+  interrupt.
+"""
 
 from __future__ import annotations
 
+import os
 import signal as _signal
-from typing import Any, Optional
+import time
+from typing import Any, Dict, Iterable, Iterator, Optional
+
+from rebm.distributed.runtime import Runtime
+
+ECHO_WINDOW_S = 1.0
+EXIT_ABORTED = 130  # the shell's code for "killed by SIGINT"
+
+_ACTIVE: Optional["PreemptionFlag"] = None  # the flag of the running training loop, if any
+
+
+class Preempted(Exception):
+    """Raised inside an interruptible loop once every rank has agreed to stop; the training loop
+    catches it, saves and exits."""
 
 
 class PreemptionFlag:
-    """SIGTERM/SIGUSR1 (SLURM preemption) only set a flag; the training loop passes it through
-    `consensus` at the next step so all ranks save and exit together."""
+    """Installs the handlers; `raised` says a stop was asked for on this rank."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
+        self._first_interrupt: Optional[float] = None
+        self._previous: Dict[int, Any] = {}
 
     def _handler(self, signum: int, _frame: Any) -> None:
-        self.signal_name = _signal.Signals(signum).name
+        now = time.monotonic()
+        if signum == _signal.SIGINT:
+            if self._first_interrupt is not None and now - self._first_interrupt > ECHO_WINDOW_S:
+                _say("second interrupt: aborting without saving")
+                os._exit(EXIT_ABORTED)
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+                _say("interrupt: saving the training state at the next step, then exiting "
+                     "(interrupt again to abort without saving)")
+        if self.signal_name is None:
+            self.signal_name = _signal.Signals(signum).name
 
     def install(self) -> "PreemptionFlag":
+        global _ACTIVE
         for name in self.SIGNALS:
             if hasattr(_signal, name):
-                _signal.signal(getattr(_signal, name), self._handler)
+                signum = getattr(_signal, name)
+                self._previous[signum] = _signal.signal(signum, self._handler)
+        _ACTIVE = self
         return self
+
+    def uninstall(self) -> None:
+        global _ACTIVE
+        for signum, handler in self._previous.items():
+            _signal.signal(signum, handler)
+        self._previous.clear()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self) -> "PreemptionFlag":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
 
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
+
+
+def _say(text: str) -> None:
+    """One line on stderr from rank 0 (os.write: safe inside a signal handler)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"\n{text}\n".encode())
+
+
+def interruptible(iterable: Iterable, runtime: Runtime, length: int) -> Iterator:
+    """`iterable` (this rank's `length` items of an evaluation or generation loop), polling the
+    preemption flag before each item through a consensus. Ranks' shards may differ by a batch,
+    so only the first min-over-ranks items are polled: every rank reaches every poll. Without
+    an installed flag (evaluation outside training) this adds nothing, not even a collective."""
+    flag = _ACTIVE
+    if flag is None:
+        yield from iterable
+        return
+    from rebm.distributed.collectives import all_reduce_min, consensus
+
+    common = length
+    if runtime.distributed:
+        import torch
+
+        common = int(all_reduce_min(runtime, torch.tensor([length], dtype=torch.int64))[0])
+    for index, item in enumerate(iterable):
+        if index < common and consensus(runtime, preempt=flag.raised)["preempt"]:
+            raise Preempted(flag.signal_name or "signal")
+        yield item

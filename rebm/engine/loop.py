@@ -12,7 +12,10 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
 
 from rebm.checkpoint.state import (
     agree_on_resume,
@@ -34,12 +37,14 @@ from rebm.data import build_train_data
 from rebm.distributed.collectives import (
     broadcast_buffers,
     consensus,
+    decide_on_main,
     name_stuck_ranks,
+    on_main,
     set_collective_timeout,
 )
 from rebm.distributed.logs import setup_logging
 from rebm.distributed.runtime import Runtime
-from rebm.distributed.signals import PreemptionFlag
+from rebm.distributed.signals import Preempted, PreemptionFlag
 from rebm.engine.metrics import MetricsWindow, peak_memory
 from rebm.engine.parts import Parts, build_parts
 from rebm.engine.rundir import resolve_run_dir
@@ -127,47 +132,69 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
     LOGGER.info("%s | data: %s | training to step %s", method.describe(), data.describe(),
                 last_step)
     ctx = parts.context(cfg, plan)
-    preemption = PreemptionFlag().install()
+    with PreemptionFlag() as preemption:
+        try:
+            if parts.progress.eval_pending:  # an evaluation a preemption interrupted
+                evaluate_and_keep_best(parts, cfg, plan, runtime, tracker,
+                                       data.epoch_of(parts.progress.step - 1))
+            outcome = run_steps(parts, ctx, data, cfg, plan, runtime, tracker, preemption,
+                                last_step, started)
+            if outcome is None:
+                return finish(parts, cfg, plan, runtime, tracker,
+                              data.epoch_of(parts.progress.step - 1))
+        except Preempted:  # every rank agreed inside an evaluation: abandon it, save, exit
+            parts.progress.eval_pending = True
+        return stop_preempted(parts, cfg, runtime, tracker, preemption)
+
+
+def run_steps(parts: Parts, ctx: StepContext, data, cfg: TrainConfig, plan: BatchPlan,
+              runtime: Runtime, tracker: Tracker, preemption: PreemptionFlag, last_step: float,
+              started: Optional[float]) -> Optional[str]:
+    """Train to `last_step`; "preempted" when every rank agreed to stop before it, else None."""
     bar = progress_bar(runtime, parts.progress.step, last_step, cfg.batch_size)
     batches = iter(data)
     parts.progress.window.started = time.perf_counter()  # images/s counts training only
-    steps_run = 0
-
     # A collective timeout anywhere in the loop is reported with the rank(s) that did not arrive.
-    with name_stuck_ranks(runtime, lambda: parts.progress.step + 1):
+    with name_stuck_ranks(runtime, lambda: parts.progress.step + 1), bar:
         while parts.progress.step < last_step:
             micro_batches = next(batches)
             if started is not None:  # start-up cost: O(1) in the resumed step, no batch replay
                 LOGGER.info("first batch after %.2fs", time.perf_counter() - started)
                 started = None
             log_now = (plan.crossed(cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
-                       or (method.log_final_step and parts.progress.step + 1 == last_step))
+                       or (parts.method.log_final_step and parts.progress.step + 1 == last_step))
             result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
             step = parts.progress.step
             bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
-                       epoch=data.epoch_of(step - 1), **method.progress())
-            if steps_run == 0:  # start-up is over: from now on a missing rank surfaces quickly
+                       epoch=data.epoch_of(step - 1), **parts.method.progress())
+            if parts.progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
                 set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
-            steps_run += 1
+            parts.progress.steps_run += 1
             decision = consensus(runtime, preempt=preemption.raised,
-                                 nonfinite=not result.finite)
+                                 nonfinite=not (result.finite and parts.precision.update_finite))
             if decision["nonfinite"]:
                 raise TrainingDiverged(
-                    f"non-finite loss at step {step} on at least one rank; the newest state in "
-                    f"{run_dir}/checkpoints is from before it (try a lower lr)")
+                    f"non-finite loss or gradients at step {step} on at least one rank (the "
+                    f"update was not applied); the newest state in {cfg.run_dir}/checkpoints is "
+                    "from before it (try a lower lr)")
             at_intervals(parts, result, cfg, plan, runtime, tracker, data.epoch_of(step - 1),
                          log_now, last_step)
             if decision["preempt"] and step < last_step:  # at the last step: just finish
-                save_training_state(parts, cfg, runtime, tracker)
-                LOGGER.warning("preempted (%s on some rank): state saved at step %d; run the "
-                               "same command with run_dir=%s to resume",
-                               preemption.signal_name or "signal", step, run_dir)
-                bar.close()
-                tracker.close()
-                return {"step": step, "preempted": True}
-    bar.close()
-    return finish(parts, cfg, plan, runtime, tracker, data.epoch_of(parts.progress.step - 1),
-                  steps_run)
+                return "preempted"
+    return None
+
+
+def stop_preempted(parts: Parts, cfg: TrainConfig, runtime: Runtime, tracker: Tracker,
+                   preemption: PreemptionFlag) -> Dict[str, Any]:
+    """Save the state (with the abandoned evaluation marked pending) and say how to resume."""
+    save_training_state(parts, cfg, runtime, tracker)
+    step = parts.progress.step
+    pending = " (the interrupted evaluation runs first)" if parts.progress.eval_pending else ""
+    LOGGER.warning("stopped by %s: state saved at step %d; run the same command (run_dir=%s) "
+                   "to resume%s", preemption.signal_name or "a signal on another rank", step,
+                   cfg.run_dir, pending)
+    tracker.close()
+    return {"step": step, "preempted": True}
 
 
 def train_one_step(parts: Parts, ctx: StepContext, micro_batches, runtime: Runtime,
@@ -222,10 +249,12 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
                            tracker: Tracker, epoch: int) -> Dict[str, Any]:
     """Every rank evaluates its shard; rank 0 records and keeps the best models."""
     step = parts.progress.step
-    results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
-                             run_dir=tracker.run_dir, step=step,
-                             samples=parts.method.eval_samples)
-    parts.progress.last_eval = results
+    with patient_collectives(runtime, cfg, parts):
+        results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
+                                 run_dir=tracker.run_dir, step=step,
+                                 samples=parts.method.eval_samples)
+    parts.progress.last_eval, parts.progress.last_eval_step = results, step
+    parts.progress.eval_pending = False
     tracker.log(step, plan.images(step), epoch, results)
     LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
     tracker.log_table("eval/table", step, results)
@@ -243,29 +272,29 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
         best = parts.progress.best.get(metric)
         if best is None or (value > best if higher_is_better else value < best):
             parts.progress.best[metric] = value
-            if runtime.is_main:
-                save_model(parts.eval_model, os.path.join(tracker.run_dir, filename))
+            path = os.path.join(tracker.run_dir, filename)
+            on_main(runtime, lambda p=path: save_model(parts.eval_model, p), f"write {path}")
     return results
 
 
 def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tracker: Tracker,
-           epoch: int, steps_run: int) -> Dict[str, Any]:
+           epoch: int) -> Dict[str, Any]:
     """The final evaluation (unless the last step just ran one), model_final.pth, the state."""
     final_step = parts.progress.step
-    finished = os.path.exists(os.path.join(tracker.run_dir, "model_final.pth"))
-    if steps_run == 0 and finished:  # rerun of a finished run: its final files exist already
+    final_path = os.path.join(tracker.run_dir, "model_final.pth")
+    finished = decide_on_main(runtime, lambda: os.path.exists(final_path))
+    if parts.progress.steps_run == 0 and finished:  # a rerun: its final files exist already
         LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
                     "total_epochs to continue it)", final_step)
         tracker.close()
         return {"step": final_step}
     results = parts.progress.last_eval
-    if cfg.n_imgs_per_evaluation_log and not plan.crossed(cfg.n_imgs_per_evaluation_log,
-                                                          final_step):
+    if cfg.n_imgs_per_evaluation_log and parts.progress.last_eval_step != final_step:
         results = evaluate_and_keep_best(parts, cfg, plan, runtime, tracker, epoch)
     # model_final first: once the final state exists, a rerun has nothing left to do
-    if runtime.is_main:  # plain state dict: loads as model.ckpt_path of the next stage
-        save_model(parts.eval_model, os.path.join(tracker.run_dir, "model_final.pth"))
-        LOGGER.info("wrote %s", os.path.join(tracker.run_dir, "model_final.pth"))
+    # a plain state dict: it loads as model.ckpt_path of the next stage
+    on_main(runtime, lambda: save_model(parts.eval_model, final_path), f"write {final_path}")
+    LOGGER.info("wrote %s", final_path)
     save_training_state(parts, cfg, runtime, tracker)
     tracker.close()
     LOGGER.info("finished at step %d%s", final_step,
@@ -278,7 +307,29 @@ def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tr
 
 def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime,
                         tracker: Tracker) -> None:
-    """Rank 0 writes the state, every rank learns whether that worked (`save_on_main`)."""
+    """Rank 0 writes the state, every rank learns whether that worked (`save_on_main`); a state
+    with non-finite weights is never written."""
+    weights = [p.detach() for m in parts.replicated for p in m.parameters()]
+    finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(weights)))
+    if consensus(runtime, nonfinite=not finite)["nonfinite"]:
+        raise TrainingDiverged(
+            f"the weights became non-finite by step {parts.progress.step}; not saving them (the "
+            f"newest state in {cfg.run_dir}/checkpoints is from before; try a lower lr)")
     window_sums = parts.progress.window.global_sums(runtime)  # every rank: an all-reduce
-    save_on_main(runtime, lambda: parts.state_dict(cfg, runtime.world_size, window_sums),
-                 tracker.run_dir, cfg.keep_last_states)
+    with patient_collectives(runtime, cfg, parts):
+        save_on_main(runtime, lambda: parts.state_dict(cfg, runtime.world_size, window_sums),
+                     tracker.run_dir, cfg.keep_last_states)
+
+
+@contextmanager
+def patient_collectives(runtime: Runtime, cfg: TrainConfig, parts: Parts) -> Iterator[None]:
+    """The start-up collective timeout for a save or an evaluation (rank 0 writing ~0.5 GB, a
+    50k-sample FID), the shorter step timeout again after it."""
+    if parts.progress.steps_run == 0:  # still the start-up timeout
+        yield
+        return
+    set_collective_timeout(runtime, max(cfg.ddp_timeout_s, cfg.ddp_step_timeout_s))
+    try:
+        yield
+    finally:
+        set_collective_timeout(runtime, cfg.ddp_step_timeout_s)

@@ -35,6 +35,9 @@ class Progress:
     window: MetricsWindow = field(default_factory=MetricsWindow)  # sums since the last log
     wandb_run_id: Optional[str] = None
     last_eval: Dict[str, Any] = field(default_factory=dict)  # this process's newest evaluation
+    last_eval_step: Optional[int] = None  # the step of last_eval
+    eval_pending: bool = False  # a preemption abandoned the evaluation of this step
+    steps_run: int = 0  # optimizer steps this process ran (0 on a rerun of a finished run)
 
 
 @dataclass
@@ -69,7 +72,8 @@ class Parts:
     def state_dict(self, cfg: TrainConfig, world_size: int, window_sums: Dict[str, float]
                    ) -> dict:
         extra: Dict[str, Any] = dict(self.method.state_dict(), best=dict(self.progress.best),
-                                     metrics_window=window_sums)
+                                     metrics_window=window_sums,
+                                     eval_pending=self.progress.eval_pending)
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
         return training_state(self.method.stage, self.progress.step, self.raw_model,
@@ -87,7 +91,8 @@ class Parts:
                                  # the saved window is global: carried by rank 0 alone
                                  window=MetricsWindow.restored(state["metrics_window"],
                                                                runtime.is_main),
-                                 wandb_run_id=state.get("wandb_run_id"))
+                                 wandb_run_id=state.get("wandb_run_id"),
+                                 eval_pending=bool(state.get("eval_pending", False)))
         if not replicas_identical(runtime, *self.replicated):
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
         LOGGER.info("resumed from %s at step %d (%s)", state["_path"], self.progress.step,

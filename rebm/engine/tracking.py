@@ -1,6 +1,7 @@
 """What a run writes for people to read (docs/design.md §4): config.yaml, metrics.jsonl, wandb,
-PNG grids. Only rank 0 writes; the `Tracker` of other ranks is inert, so
-the training loop calls it unconditionally and never runs a collective inside a rank guard."""
+PNG grids. Only rank 0 writes, but every rank calls every method: each write goes through
+`on_main`, so a failed write (full disk, wandb error) stops every rank with rank 0's one-line
+error instead of leaving the others waiting in their next collective."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from rebm.config import TrainConfig, to_dict, to_yaml
 from rebm.distributed import Runtime, print_line
+from rebm.distributed.collectives import on_main
 from rebm.distributed.logs import progress_enabled
 from rebm.eval.report import jsonable
 
@@ -53,15 +55,18 @@ class Tracker:
                  wandb_run_id: Optional[str] = None, echo: bool = False):
         self.runtime = runtime
         self.echo = echo  # also print each record as a JSON line on stdout
-        self.active = runtime.is_main
         self.run_dir = run_dir
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
-        if not self.active:
-            return
-        with open(os.path.join(run_dir, "config.yaml"), "w") as fh:
-            fh.write(to_yaml(cfg))
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self._on_main(lambda: self._start(cfg), "write config.yaml or start wandb")
+
+    def _on_main(self, write, what: str) -> Any:
+        return on_main(self.runtime, write, what)
+
+    def _start(self, cfg: TrainConfig) -> None:
+        with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
+            fh.write(to_yaml(cfg))
         mode = wandb_mode(cfg)
         if mode != "disabled":
             self._init_wandb(cfg, mode)
@@ -92,7 +97,10 @@ class Tracker:
     def truncate_metrics_after(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight
         run (a preempted run may have logged steps after its last saved state)."""
-        if not self.active or not os.path.exists(self.metrics_path):
+        self._on_main(lambda: self._truncate(step), f"rewrite {self.metrics_path}")
+
+    def _truncate(self, step: int) -> None:
+        if not os.path.exists(self.metrics_path):
             return
         with open(self.metrics_path) as fh:
             lines = [line for line in fh if line.strip()]
@@ -104,8 +112,11 @@ class Tracker:
             os.replace(tmp, self.metrics_path)
 
     def log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
-        if not self.active:
-            return
+        """One record in metrics.jsonl (and wandb)."""
+        self._on_main(lambda: self._log(step, n_imgs, epoch, metrics),
+                      f"write {self.metrics_path}")
+
+    def _log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
         record = {"step": step, "n_imgs": n_imgs, "epoch": epoch}
         record.update({k: jsonable(v) for k, v in metrics.items()})
         with open(self.metrics_path, "a") as fh:
@@ -118,18 +129,22 @@ class Tracker:
     def save_grid(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
                   ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
-        if not self.active:
-            return None
+        path = os.path.join(self.run_dir, "samples", name)
+        self._on_main(lambda: self._save_grid(images, path, step, nrow), f"write {path}")
+        return path
+
+    def _save_grid(self, images: torch.Tensor, path: str, step: int, nrow: int) -> None:
         from torchvision.utils import save_image
 
-        path = os.path.join(self.run_dir, "samples", name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_image(images.detach().float().cpu().clamp(0, 1), path, nrow=nrow)
-        self.log_image(path, step)
-        return path
+        self._log_image(path, step)
 
     def log_image(self, path: str, step: int) -> None:
         """An image file (a sample grid) to wandb under its name's stem, e.g. `samples`."""
+        self._on_main(lambda: self._log_image(path, step), "log an image to wandb")
+
+    def _log_image(self, path: str, step: int) -> None:
         if self.wandb_run is None or not os.path.exists(path):
             return
         import wandb
@@ -139,6 +154,9 @@ class Tracker:
 
     def log_table(self, name: str, step: int, values: Dict[str, Any]) -> None:
         """One evaluation's numbers to wandb as a table (metric, value), besides the scalars."""
+        self._on_main(lambda: self._log_table(name, step, values), "log a table to wandb")
+
+    def _log_table(self, name: str, step: int, values: Dict[str, Any]) -> None:
         if self.wandb_run is None:
             return
         import wandb
@@ -148,6 +166,9 @@ class Tracker:
                            step=step)
 
     def close(self) -> None:
+        self._on_main(self._close, "finish the wandb run")
+
+    def _close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
@@ -178,6 +199,12 @@ class _ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def progress_bar(runtime: Runtime, start: int, total: float, batch_size: int) -> _ProgressBar:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from rebm.distributed import Runtime, all_reduce_sum
+from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode
 
@@ -50,7 +51,7 @@ def evaluate_ece(model: nn.Module, loader, runtime: Runtime, n_bins: int = N_BIN
     model = unwrap(model)
     sums = torch.zeros(3, n_bins, dtype=torch.float64, device=runtime.device)
     with eval_mode(model), torch.no_grad():
-        for x, y, _index in loader:
+        for x, y, _index in progress(loader, runtime, "calibration", total=len(loader)):
             probs = model(x.to(runtime.device)).softmax(dim=1)
             sums += calibration_bins(probs, y, n_bins)
     return ece_from_bins(all_reduce_sum(runtime, sums))

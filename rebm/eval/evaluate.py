@@ -20,6 +20,7 @@ from rebm import cli
 
 def run(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.distributed import broadcast_object, print_line, setup_logging
+    from rebm.distributed.collectives import on_main
     from rebm.eval.evaluation import LOGGER, evaluate_model, load_eval_model
     from rebm.eval.fid import require_fid_ready
     from rebm.eval.report import describe_evaluation, jsonable
@@ -34,7 +35,8 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
                              ece=not args.no_ece, ood=args.ood, autoattack=args.autoattack)
     metrics = {k: jsonable(v) for k, v in {**metrics, "world_size": runtime.world_size,
                                            "ckpt_path": os.path.abspath(cfg.model.ckpt_path)}.items()}
-    if runtime.is_main:
+
+    def write() -> None:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "eval.json"), "w") as fh:
             json.dump(metrics, fh, indent=2)
@@ -42,6 +44,8 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
         LOGGER.info("metrics written to %s", os.path.join(run_dir, "eval.json"))
         sys.stderr.flush()
         print_line(json.dumps(metrics))  # the last stdout line, for scripts
+
+    on_main(runtime, write, f"write {os.path.join(run_dir, 'eval.json')}")
     return metrics
 
 

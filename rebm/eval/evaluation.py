@@ -22,6 +22,7 @@ from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.config import eval_batch_size
 from rebm.data import build_eval_data
 from rebm.distributed import Runtime
+from rebm.distributed.collectives import on_main
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import evaluate_accuracy
@@ -104,16 +105,21 @@ def sample_metrics(model: nn.Module, cfg, runtime: Runtime, batch_size: int,
         metrics.update({f"fid_sweep/{s}": value for s, value in fids.items()})
         cfg = with_steps(cfg, best)
     images, _ = generate_samples(model, cfg, runtime, batch_size=batch_size)
-    if runtime.is_main and run_dir is not None:
-        path = save_grid(images, run_dir, cfg.data.num_classes, step)
-        LOGGER.info("samples saved to %s", path)
-        if cfg.keep_samples:
-            LOGGER.info("every sample saved to %s", save_sample_files(images, run_dir, step))
+    if run_dir is not None:
+        on_main(runtime, lambda: _write_samples(images, run_dir, cfg, step),
+                f"write the samples into {run_dir}/samples")
     if scorer is not None:
         fid = scorer(images)
         if fid is not None:
             metrics["fid"] = fid
     return metrics
+
+
+def _write_samples(images: Tensor, run_dir: str, cfg, step: Optional[int]) -> None:
+    path = save_grid(images, run_dir, cfg.data.num_classes, step)
+    LOGGER.info("samples saved to %s", path)
+    if cfg.keep_samples:
+        LOGGER.info("every sample saved to %s", save_sample_files(images, run_dir, step))
 
 
 def save_sample_files(images: Tensor, run_dir: str, step: Optional[int] = None) -> str:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
+from rebm.distributed.logs import progress
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
@@ -307,7 +308,7 @@ class FIDScorer:
         chunks = shard_chunks(images.shape[0], self.batch_size, rt.rank, rt.world_size)
 
         batches = (self.features(to_8bit(images[idx.start:idx.stop].to(rt.device)))
-                   for idx in chunks)
+                   for idx in progress(chunks, rt, "FID features", total=len(chunks)))
         with torch.no_grad():
             return moments_statistics(batches, rt)
 

@@ -28,6 +28,7 @@ from rebm.config import eval_batch_size
 from rebm.data import load_indist
 from rebm.data.pipeline import loader_workers
 from rebm.distributed import Runtime, print_line, setup_logging
+from rebm.distributed.collectives import on_main
 from rebm.eval.fid import (
     Features,
     FIDError,
@@ -80,11 +81,14 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
                                       features=features)
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
                "dims": int(mu.shape[0]), "world_size": runtime.world_size}
-    if runtime.is_main:
+
+    def write() -> None:
         save_statistics(out, mu, sigma)
         LOGGER.info("FID statistics of %d %s images written to %s", n, args.split, out)
         sys.stderr.flush()
         print_line(json.dumps(summary))
+
+    on_main(runtime, write, f"write {out}")
     return summary
 
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data.sampling import eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
+from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode, index_keys
 from rebm.eval.auc import binary_auc
@@ -51,7 +52,7 @@ def _attack_ood(model: nn.Module, x: Tensor, index: Tensor, attack_cfg, score: s
 def _local_scores(model: nn.Module, loader, runtime: Runtime, score: str,
                   attack_cfg=None, seed: int = 0) -> Tensor:
     scores = []
-    for batch in loader:
+    for batch in progress(loader, runtime, "OOD scores", total=len(loader)):
         x, index = batch[0].to(runtime.device), batch[-1]
         if attack_cfg is not None:
             x = _attack_ood(model, x, index, attack_cfg, score, seed)

@@ -9,6 +9,7 @@ numbers logged. Method state (e.g. DAT's curriculum) goes through state_dict/loa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -52,7 +53,10 @@ class StepResult:
 
     @property
     def finite(self) -> bool:
-        return bool(torch.isfinite(self.loss))
+        """The total loss and every term finite (one host sync)."""
+        values = torch.stack([self.loss.detach().float().reshape(()),
+                              *(t.detach().float().reshape(()) for t in self.losses.values())])
+        return bool(torch.isfinite(values).all())
 
 
 @dataclass
@@ -65,11 +69,39 @@ class MicroOutput:
     keep: Dict[str, Tensor] = field(default_factory=dict)  # anything else (scores, previews)
 
 
+class _NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradients are not (test hook)."""
+
+    @staticmethod
+    def forward(ctx, loss: Tensor) -> Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return torch.full_like(grad, float("nan"))
+
+
+_steps_in_this_process = 0
+
+
+def _test_nan_gradients(loss: Tensor) -> Tensor:
+    """REBM_TEST_NAN_GRAD_AT=N:R makes the N-th optimizer step of this process on rank R have
+    a finite loss and NaN gradients (tests of the non-finite-gradient stop); unset: identity."""
+    spec = os.environ.get("REBM_TEST_NAN_GRAD_AT")
+    if spec:
+        step, rank = (int(v) for v in spec.split(":"))
+        if step == _steps_in_this_process and str(rank) == os.environ.get("RANK", "0"):
+            return _NanGradient.apply(loss)
+    return loss
+
+
 def accumulate(ctx: StepContext, micro_batches: List[MicroBatch],
                micro_step: Callable[[MicroBatch, int], MicroOutput]) -> List[MicroOutput]:
     """One optimizer step over this rank's micro-batches: `micro_step(batch, index)` for each
     (batch already on the device), backward of its loss / accumulation_steps, DDP gradient
     all-reduce on the last micro-batch only (`no_sync` before it), then the optimizer step."""
+    global _steps_in_this_process
+    _steps_in_this_process += 1
     ctx.optimizer.zero_grad(set_to_none=True)
     outputs = []
     device = ctx.device
@@ -77,7 +109,7 @@ def accumulate(ctx: StepContext, micro_batches: List[MicroBatch],
         batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
         with micro_step_sync(ctx.model, last=index == len(micro_batches) - 1):
             out = micro_step(batch, index)
-            ctx.precision.backward(out.loss / ctx.plan.accumulation_steps)
+            ctx.precision.backward(_test_nan_gradients(out.loss / ctx.plan.accumulation_steps))
         outputs.append(out)
     ctx.precision.step(ctx.optimizer)
     return outputs

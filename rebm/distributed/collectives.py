@@ -75,10 +75,22 @@ def decide_on_main(runtime: Runtime, decide: Callable[[], Any], what: str = "dec
     return value
 
 
+class WriteFailed(UserError, OSError):
+    """Rank 0 could not write a file of the run (full disk, permissions, a path in the way)."""
+
+
 def on_main(runtime: Runtime, write: Callable[[], Any], what: str) -> None:
     """Rank 0's writes for people (model files, metrics, images): rank 0 does them, every rank
-    learns whether they worked. Every rank must call this."""
-    decide_on_main(runtime, write, what)
+    learns whether they worked, and a failed write is one line on every rank. Every rank must
+    call this."""
+    def guarded() -> Any:
+        try:
+            return write()
+        except OSError as err:
+            raise WriteFailed(f"cannot {what} ({err.strerror or err}); free disk space or fix "
+                              "the run directory's permissions") from None
+
+    decide_on_main(runtime, guarded, what)
 
 
 def on_every_rank(runtime: Runtime, action: Callable[[], Any], what: str) -> Any:

@@ -12,6 +12,7 @@ import torch
 from rebm.distributed.collectives import all_reduce_sum, barrier
 from rebm.distributed.logs import print_line
 from rebm.distributed.runtime import setup_distributed, teardown
+from rebm.distributed.signals import forward_signals
 
 
 def free_port() -> int:
@@ -40,7 +41,11 @@ def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawn_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs, join=True)
+    context = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), args),
+                                 nprocs=nprocs, join=False, start_method="spawn")
+    with forward_signals([proc.pid for proc in context.processes]):
+        while not context.join():
+            pass
 
 
 

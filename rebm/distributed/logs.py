@@ -8,8 +8,13 @@ import sys
 from typing import Iterable, Optional
 
 from rebm.distributed.runtime import Runtime
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
+
+
+class LogFileError(UserError, OSError):
+    """The rank's log file cannot be created (read-only or full run directory)."""
 
 
 class _RankFormatter(logging.Formatter):
@@ -58,8 +63,12 @@ def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Lo
     logger.addHandler(console)
     if run_dir is not None:
         log_dir = os.path.join(run_dir, "logs")
-        os.makedirs(log_dir, exist_ok=True)
-        file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{runtime.rank}.log"))
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{runtime.rank}.log"))
+        except OSError as err:
+            raise LogFileError(f"cannot write the log file in '{log_dir}' ({err.strerror or err});"
+                               " choose a writable run_dir=PATH") from None
         file_handler.setLevel(logging.INFO)
         file_handler.setFormatter(_RankFormatter(runtime, with_time=True))
         logger.addHandler(file_handler)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import signal as _signal
 import time
-from typing import Any, Dict, Iterable, Iterator, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from rebm.distributed.runtime import Runtime
 
@@ -78,6 +79,30 @@ class PreemptionFlag:
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
+
+
+@contextmanager
+def forward_signals(pids: List[int]) -> Iterator[None]:
+    """In a parent that started the ranks itself (`--nproc`): pass SIGINT / SIGTERM / SIGUSR1
+    on to them and keep waiting for them, instead of dying and leaving them unsaved. (A
+    terminal's Ctrl-C reaches them directly too: they take the copy as its echo.)"""
+    def forward(signum: int, _frame: Any) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {}
+    for name in PreemptionFlag.SIGNALS:
+        if hasattr(_signal, name):
+            signum = getattr(_signal, name)
+            previous[signum] = _signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            _signal.signal(signum, handler)
 
 
 def _say(text: str) -> None:

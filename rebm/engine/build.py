@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
+from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.parallel import wrap_model
 from rebm.distributed.runtime import Runtime
 from rebm.models import model_from_config
@@ -29,8 +30,11 @@ def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
     """
     model = model_from_config(cfg)
     if cfg.model.ckpt_path and load_pretrained:
-        # Every rank reads the file itself: no broadcast needed, and no rank-0-only branch.
-        load_checkpoint(model, cfg.model.ckpt_path, trust=cfg.model.trust_checkpoint)
+        # Every rank reads the file itself (no broadcast of weights); a rank that cannot (the
+        # file is missing on its node) stops every rank here, before DDP's first collective.
+        on_every_rank(runtime, lambda: load_checkpoint(model, cfg.model.ckpt_path,
+                                                       trust=cfg.model.trust_checkpoint),
+                      f"read model.ckpt_path '{cfg.model.ckpt_path}'")
     if cfg.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)

@@ -39,6 +39,7 @@ from rebm.distributed.collectives import (
     consensus,
     decide_on_main,
     name_stuck_ranks,
+    on_every_rank,
     on_main,
     set_collective_timeout,
 )
@@ -107,7 +108,7 @@ def resume_point(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dic
 def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> Dict[str, Any]:
     run_dir = cfg.run_dir
     plan = plan_batches(cfg, runtime.world_size, method.loss_streams)
-    setup_logging(runtime, run_dir)
+    on_every_rank(runtime, lambda: setup_logging(runtime, run_dir), "create its log file")
     LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d accumulation",
                 method.name, run_dir, runtime.world_size, runtime.device,
                 plan.per_device_batch_size, plan.accumulation_steps)
@@ -190,9 +191,10 @@ def stop_preempted(parts: Parts, cfg: TrainConfig, runtime: Runtime, tracker: Tr
     save_training_state(parts, cfg, runtime, tracker)
     step = parts.progress.step
     pending = " (the interrupted evaluation runs first)" if parts.progress.eval_pending else ""
-    LOGGER.warning("stopped by %s: state saved at step %d; run the same command (run_dir=%s) "
-                   "to resume%s", preemption.signal_name or "a signal on another rank", step,
-                   cfg.run_dir, pending)
+    LOGGER.log(logging.WARNING if runtime.is_main else logging.INFO,
+               "stopped by %s: state saved at step %d; run the same command with "
+               "run_dir=%s to resume%s", preemption.signal_name or "a signal on another rank",
+               step, cfg.run_dir, pending)
     tracker.close()
     return {"step": step, "preempted": True}
 

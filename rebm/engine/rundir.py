@@ -10,17 +10,21 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import glob
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import Optional, Tuple
 
 from rebm.config import TrainConfig, freeze
 from rebm.distributed import Runtime, decide_on_main
+from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
 
 LOCK_NAME = ".lock"
+SHARED_CHECK_NAME = ".shared_check"  # rank 0's token: the other ranks must read it back
 LOGGER = logging.getLogger("rebm")
 
 
@@ -65,13 +69,41 @@ class RunDirLock:
             self._file.close()
 
 
+def remove_stale_temp_files(run_dir: str) -> None:
+    """Temp files of writes a killed job never finished (`atomic_torch_save`, metrics rewrite).
+    Only the lock holder calls this, so no live writer owns them."""
+    for pattern in ("*.tmp", os.path.join("checkpoints", "*.tmp")):
+        for path in glob.glob(os.path.join(run_dir, pattern)) + glob.glob(
+                os.path.join(run_dir, os.path.dirname(pattern), ".*.tmp")):
+            try:
+                os.remove(path)
+                LOGGER.info("removed %s, left by an interrupted write", path)
+            except OSError:
+                pass
+
+
+def check_shared(run_dir: str, token: str, runtime: Runtime) -> None:
+    """Every rank must see the file rank 0 just wrote: run_dir has to be on a filesystem all
+    nodes share (states, model files and the resume decision live there)."""
+    try:
+        with open(os.path.join(run_dir, SHARED_CHECK_NAME)) as fh:
+            seen = fh.read().strip()
+    except OSError:
+        seen = None
+    if seen != token:
+        raise RunDirError(
+            f"run_dir '{run_dir}' as seen from rank {runtime.rank} on {socket.gethostname()} is "
+            "not the directory rank 0 created: put run_dir on a filesystem shared by all nodes")
+
+
 def resolve_run_dir(cfg: TrainConfig, runtime: Runtime
                     ) -> Tuple[TrainConfig, Optional[RunDirLock]]:
-    """Rank 0 creates and locks the run directory, every rank gets its absolute path; returns
-    the config with that `run_dir` and the lock (rank 0) or None. Every rank calls this."""
+    """Rank 0 creates and locks the run directory, every rank gets its absolute path and checks
+    that it sees the same directory; returns the config with that `run_dir` and the lock (rank
+    0) or None. Every rank calls this."""
     held = []
 
-    def choose() -> str:
+    def choose() -> Tuple[str, str]:
         chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", "run"))
         try:
             os.makedirs(chosen, exist_ok=True)
@@ -79,8 +111,13 @@ def resolve_run_dir(cfg: TrainConfig, runtime: Runtime
             raise RunDirError(f"cannot create run_dir '{chosen}' ({err.strerror}); choose a "
                               "writable run_dir=PATH") from None
         held.append(RunDirLock(chosen))
-        return chosen
+        remove_stale_temp_files(chosen)
+        token = secrets.token_hex(8)
+        with open(os.path.join(chosen, SHARED_CHECK_NAME), "w") as fh:
+            fh.write(token + "\n")
+        return chosen, token
 
-    chosen = decide_on_main(runtime, choose)
+    chosen, token = decide_on_main(runtime, choose, "create the run directory")
+    on_every_rank(runtime, lambda: check_shared(chosen, token, runtime), "see the run directory")
     cfg = freeze(dataclasses.replace(cfg, run_dir=chosen), cfg._explicit_keys)
     return cfg, (held[0] if held else None)

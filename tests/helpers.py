@@ -75,3 +75,10 @@ def run_train(args: Sequence[str], nproc: int = 1, timeout: float = 240,
         cmd = torchrun_cmd(module, args, nproc)
     env = base_env(threads if threads is not None else max(1, 2 // nproc), extra_env)
     return run_command(cmd, timeout, env, run_dir)
+
+
+def rebm_traceback_lines(output: str) -> list:
+    """Traceback frames in rebm's own code (torchrun prints its own traceback whenever a worker
+    exits non-zero; the workers themselves must print one line)."""
+    prefix = f'File "{REPO / "rebm"}'
+    return [line for line in output.splitlines() if line.strip().startswith(prefix)]

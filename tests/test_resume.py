@@ -13,7 +13,14 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, base_env, finish, run_train, torchrun_cmd
+from tests.helpers import (
+    REPO,
+    base_env,
+    finish,
+    rebm_traceback_lines,
+    run_train,
+    torchrun_cmd,
+)
 from tests.test_train import CONFIG, FAST, load_state, max_param_diff, read_metrics
 
 pytestmark = pytest.mark.timeout(420)
@@ -246,3 +253,36 @@ def test_a_run_never_starts_behind_the_states_of_its_run_dir(tmp_path):
     assert result.returncode == 2 and "holds states of a later step" in result.output
     assert "Traceback" not in result.output
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_ctrl_c_under_torchrun_saves_and_the_same_command_resumes(straight, tmp_path):
+    """A terminal's Ctrl-C: SIGINT to torchrun's process group; the agent passes it on to its
+    workers (in their own sessions), which take it as a preemption."""
+    run_dir = tmp_path / "run"
+    args = [CONFIG, *FAST, LOG2, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
+    proc = _start_torchrun(args, run_dir)
+    _wait_for_records(run_dir, 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = finish(proc, timeout=60)
+    assert "stopped by SIGINT" in out and f"run_dir={run_dir} to resume" in out, out[-4000:]
+    assert "aborting" not in out  # the agent's copy of the same Ctrl-C is not a second one
+    saved = list((run_dir / "checkpoints").glob("state_*.pt"))
+    assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
+    run_train(args, nproc=2, run_dir=run_dir, timeout=300).assert_ok()
+    assert_states_identical(load_state(straight / "ws2", STEPS), load_state(run_dir, STEPS))
+
+
+def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(straight, tmp_path):
+    """A finite loss with NaN gradients on rank 1 only (test hook): DDP spreads them, the
+    update is not applied, both ranks stop at that step, and the newest state is the one
+    before it, identical to the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    result = run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=2, run_dir=run_dir,
+                       timeout=300, extra_env={"REBM_TEST_NAN_GRAD_AT": "3:1"})
+    assert result.returncode != 0, result.output[-4000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: non-finite loss or gradients at step 3" in result.output
+    assert not rebm_traceback_lines(result.output)
+    states = sorted((run_dir / "checkpoints").glob("state_*.pt"))
+    assert states[-1].name == "state_000000002.pt"
+    assert_states_identical(load_state(straight / "ws2", 2), load_state(run_dir, 2))

@@ -128,20 +128,32 @@ def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
     assert "nothing to do" in again.output
 
 
+def spawn_cmd(run_dir, steps, *extra):
+    """The same run as stage1_cmd, started by the script itself (`--nproc 2`)."""
+    return [sys.executable, TRAIN_AT, CONFIG, "--nproc", "2", *RESUME, f"max_steps={steps}",
+            f"run_dir={run_dir}", *extra]
+
+
 @pytest.mark.timeout(400)
-def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path):
+@pytest.mark.parametrize("launch", ["torchrun, SIGTERM to rank 1", "--nproc 2, Ctrl-C"])
+def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path, launch):
     run_dir = tmp_path / "preempted"
     steps = RESUME_STEPS
     # No periodic states: the only state before the end is the one the signal makes.
-    cmd = stage1_cmd(run_dir, steps, "n_imgs_per_ckpt_save=100000")
+    make_cmd = stage1_cmd if launch.startswith("torchrun") else spawn_cmd
+    cmd = make_cmd(run_dir, steps, "n_imgs_per_ckpt_save=100000")
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     _wait_for_records(run_dir, 1, proc)
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+    if launch.startswith("torchrun"):
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+    else:  # a terminal's Ctrl-C reaches the parent and its ranks; the parent forwards it too
+        os.killpg(proc.pid, signal.SIGINT)
     code, out = finish(proc, timeout=60)
     assert code == 0, out[-4000:]
     assert f"run the same command with run_dir={run_dir} to resume" in out
+    assert "aborting" not in out and "Traceback" not in out
     saved = sorted((run_dir / "checkpoints").glob("state_*.pt"))
     assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
     stopped_at = torch.load(saved[0], weights_only=True)["step"]

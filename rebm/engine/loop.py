@@ -251,6 +251,7 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
                            tracker: Tracker, epoch: int) -> Dict[str, Any]:
     """Every rank evaluates its shard; rank 0 records and keeps the best models."""
     step = parts.progress.step
+    LOGGER.info("evaluating at step %d", step)
     with patient_collectives(runtime, cfg, parts):
         results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
                                  run_dir=tracker.run_dir, step=step,

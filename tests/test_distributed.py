@@ -4,12 +4,13 @@ import os
 import re
 import socket
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from rebm import distributed as rd
-from tests.helpers import BIN, REPO, base_env, run_train
+from tests.helpers import BIN, REPO, base_env, run_command, run_train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,9 +69,31 @@ def test_layout_from_slurm_env(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     for key, value in dict(SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
-                           SLURM_NNODES="2").items():
+                           SLURM_STEP_NUM_TASKS="8", SLURM_NNODES="2").items():
         monkeypatch.setenv(key, value)
     assert rd.launch_environment() == dict(rank=5, local_rank=1, world_size=8, local_world_size=4)
+    # srun --gpus-per-task=1: the task's one visible GPU is cuda:0, whatever its SLURM_LOCALID
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rd.choose_device(1) == torch.device("cuda", 0)
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK")
+    with pytest.raises(rd.LaunchError, match="LOCAL_RANK 1 but only 1 visible"):
+        rd.choose_device(1)  # torchrun-style: two processes must not share one GPU
+
+
+SBATCH_BATCH_STEP = dict(SLURM_JOB_ID="77", SLURM_NTASKS="4", SLURM_NPROCS="4",
+                         SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NNODES="1")
+
+
+def test_the_batch_script_of_an_sbatch_job_is_one_process(tmp_path):
+    """`python -m ...` in an sbatch script (SLURM_NTASKS=4, no srun job step) runs as one
+    process instead of waiting 30 minutes for three peers that never come."""
+    env = base_env(1, SBATCH_BATCH_STEP)
+    result = run_command([sys.executable, "-m", "rebm.distributed"], timeout=60, env=env)
+    result.assert_ok()
+    assert "rank 0/1" in result.output and "all_reduce ok" in result.output
+    assert "not started by srun" in result.output
 
 
 def test_nccl_without_cuda_is_a_clear_error():

@@ -2,8 +2,9 @@
 
 Order in `wrap_model` matters: the model arrives on its device -> SyncBatchNorm ->
 torch.compile -> DDP / DataParallel (DDP must see the final device placement, and wraps the
-compiled module). Attacks use `strip_parallel(model)` (compiled, never the DDP wrapper,
-docs/design.md §1); EMA, evaluation and checkpoint saving use `unwrap(model)`, the plain module.
+compiled module). Training attacks use `attack_view(model)` (compiled, never the DDP wrapper,
+docs/design.md §1, but through DataParallel); EMA, evaluation and checkpoint saving use
+`unwrap(model)`, the plain module.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def strip_parallel(model: nn.Module) -> nn.Module:
     that a rank-local attack would leave waiting), but through torch.compile, since the T + K
     attack passes are nearly all of a step's work."""
     while isinstance(model, (DDP, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def attack_view(model: nn.Module) -> nn.Module:
+    """What the attacks of a training step run on: the model without DDP, but still through
+    DataParallel when the one-process fallback (use_ddp=false) uses it. DataParallel has no
+    collectives, and scattering the T + K attack passes over the GPUs is where that fallback's
+    speed comes from (the original code ran its attacks through it too); compiled if it is."""
+    while isinstance(model, DDP):
         model = model.module
     return model
 

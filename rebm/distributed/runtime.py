@@ -51,20 +51,27 @@ def _env_int(name: str) -> Optional[int]:
 
 def launch_environment() -> Dict[str, int]:
     """Rank layout from the launcher's environment: torchrun/spawn (RANK, LOCAL_RANK, WORLD_SIZE)
-    first, then SLURM srun (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS), else one process."""
+    first, then a task of an srun job step (SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS),
+    else one process. The batch script of an sbatch job has SLURM_NTASKS of the whole allocation
+    but no job step: a plain `python -m ...` there is one process, not rank 0 of N peers that
+    never come."""
     if _env_int("WORLD_SIZE") is not None and _env_int("RANK") is not None:
         world = _env_int("WORLD_SIZE") or 1
         rank = _env_int("RANK") or 0
         local_rank = _env_int("LOCAL_RANK") or 0
         local_world = _env_int("LOCAL_WORLD_SIZE") or world
-    elif (_env_int("SLURM_NTASKS") or 1) > 1 and _env_int("SLURM_PROCID") is not None:
-        world = _env_int("SLURM_NTASKS") or 1
+    elif (_env_int("SLURM_STEP_NUM_TASKS") or 1) > 1 and _env_int("SLURM_PROCID") is not None:
+        world = _env_int("SLURM_STEP_NUM_TASKS") or 1
         rank = _env_int("SLURM_PROCID") or 0
         local_rank = _env_int("SLURM_LOCALID") or 0
         local_world = _env_int("SLURM_NTASKS_PER_NODE") or max(
             1, world // (_env_int("SLURM_NNODES") or 1)
         )
     else:
+        if (_env_int("SLURM_NTASKS") or 1) > 1 and _env_int("SLURM_STEP_NUM_TASKS") is None:
+            LOGGER.warning("SLURM allocated %s tasks but this process was not started by srun: "
+                           "running as one process (start it with srun or torchrun to use them)",
+                           os.environ["SLURM_NTASKS"])
         world, rank, local_rank, local_world = 1, 0, 0, 1
     return dict(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
 
@@ -90,6 +97,15 @@ def _slurm_master_env() -> None:
         os.environ["MASTER_PORT"] = str(20000 + job % 20000)
 
 
+def _task_owns_one_gpu() -> bool:
+    """An srun task given exactly one GPU of its own (--gpus-per-task=1, or a per-task
+    CUDA_VISIBLE_DEVICES of one device), so its GPU is cuda:0 whatever its SLURM_LOCALID."""
+    if "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
+        return False
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return os.environ.get("SLURM_GPUS_PER_TASK") == "1" or len(visible) == 1
+
+
 def choose_device(local_rank: int, device: str = "auto") -> torch.device:
     """LOCAL_RANK picks the GPU (RANK would be wrong on every node but the first)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
@@ -97,6 +113,8 @@ def choose_device(local_rank: int, device: str = "auto") -> torch.device:
     if not torch.cuda.is_available():
         raise LaunchError("device: cuda was asked for but CUDA is not available on this machine")
     count = torch.cuda.device_count()
+    if count == 1 and local_rank >= 1 and _task_owns_one_gpu():
+        return torch.device("cuda", 0)  # srun --gpus-per-task=1: each task sees its own GPU 0
     if local_rank >= count:
         raise LaunchError(
             f"LOCAL_RANK {local_rank} but only {count} visible GPU(s); start at most {count} "

@@ -26,7 +26,7 @@ def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
 
     load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the
     training state instead). `raw` is the uncompiled, unwrapped module: use it for evaluation,
-    EMA and saving; attacks take `strip_parallel(model)`, which keeps the compilation.
+    EMA and saving; attacks take `attack_view(model)`, which keeps the compilation.
     """
     model = model_from_config(cfg)
     if cfg.model.ckpt_path and load_pretrained:

@@ -15,7 +15,7 @@ from rebm.checkpoint.state import (
     training_state,
 )
 from rebm.config import BatchPlan, TrainConfig
-from rebm.distributed.parallel import has_sync_batchnorm, strip_parallel
+from rebm.distributed.parallel import attack_view, has_sync_batchnorm
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import get_model, get_optimizer
@@ -66,7 +66,7 @@ class Parts:
         return self.method.cfg.model.use_batchnorm and not has_sync_batchnorm(self.raw_model)
 
     def context(self, cfg: TrainConfig, plan: BatchPlan) -> StepContext:
-        return StepContext(model=self.model, attacked=strip_parallel(self.model),
+        return StepContext(model=self.model, attacked=attack_view(self.model),
                            optimizer=self.optimizer, precision=self.precision, plan=plan, cfg=cfg)
 
     def state_dict(self, cfg: TrainConfig, world_size: int, window_sums: Dict[str, float]

@@ -28,7 +28,7 @@ class StepContext:
     """What a step works with; the engine builds it once per run."""
 
     model: nn.Module  # DDP / DataParallel / compiled wrapper: the loss forward and backward
-    attacked: nn.Module  # the same module without DDP/DataParallel (compiled if it is): attacks
+    attacked: nn.Module  # attack_view(model): without DDP, through DataParallel, compiled if it is
     optimizer: torch.optim.Optimizer
     precision: Precision
     plan: BatchPlan

@@ -22,7 +22,7 @@ import torch
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data import MicroBatch
 from rebm.distributed.collectives import all_gather_cat
-from rebm.distributed.parallel import strip_parallel
+from rebm.distributed.parallel import attack_view
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.eval.auc import binary_auc
@@ -160,6 +160,6 @@ def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     returned result holds the losses, x_adv / x_c_adv and the AUC scores."""
     method = DAT(cfg)
     method.curriculum.T = outdist_steps
-    ctx = StepContext(model=model, attacked=strip_parallel(model), optimizer=optimizer,
+    ctx = StepContext(model=model, attacked=attack_view(model), optimizer=optimizer,
                       precision=precision, plan=plan, cfg=cfg)
     return method.step(ctx, micro_batches, log_now)

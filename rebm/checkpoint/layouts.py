@@ -45,6 +45,9 @@ def split_normaliser(sd: Dict[str, Any], target: Set[str],
     if set(sd) == target or any("." not in k for k in sd):
         return sd, None
     heads = {k.split(".", 1)[0] for k in sd}
+    if heads == {"model"}:  # a wrapper's network alone, without its normaliser
+        trail.append("model.")
+        return {k[len("model."):]: v for k, v in sd.items()}, None
     for marks, name, keep, (mean_key, std_key) in _LAYOUTS:
         if "model" in heads and heads <= marks and mean_key in sd and std_key in sd:
             trail.append(f"{name} ({keep}.*)")

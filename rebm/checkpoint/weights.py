@@ -195,11 +195,12 @@ def extract_state_dict(
     target = target_keys or set()
     sd = _select_weights(obj, prefer_ema, path, trail)
     sd = _strip_wrappers(sd, target, trail)
+    unsplit = len(trail)
     sd, normaliser = split_normaliser(sd, target, trail)
-    if normaliser is not None:
+    if len(trail) > unsplit:
         sd = _strip_wrappers(sd, target, trail)
-        if model is not None:
-            check_normaliser(model, normaliser, path)
+    if normaliser is not None and model is not None:
+        check_normaliser(model, normaliser, path)
     return sd, " > ".join(trail) or "plain"
 
 

@@ -117,7 +117,7 @@ def test_convstem_forward():
     out = x
     convs = [m for m in model.stem.stem if isinstance(m, torch.nn.Conv2d)]
     norms = [m for m in model.stem.stem if not isinstance(m, (torch.nn.Conv2d, torch.nn.GELU))]
-    for conv, norm in zip(convs, norms):
+    for conv, norm in zip(convs, norms, strict=True):
         out = F.conv2d(out, conv.weight, conv.bias, stride=conv.stride, padding=1)
         mu = out.mean(1, keepdim=True)
         var = (out - mu).pow(2).mean(1, keepdim=True)

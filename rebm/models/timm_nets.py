@@ -21,7 +21,6 @@ from timm.models.resnet import Bottleneck, ResNet
 from rebm.models.wideresnet import IMAGENET_MEAN, IMAGENET_STD
 
 
-
 class ImageNetOptions:
     """What the ImageNet models add to timm's networks (a mixin; call `_setup_options` after the
     timm constructor). `mean`/`std` default to the ImageNet statistics."""
@@ -77,7 +76,7 @@ class ConvStem(nn.Module):
     def __init__(self, in_channels: int, widths: Sequence[int], strides: Sequence[int]):
         super().__init__()
         layers = []
-        for width, stride in zip(widths, strides):
+        for width, stride in zip(widths, strides, strict=True):
             layers += [nn.Conv2d(in_channels, width, 3, stride=stride, padding=1),
                        LayerNorm2d(width, eps=1e-6), nn.GELU()]
             in_channels = width

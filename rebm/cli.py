@@ -80,10 +80,11 @@ def memory_plan_lines(cfg: TrainConfig, world_size: int, micro_batch: int, eval_
     DAT's fused loss forward: in-dist, negatives and classifier stream, plus the clean out-dist
     one when it is weighted."""
     from rebm.models import model_from_config
-    from rebm.models.memory import GIB, plan_memory
+    from rebm.models.memory import GIB, plan_memory, uninitialised_copy
 
     streams = DAT_LOSS_STREAMS + (1 if (cfg.clf_outdist_weight or 0) > 0 else 0)
-    plan = plan_memory(model_from_config(cfg), cfg.data.image_size, micro_batch, streams,
+    model = uninitialised_copy(lambda: model_from_config(cfg))
+    plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
                        cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
                        eval_batch=eval_batch)
     lines = [f"# memory plan per device (world size {world_size}, micro-batch {micro_batch} x "

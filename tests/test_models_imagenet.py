@@ -163,3 +163,23 @@ def test_model_from_config_passes_the_convnext_options():
     assert "stem.stem.0.weight" in model.state_dict()
     cfg.model = dataclasses.replace(cfg.model, model_type="WideResNet10x1")  # takes neither
     assert model_from_config(cfg).fc.out_features == 5
+
+
+@pytest.mark.parametrize("model_type,options", [("TinyResNetImageNet", {}),
+                                                ("convnext_test", {"use_convstem": True})])
+def test_channels_last_and_bf16_autocast(model_type, options):
+    """model.channels_last gives the same logits up to rounding; amp: bf16 (autocast) runs and
+    stays close, with input gradients for the attacks."""
+    model = materialised(model_type, **options)
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(x)
+        nhwc = model.to(memory_format=torch.channels_last)(x.to(memory_format=torch.channels_last))
+    assert (nhwc - reference).abs().max() <= 1e-4
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    grad, = torch.autograd.grad(logits.float().logsumexp(1).sum(), x)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    scale = reference.abs().max()
+    assert (logits.float() - reference).abs().max() <= 0.1 * scale + 0.05

@@ -1,6 +1,7 @@
 """The memory plan of `--check` (rebm.models.memory): its arithmetic, the largest micro-batch that
 fits, and its prediction against the measured heap peak of a real small training step on CPU."""
 
+import argparse
 import copy
 import ctypes
 import ctypes.util
@@ -12,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from rebm.cli import pop_check_options
+from rebm.config import ConfigError
 from rebm.models import build_model
 from rebm.models.memory import MemoryPlan, activation_bytes_per_image, plan_memory
 
@@ -136,6 +139,18 @@ def test_check_prints_memory_plan_and_largest_batch():
     fits = int(out.stdout.split("that fits 1 GiB")[1].split(": ")[1].split()[0])
     assert fits > 32
 
-    bad = subprocess.run(cmd[:-2] + ["gpu_mem_gib=lots"], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2 and "gpu_mem_gib must be a number" in bad.stderr
+
+
+@pytest.mark.parametrize("overrides,check,expected", [
+    (["lr=0.1", "gpu_mem_gib=40"], True, 40.0),
+    (["lr=0.1"], True, None),
+    (["gpu_mem_gib=lots"], True, "gpu_mem_gib must be a number of GiB"),
+    (["gpu_mem_gib=80"], False, "'gpu_mem_gib=80' only goes with --check"),
+])
+def test_gpu_mem_gib_is_taken_out_of_the_overrides(overrides, check, expected):
+    args = argparse.Namespace(overrides=list(overrides), check=check)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            pop_check_options(args)
+        return
+    assert pop_check_options(args) == expected and args.overrides == ["lr=0.1"]

@@ -7,8 +7,6 @@ import ctypes
 import ctypes.util
 import gc
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from rebm.cli import pop_check_options
 from rebm.config import ConfigError
 from rebm.models import build_model
 from rebm.models.memory import MemoryPlan, activation_bytes_per_image, plan_memory
+from rebm.training import train as train_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,18 +126,21 @@ def test_plan_predicts_measured_peak_of_a_small_step(model_type, options, optimi
     assert 0.8 * measured < plan.total < 1.35 * measured, (plan.total, measured)
 
 
-def test_check_prints_memory_plan_and_largest_batch():
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", WORLD_SIZE="2")
-    cmd = [sys.executable, "-m", "rebm.training.train",
-           os.path.join(REPO, "experiments", "quickstart", "digits.yaml"), "--check",
-           "gpu_mem_gib=1", "model.model_type=TinyResNetImageNet"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "# memory plan per device (world size 2, micro-batch 32 x 3 streams" in out.stdout
-    assert "DDP gradient buckets" in out.stdout
-    fits = int(out.stdout.split("that fits 1 GiB")[1].split(": ")[1].split()[0])
+def test_check_prints_memory_plan_and_largest_batch(capsys, monkeypatch):
+    """The real entry function, in process (as test_config.py runs --check)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        code = train_entry.main([os.path.join(REPO, "experiments", "quickstart", "digits.yaml"),
+                                 "--check", "gpu_mem_gib=1",
+                                 "model.model_type=TinyResNetImageNet"])
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr().out
+    assert code in (0, None)
+    assert "# memory plan per device (world size 2, micro-batch 32 x 3 streams" in out
+    assert "DDP gradient buckets" in out
+    fits = int(out.split("that fits 1 GiB")[1].split(": ")[1].split()[0])
     assert fits > 32
-
 
 
 @pytest.mark.parametrize("overrides,check,expected", [

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 from rebm.config import (
+    DAT_LOSS_STREAMS,
     ConfigError,
     TrainConfig,
     default_run_dir,
@@ -69,20 +70,71 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
     return problems
 
 
-def check_config(cfg: TrainConfig) -> int:
-    """--check: validate what can be validated here, print the resolved YAML, exit 0."""
+GPU_MEM_KEY = "gpu_mem_gib"
+
+
+def memory_plan_lines(cfg: TrainConfig, world_size: int, micro_batch: int, eval_batch: int,
+                      gpu_mem_gib: Optional[float] = None) -> List[str]:
+    """The per-device memory plan (rebm.models.memory) of a training run of `cfg`: the model is
+    built on this CPU and one tiny batch goes through it at data.image_size. The largest pass is
+    DAT's fused loss forward: in-dist, negatives and classifier stream, plus the clean out-dist
+    one when it is weighted."""
+    from rebm.models import model_from_config
+    from rebm.models.memory import GIB, plan_memory, uninitialised_copy
+
+    streams = DAT_LOSS_STREAMS + (1 if (cfg.clf_outdist_weight or 0) > 0 else 0)
+    model = uninitialised_copy(lambda: model_from_config(cfg))
+    plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
+                       cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
+                       eval_batch=eval_batch)
+    lines = [f"# memory plan per device (world size {world_size}, micro-batch {micro_batch} x "
+             f"{streams} streams, {cfg.data.image_size} px, {cfg.model.model_type}):"]
+    lines += plan.lines()
+    if gpu_mem_gib is not None:
+        fits = plan.largest_micro_batch(gpu_mem_gib * GIB)
+        lines.append(f"# largest per_device_batch_size that fits {gpu_mem_gib:g} GiB (10% kept "
+                     f"free for CUDA context, workspaces, fragmentation): {fits}")
+    return lines
+
+
+def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None) -> int:
+    """--check: validate what can be validated here, print the resolved YAML and the memory plan
+    (`gpu_mem_gib`: also the largest micro-batch that fits a device of that size), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_batches(cfg, world_size)
     for problem in environment_warnings(cfg):
         print(f"warning: {problem}", file=sys.stderr)
     for key in ignored_fields_set(cfg):
         print(f"note: '{key}' is accepted for compatibility but not used", file=sys.stderr)
+    if cfg.model.use_convstem and not cfg.model.model_type.startswith("convnext"):
+        print(f"note: 'model.use_convstem' applies to ConvNeXt models only; "
+              f"{cfg.model.model_type} ignores it", file=sys.stderr)
     print(to_yaml(cfg), end="")
     print(
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
         f"{plan.accumulation_steps} accumulation step(s) x {world_size} = {plan.global_batch_size}"
     )
+    for line in memory_plan_lines(cfg, world_size, plan.per_device_batch_size,
+                                  plan.eval_batch_size, gpu_mem_gib):
+        print(line)
     return 0
+
+
+def pop_check_options(args: argparse.Namespace) -> Optional[float]:
+    """`--check gpu_mem_gib=80`: the value lands among the overrides (it is not a config key);
+    take it out. None when absent."""
+    found = [o for o in args.overrides if o.startswith(GPU_MEM_KEY + "=")]
+    if not found:
+        return None
+    args.overrides = [o for o in args.overrides if o not in found]
+    if not args.check:
+        raise ConfigError(f"'{found[0]}' only goes with --check (it sizes the memory plan)")
+    value = found[-1].split("=", 1)[1]
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{GPU_MEM_KEY} must be a number of GiB, e.g. {GPU_MEM_KEY}=80; "
+                          f"got '{value}'") from None
 
 
 def one_line(err: BaseException) -> str:
@@ -123,7 +175,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
-            return check_config(cfg)
+            return check_config(cfg, args.gpu_mem_gib)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:
@@ -174,6 +226,7 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     """(args, config); with `with_default_run_dir`, a config without `run_dir` gets the
     deterministic default, so running the same command again continues the same run."""
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
+    args.gpu_mem_gib = pop_check_options(args)
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides, cfg)

@@ -30,7 +30,7 @@ def _randomise_bn(model, seed=0):
 
 
 def test_model_names_match_factory():
-    assert set(MODEL_NAMES) == set(ARCHITECTURES)
+    assert set(ARCHITECTURES) <= set(MODEL_NAMES)  # the ImageNet ones: test_models_imagenet.py
 
 
 def test_models_package_import_does_not_import_torch():

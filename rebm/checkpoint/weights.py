@@ -7,8 +7,12 @@
   - the metadata entries of averaging wrappers (`n_averaged`, ema-pytorch `initted`, `step`),
     e.g. the original EMA layout `module.n_averaged` + `module.module.*`;
   - ema-pytorch state dicts: the `ema_model.` weights are loaded, `online_model.` is dropped;
-  - containers: `state_dict`, `model_state_dict`, `model`, `ema_state_dict`, `ema` (a full
-    training state is such a container).
+  - containers: `state_dict`, `model_state_dict`, `model`, `ema_state_dict`, `ema`,
+    `state_dict_ema` (a full training state and timm's training checkpoints are such containers);
+  - timm's plain state dicts (rebm's ImageNet models use timm's parameter names);
+  - public robust ImageNet files that keep a normaliser beside the network (layouts.py): the
+    `robustness` library's and Singh et al.'s / RobustBench's `normalize` + `model` Sequential;
+    their normaliser is checked against the model's `normalize_input` and statistics.
 
 Container choice: the model weights by default; `prefer_ema=True` takes `ema_state_dict`/`ema`
 first. A container with only EMA weights loads them either way.
@@ -28,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from rebm.checkpoint.layouts import check_normaliser, split_normaliser
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 
@@ -36,7 +41,7 @@ LOGGER = logging.getLogger("rebm")
 WRAPPER_PREFIXES = ("module", "_orig_mod", "base_model", "ema_model")
 METADATA_KEYS = ("n_averaged", "initted", "step")
 MODEL_ENTRIES = ("state_dict", "model_state_dict", "model")
-EMA_ENTRIES = ("ema_state_dict", "ema")
+EMA_ENTRIES = ("ema_state_dict", "ema", "state_dict_ema")
 _SHOW = 4  # example key names per category in a mismatch report
 
 
@@ -181,12 +186,21 @@ def _strip_wrappers(sd: Dict[str, Any], target: Set[str], trail: List[str]) -> D
 
 
 def extract_state_dict(
-    obj: Any, target_keys: Optional[Set[str]] = None, prefer_ema: bool = False, path: str = "?"
+    obj: Any, target_keys: Optional[Set[str]] = None, prefer_ema: bool = False, path: str = "?",
+    model: Optional[nn.Module] = None,
 ) -> Tuple[Dict[str, Any], str]:
-    """(plain state dict, description of the layout) from anything `read_checkpoint` returns."""
+    """(plain state dict, description of the layout) from anything `read_checkpoint` returns.
+    A file's own normaliser (layouts.py) is checked against `model`'s when a model is given."""
     trail: List[str] = []
+    target = target_keys or set()
     sd = _select_weights(obj, prefer_ema, path, trail)
-    sd = _strip_wrappers(sd, target_keys or set(), trail)
+    sd = _strip_wrappers(sd, target, trail)
+    unsplit = len(trail)
+    sd, normaliser = split_normaliser(sd, target, trail)
+    if len(trail) > unsplit:
+        sd = _strip_wrappers(sd, target, trail)
+    if normaliser is not None and model is not None:
+        check_normaliser(model, normaliser, path)
     return sd, " > ".join(trail) or "plain"
 
 
@@ -211,7 +225,8 @@ def load_checkpoint(
     path = os.fspath(path)
     target = unwrap(model)
     own = target.state_dict()
-    sd, layout = extract_state_dict(read_checkpoint(path, trust), set(own), prefer_ema, path)
+    sd, layout = extract_state_dict(read_checkpoint(path, trust), set(own), prefer_ema, path,
+                                    model=target)
 
     # num_batches_tracked is absent from very old checkpoints; BatchNorm fills it in itself.
     missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]

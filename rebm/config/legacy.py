@@ -61,13 +61,11 @@ class LegacyDataFields(Frozen):
 
 @dataclass
 class LegacyModelFields(Frozen):
-    which_logit: str = "first"  # original field, unused
-    use_layernorm: bool = True  # original ConvNext field, unused
+    which_logit: str = "first"  # original field (logit choice of its binary models), unused
     model_prefix: str = ""  # original ConvNext field, unused
     drop_path_rate: float = 0.1  # original ConvNext field, unused
     head_init_scale: float = 1.0  # original ConvNext field, unused
     model_id: str = "convnextv2_base"  # original ConvNext field, unused
-    use_convstem: bool = True  # original ConvNext field, unused
 
 
 @dataclass

@@ -101,12 +101,14 @@ class DataConfig(LegacyDataFields):
 
 @dataclass
 class ModelConfig(LegacyModelFields):
-    model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES
+    model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES (docs/imagenet.md lists the ImageNet ones)
     ckpt_path: Optional[str] = None  # weights to start from (any format load_checkpoint reads)
     trust_checkpoint: bool = False  # also unpickle Python objects outside rebm's allow-list from ckpt_path (they can run code): only for files you trust
-    normalize_input: bool = True  # normalise inputs inside the model (CIFAR-10 statistics)
+    normalize_input: bool = True  # normalise inputs inside the model (statistics of data.indist_dataset: CIFAR-10's, ImageNet's)
     use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
-    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU)
+    use_convstem: bool = False  # ConvNeXt: the convolutional stem of Singh et al. instead of timm's patch stem (their robust checkpoints need it)
+    use_layernorm: bool = True  # ConvNeXt: the original's switch; LayerNorm is the same in train and eval mode, so it changes nothing
+    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU; recommended for the ImageNet models)
     compile: bool = False  # torch.compile the model (before DDP wrapping)
 
 

@@ -4,7 +4,7 @@
     def wrn28_10(num_classes, **options): return WideResNet(28, num_classes, 10, **options)
 
 Builders take `num_classes` and the keyword options `normalize_input`, `mean`, `std`,
-`use_batchnorm`, `in_channels`, and return a module whose forward(x, y=None) gives logits (or the
+`use_batchnorm`, `in_channels` (ConvNeXts also `use_convstem`, `use_layernorm`), and return a module whose forward(x, y=None) gives logits (or the
 logits of classes y). This module imports no torch: the built-in models are imported on first use,
 so `import rebm.models` stays cheap.
 """
@@ -12,10 +12,11 @@ so `import rebm.models` stays cheap.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable, Dict, Tuple
 
 # Modules whose import registers the built-in models.
-BUILTIN_MODULES = ("rebm.models.wideresnet",)
+BUILTIN_MODULES = ("rebm.models.wideresnet", "rebm.models.imagenet")
 
 _BUILDERS: Dict[str, Callable[..., Any]] = {}
 
@@ -49,12 +50,26 @@ def build_model(model_type: str, num_classes: int, **options: Any):
     return _BUILDERS[model_type](num_classes, **options)
 
 
+def accepts(model_type: str, option: str) -> bool:
+    """Whether the builder of `model_type` takes the keyword option `option`."""
+    _load_builtins()
+    return option in inspect.signature(_BUILDERS[model_type]).parameters
+
+
+# Options of model.* that only some families take (ConvNeXt); passed to the builders that do.
+FAMILY_OPTIONS = ("use_convstem", "use_layernorm")
+
+
 def model_from_config(cfg: Any):
     """The model a config describes (`model.*`, `data.num_classes`, the normalisation statistics
     of `data.indist_dataset`), randomly initialised on the CPU."""
     from rebm.models.wideresnet import dataset_stats
 
+    _load_builtins()
     mean, std = dataset_stats(cfg.data.indist_dataset)
-    return build_model(cfg.model.model_type, cfg.data.num_classes,
+    model_type = cfg.model.model_type
+    family = {name: getattr(cfg.model, name) for name in FAMILY_OPTIONS
+              if model_type in _BUILDERS and accepts(model_type, name)}
+    return build_model(model_type, cfg.data.num_classes,
                        normalize_input=cfg.model.normalize_input, mean=mean, std=std,
-                       use_batchnorm=cfg.model.use_batchnorm)
+                       use_batchnorm=cfg.model.use_batchnorm, **family)

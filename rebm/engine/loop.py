@@ -115,8 +115,9 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
     for key in ignored_fields_set(cfg):
         LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
     if method.eval_samples and cfg.n_imgs_per_evaluation_log:
-        require_fid_ready(cfg)  # a missing FID or seed-image file stops the run now, not
-        check_seed_images(cfg)  # after hours of training
+        # a missing FID or seed-image file (on any node) stops the run now, not after hours
+        on_every_rank(runtime, lambda: (require_fid_ready(cfg), check_seed_images(cfg)),
+                      "find the FID and seed-image files")
 
     # A resumed run takes its weights from the state, so model.ckpt_path is not read (the file
     # may have moved); the data position is the step, so the loader starts there directly.

@@ -287,3 +287,20 @@ def test_config_fields_of_the_original_imagenet_configs(tmp_path):
         load_config(str(path), ["openimages_augm=fancy"])
     with pytest.raises(ConfigError, match="openimages_max_samples"):
         load_config(str(path), ["openimages_max_samples=0"])
+
+
+
+def test_metrics_hook_for_replaced_images(corrupt_roots):
+    from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
+
+    cfg = make_cfg(corrupt_roots)
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    window = MetricsWindow()
+    for step in (0, 1):  # one epoch: the truncated file is met twice (EBM + classifier stream)
+        add_data_counts(window, data.step_batch(step))
+        window.add({"n": 1.0})
+    totals = window.global_sums(Runtime())
+    assert pop_data_counts(totals) == {"data_replaced_images": 2.0} and totals == {"n": 2.0}
+    clean = MetricsWindow()
+    add_data_counts(clean, [])
+    assert clean.sums == {"data_replaced_images": 0.0}  # the key exists on every rank

@@ -58,18 +58,16 @@ class PathTable:
         return os.path.join(self.root, rel)
 
 
-def decode_rgb(path: str) -> Optional[Tensor]:
-    """uint8 (3, H, W) of an image file at full resolution, or None if it cannot be decoded."""
+def decode_rgb(path: str):
+    """The RGB PIL image of a file at full resolution, or None if it cannot be decoded."""
     from PIL import Image
 
     try:
         with Image.open(path) as img:
             img.load()  # a truncated JPEG raises here (PIL does not load truncated images)
-            rgb = img.convert("RGB")
+            return img.convert("RGB")
     except Exception:  # noqa: BLE001 - any decoder failure is "unreadable": replaced, counted
         return None
-    array = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
 class FullImageSource(ImageSource):
@@ -98,7 +96,7 @@ class FullImageSource(ImageSource):
         return self.targets[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
 
     def decode(self, index: int) -> tuple:
-        """(index actually read, uint8 image, paths of unreadable files skipped on the way)."""
+        """(index actually read, PIL image, paths of unreadable files skipped on the way)."""
         bad: List[str] = []
         for step in range(min(MAX_CONSECUTIVE_BAD, len(self))):
             candidate = (int(index) + step) % len(self)
@@ -109,8 +107,8 @@ class FullImageSource(ImageSource):
         raise DataError(f"{self.name}: {len(bad)} consecutive files from {bad[0]} cannot be "
                         "decoded; the copy is broken: re-extract or re-download it")
 
-    def _apply(self, image: Tensor, transform: Optional[Transform]) -> Tensor:
-        if not isinstance(transform, FullImageTransform):
+    def _apply(self, image, transform: Optional[Transform]) -> Tensor:
+        if not isinstance(transform, FullImageTransform):  # fixed resize first, to a tensor
             image = self.fixed(image)
         return image if transform is None else transform(image)
 

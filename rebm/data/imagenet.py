@@ -17,7 +17,7 @@ copy-on-write of a million refcounted objects in forked ones.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ META_FILE = "meta.bin"
 IMAGENET_SPLITS = {"train": "train", "test": "val"}  # rebm's split name -> ImageNet folder
 OPENIMAGES_SUBSET_SEED = 42  # the original's seed of the openimages_max_samples subset
 MAX_CONSECUTIVE_BAD = 64  # give up (a broken copy, not a few bad files) after this many
+# (split folder, its mtime) -> (files, labels): training, evaluation and generation each ask for
+# the split; scanning 1.28M files once per process is enough
+_SCANS: Dict[Tuple[str, float], tuple] = {}
 
 
 class PathTable:
@@ -160,6 +163,20 @@ def load_imagenet(root: str, split: str, size: int, num_classes: int) -> FullIma
     folder = IMAGENET_SPLITS[split]
     _check_imagenet_layout(root, folder)
     split_dir = os.path.join(root, folder)
+    key = (os.path.abspath(split_dir), os.path.getmtime(split_dir))
+    if key not in _SCANS:
+        _SCANS[key] = _scan_imagenet(root, folder)
+    files, labels = _SCANS[key]
+    classes = int(labels.max()) + 1 if len(labels) else 0
+    if classes != num_classes:
+        raise DataError(f"{split_dir}: {classes} class folders but data.num_classes is "
+                        f"{num_classes}; set data.num_classes={classes} or point "
+                        "data.indist_ds_dir at a complete copy (ImageNet has 1000)")
+    return FullImageSource(files, labels, size, f"ImageNet {folder}")
+
+
+def _scan_imagenet(root: str, folder: str) -> tuple:
+    split_dir = os.path.join(root, folder)
     try:
         dataset = tv_datasets.ImageNet(root, split=folder)
     except KeyError as err:
@@ -170,15 +187,10 @@ def load_imagenet(root: str, split: str, size: int, num_classes: int) -> FullIma
         raise DataError(f"{split_dir}: cannot read ImageNet ({one_line(err)}); expected "
                         f"{split_dir}/<wnid>/<image>.JPEG and a meta.bin written by "
                         "torchvision") from None
-    if len(dataset.wnids) != num_classes:
-        raise DataError(f"{split_dir}: {len(dataset.wnids)} class folders but "
-                        f"data.num_classes is {num_classes}; set data.num_classes="
-                        f"{len(dataset.wnids)} or point data.indist_ds_dir at a complete copy "
-                        "(ImageNet has 1000)")
     files = PathTable(split_dir, [path for path, _ in dataset.samples])
     labels = np.fromiter((target for _, target in dataset.samples), dtype=np.int64,
                          count=len(dataset.samples))
-    return FullImageSource(files, labels, size, f"ImageNet {folder}")
+    return files, labels
 
 
 # --------------------------------------------------------------------------------------------

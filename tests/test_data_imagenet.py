@@ -304,3 +304,49 @@ def test_metrics_hook_for_replaced_images(corrupt_roots):
     clean = MetricsWindow()
     add_data_counts(clean, [])
     assert clean.sums == {"data_replaced_images": 0.0}  # the key exists on every rank
+
+
+def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: str) -> None:
+    """One real gloo rank: one epoch of batches, the replaced count through the metrics window's
+    all-reduce, and this rank's images."""
+    from rebm.distributed import setup_distributed
+    from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
+
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    runtime = setup_distributed(backend="gloo", device="cpu")
+    cfg = make_cfg(roots)
+    data = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size))
+    window, images = MetricsWindow(), []
+    for step in (0, 1):
+        batches = data.step_batch(step)
+        add_data_counts(window, batches)
+        window.add({"n": 1.0})
+        images += [(int(i), x.numpy().tobytes()) for mb in batches
+                   for i, x in zip(mb.index_c, mb.x_c, strict=True)]
+    counts = pop_data_counts(window.global_sums(runtime))
+    gathered = [None] * runtime.world_size
+    torch.distributed.all_gather_object(gathered, images)
+    if runtime.rank == 0:
+        with open(out_path, "wb") as f:
+            pickle.dump((counts, gathered), f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_real_ranks_count_and_read_like_one(corrupt_roots, tmp_path):
+    import torch.multiprocessing as mp
+
+    from rebm.distributed import free_port
+
+    out_path = str(tmp_path / "counts.pkl")
+    mp.start_processes(_count_rank, args=(2, free_port(), corrupt_roots, out_path), nprocs=2,
+                       join=True, start_method="fork")
+    with open(out_path, "rb") as f:
+        counts, gathered = pickle.load(f)
+    assert counts == {"data_replaced_images": 2.0}  # as one process counts (test above)
+    single = [(int(i), x.numpy().tobytes()) for step in (0, 1)
+              for mb in rank_batches(make_cfg(corrupt_roots), step, 0, 1)
+              for i, x in zip(mb.index_c, mb.x_c, strict=True)]
+    assert sorted(gathered[0] + gathered[1]) == sorted(single)

@@ -350,3 +350,13 @@ def test_two_real_ranks_count_and_read_like_one(corrupt_roots, tmp_path):
               for mb in rank_batches(make_cfg(corrupt_roots), step, 0, 1)
               for i, x in zip(mb.index_c, mb.x_c, strict=True)]
     assert sorted(gathered[0] + gathered[1]) == sorted(single)
+
+
+def test_seeded_reads_leave_the_rng_alone_and_unseeded_reads_vary(roots):
+    source = load_indist(make_cfg(roots), "train").source
+    transform = build_augmentation("default", 32, full_images=True)
+    state = torch.get_rng_state()
+    source.read(np.arange(3), transform, [1, 2, 3])
+    assert torch.equal(torch.get_rng_state(), state)
+    first = source.read(np.zeros(4, dtype=np.int64), transform, None).images
+    assert not all(torch.equal(first[0], img) for img in first[1:])  # fresh draws per image

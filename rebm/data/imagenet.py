@@ -17,6 +17,7 @@ copy-on-write of a million refcounted objects in forked ones.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -118,7 +119,9 @@ class FullImageSource(ImageSource):
     def read(self, indices: np.ndarray, transform: Optional[Transform],
              seeds: Optional[Sequence[int]]) -> SourceBatch:
         used, images, replaced = [], [], []
-        with single_threaded(), torch.random.fork_rng(devices=[]):
+        # seeded: restore the caller's RNG afterwards; unseeded: draw from (and advance) it
+        keep_rng = torch.random.fork_rng(devices=[]) if seeds is not None else nullcontext()
+        with single_threaded(), keep_rng:
             for pos, index in enumerate(np.asarray(indices, dtype=np.int64)):
                 read_index, image, bad = self.decode(int(index))
                 used.append(read_index)

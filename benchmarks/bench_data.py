@@ -7,8 +7,20 @@
 2. 80M TinyImages: a SPARSE tiny_images.bin of 80M x 3072 bytes (truncate, nothing written) —
    time to the first global batch of the out-distribution stream and of the whole pipeline, and
    the extra resident memory (targets: < 10 s, < 1 GiB).
+3. JPEG pipeline (ImageNet / OpenImage-O): images/s that ONE loader worker (one process, one
+   thread) decodes and augments at 224 px, on generated JPEGs of ImageNet-like size (500x375,
+   quality 90, ~110 KB): decode alone, and decode + each augmentation through the real source
+   (`FullImageSource.read`, seeded per sample). A loader with W workers delivers about W times
+   this, while the cores last.
 
     .venv/bin/python benchmarks/bench_data.py [--reps 5] [--steps 20] [--dir /tmp]
+   With --resnet50-step T: for comparison, the images/s a ResNet-50 (timm) DAT step consumes on
+   this CPU at T PGD steps per negative, estimated from one measured input-gradient pass: a
+   global-batch position costs about T + K + 3 such passes (T for its negative, K = 3 for the
+   classifier's attack of the ImageNet configs, and the training forward/backward of its three
+   images) and consumes 3 images.
+
+    .venv/bin/python benchmarks/bench_data.py --jpeg-only [--jpeg-size 224] [--resnet50-step 10]
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import torch  # noqa: E402
 from rebm.config import TrainConfig, plan_batches  # noqa: E402
 from rebm.data import build_train_data, load_indist, outdist_source  # noqa: E402
 from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
+from rebm.data.imagenet import FullImageSource, PathTable, decode_rgb  # noqa: E402
 from rebm.data.sampling import StreamSchedule  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
 from tests.fake_data import write_fake_cifar10  # noqa: E402
@@ -115,6 +128,81 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         os.remove(path)
 
 
+def write_imagenet_like_jpegs(folder: str, n: int, seed: int = 0) -> list:
+    """n JPEGs of 500x375 (ImageNet's typical size): smooth colour blocks plus pixel noise, which
+    compresses at quality 90 to about the size of a real ImageNet JPEG."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n):
+        blocks = rng.integers(0, 256, size=(375 // 25, 500 // 25, 3)).astype(np.uint8)
+        base = np.asarray(Image.fromarray(blocks).resize((500, 375), Image.BICUBIC), np.int16)
+        noisy = np.clip(base + rng.normal(0, 10, size=base.shape), 0, 255).astype(np.uint8)
+        path = os.path.join(folder, f"{i:05d}.JPEG")
+        Image.fromarray(noisy).save(path, format="JPEG", quality=90)
+        paths.append(path)
+    return paths
+
+
+def bench_jpeg(work_dir: str, reps: int, size: int, n: int = 64) -> None:
+    folder = os.path.join(work_dir, "jpeg")
+    os.makedirs(folder, exist_ok=True)
+    paths = write_imagenet_like_jpegs(folder, n)
+    mean_kb = statistics.mean(os.path.getsize(p) for p in paths) / 1024
+    source = FullImageSource(PathTable(folder, paths), None, size, "bench")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what one DataLoader worker runs with (pipeline._worker_init)
+    try:
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for path in paths:
+                decode_rgb(path)
+            rates.append(n / (time.perf_counter() - t0))
+        print(f"JPEG pipeline, one worker (1 thread), {n} JPEGs of 500x375, mean {mean_kb:.0f} KB"
+              f", {size} px (median of {reps}):")
+        print(f"  decode only: {statistics.median(rates):,.0f} images/s")
+        indices = np.arange(n)
+        for name in ("test", "generation_id", "generation_id_randomcrop", "default", "madry"):
+            transform = build_augmentation(name, size, full_images=True)
+            rates = []
+            for rep in range(reps):
+                seeds = np.arange(rep * n, (rep + 1) * n)
+                t0 = time.perf_counter()
+                source.read(indices, transform, seeds)
+                rates.append(n / (time.perf_counter() - t0))
+            print(f"  decode + {name}: {statistics.median(rates):,.0f} images/s")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_resnet50_step(size: int, outdist_steps: int, clf_steps: int = 3, batch: int = 4) -> None:
+    import timm
+
+    model = timm.create_model("resnet50", num_classes=1000).eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    x = torch.rand(batch, 3, size, size, requires_grad=True)
+
+    def input_gradient_pass() -> None:
+        x.grad = None
+        model(x).logsumexp(1).sum().backward()
+
+    input_gradient_pass()  # warm-up
+    reps = 3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        input_gradient_pass()
+    per_image = (time.perf_counter() - t0) / reps / batch
+    passes = outdist_steps + clf_steps + 3
+    positions_per_s = 1.0 / (passes * per_image)
+    print(f"ResNet-50 at {size} px on this CPU ({torch.get_num_threads()} threads): "
+          f"{per_image * 1e3:.0f} ms per image and input-gradient pass; a DAT step at "
+          f"T={outdist_steps} (~{passes} passes per position) consumes ~{positions_per_s:.3f} "
+          f"positions/s = {3 * positions_per_s:.3f} images/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -123,11 +211,20 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=5000)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--dir", default=None, help="where to put temporary files")
+    parser.add_argument("--jpeg-size", type=int, default=224, help="image_size of section 3")
+    parser.add_argument("--jpeg-only", action="store_true", help="run only section 3")
+    parser.add_argument("--resnet50-step", type=int, default=None, metavar="T",
+                        help="also estimate a ResNet-50 DAT step's consumption at T steps")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, "
           f"torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        if args.resnet50_step is not None:
+            bench_resnet50_step(args.jpeg_size, args.resnet50_step)
+        if args.jpeg_only:
+            bench_jpeg(tmp, args.reps, args.jpeg_size)
+            return
         write_fake_cifar10(tmp, n_train=args.n_train, n_test=100)
         rate = bench_augmentation(tmp, args.reps)
         print(f"autoaugment_cutout, one process: {rate:,.0f} images/s (median of {args.reps})")
@@ -138,6 +235,7 @@ def main() -> None:
                   f"{args.batch_size} = {images_per_s:,.0f} images/s over 3 streams "
                   f"(original + autoaugment_cutout + uniform noise; median of {args.reps})")
         bench_tinyimages(tmp, tmp, args.batch_size)
+        bench_jpeg(tmp, args.reps, args.jpeg_size)
 
 
 if __name__ == "__main__":

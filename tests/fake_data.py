@@ -9,6 +9,10 @@
 - `write_fake_cifar100(root)`: `root/cifar-100-python/{train, test, meta}` with `fine_labels` /
   `coarse_labels`.
 - `write_image_folder`, `write_tiny_images`, `write_tensor_file` for the other sources.
+- `write_fake_imagenet(root)`: torchvision's ImageNet layout — `root/meta.bin` (torch.save of
+  (wnid -> class names, val wnids), as torchvision's devkit parser writes it) and
+  `root/{train,val}/<wnid>/*.JPEG`; `write_fake_openimage_o(root)`: a folder of JPEGs;
+  `truncate_file(path)` cuts a JPEG in half (a corrupt file as met in a long run).
 
 Images are random noise with a per-class colour offset (so they are not all alike).
 """
@@ -126,3 +130,58 @@ def write_tensor_file(path: str, n: int = 40, layout: str = "NHWC", seed: int = 
 
         torch.save(torch.from_numpy(np.ascontiguousarray(array)), path)
     return chw
+
+
+def _jpeg(path: str, rng: np.random.Generator, height: int, width: int, tint: int) -> None:
+    """A smooth random JPEG (blocks, upsampled) so that JPEG compression keeps it recognisable."""
+    from PIL import Image
+
+    blocks = rng.integers(0, 200, size=(max(1, height // 8), max(1, width // 8), 3))
+    blocks = (blocks + tint) % 256
+    image = Image.fromarray(blocks.astype(np.uint8)).resize((width, height), Image.BILINEAR)
+    image.save(path, format="JPEG", quality=90)
+
+
+def imagenet_wnids(num_classes: int) -> List[str]:
+    return [f"n{1440764 + 17 * i:08d}" for i in range(num_classes)]
+
+
+def write_fake_imagenet(root: str, num_classes: int = 3, n_train: int = 4, n_val: int = 2,
+                        height: int = 48, width: int = 64, seed: int = 0) -> str:
+    """A tiny ImageNet in torchvision's on-disk layout (n_train / n_val JPEGs per class, of
+    height x width, names like the real ones); returns root."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    wnids = imagenet_wnids(num_classes)
+    os.makedirs(root, exist_ok=True)
+    wnid_to_classes = {wnid: (f"class {i}", f"alias {i}") for i, wnid in enumerate(wnids)}
+    val_wnids = [wnid for wnid in wnids for _ in range(n_val)]
+    torch.save((wnid_to_classes, val_wnids), os.path.join(root, "meta.bin"))
+    counter = 0
+    for split, per_class in (("train", n_train), ("val", n_val)):
+        for label, wnid in enumerate(wnids):
+            os.makedirs(os.path.join(root, split, wnid), exist_ok=True)
+            for i in range(per_class):
+                counter += 1
+                name = (f"{wnid}_{i}.JPEG" if split == "train"
+                        else f"ILSVRC2012_val_{counter:08d}.JPEG")
+                _jpeg(os.path.join(root, split, wnid, name), rng, height, width, 40 * label)
+    return root
+
+
+def write_fake_openimage_o(root: str, n: int = 10, height: int = 40, width: int = 56,
+                           seed: int = 1) -> str:
+    """A flat folder of n JPEGs (OpenImage-O style); returns root."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    for i in range(n):
+        _jpeg(os.path.join(root, f"{i:06x}.jpg"), rng, height, width, 0)
+    return root
+
+
+def truncate_file(path: str) -> None:
+    """Cut a file to half its size (a truncated JPEG)."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)

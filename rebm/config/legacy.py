@@ -86,8 +86,6 @@ class LegacyTrainFields(Frozen):
     evaluate_ood_detection: bool = False  # original field, unused (rebm.eval.evaluate --ood)
     ood_detection_logsumexp: bool = False  # original field, unused
     outdist_dataset_ood_detection: str = "noise"  # original field, unused
-    openimages_max_samples: Optional[int] = None  # original field, unused
-    openimages_augm: Optional[str] = None  # original field, unused
     config_path: Optional[str] = None  # original field, unused
 
 

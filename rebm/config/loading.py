@@ -49,6 +49,9 @@ def _all_keys(obj: Any, prefix: str = "") -> List[str]:
 
 
 VALID_KEYS = _all_keys(TrainConfig())
+# data.image_size when a config does not set it, for datasets whose size is not the field's
+# default (the original ImageNet configs rely on 224)
+DEFAULT_IMAGE_SIZES = {"ImageNet": 224}
 
 
 def _suggest(key: str) -> str:
@@ -120,6 +123,8 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _translate(err, path or "command line") from None
+    if "data.image_size" not in explicit and cfg.data.indist_dataset in DEFAULT_IMAGE_SIZES:
+        cfg.data.image_size = DEFAULT_IMAGE_SIZES[cfg.data.indist_dataset]
     try:
         validate(cfg, source=path or "command line")
     except ConfigError as err:
@@ -161,6 +166,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     _check_choice(
         cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
     )
+    _validate_openimages(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
     for name in ("attack", "indist_attack_clf"):
         attack: AttackConfig = getattr(cfg, name)
@@ -218,6 +224,14 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         )
     if cfg.resume_path and not cfg.resume_from_state:
         cfg.resume_from_state = cfg.resume_path
+
+
+def _validate_openimages(cfg: TrainConfig, source: str) -> None:
+    if cfg.openimages_augm is not None:
+        _check_choice(cfg.openimages_augm, AUGMENTATIONS, "openimages_augm", source)
+    if cfg.openimages_max_samples is not None and cfg.openimages_max_samples < 1:
+        raise ConfigError(f"{source}: 'openimages_max_samples' must be >= 1 or null, got "
+                          f"{cfg.openimages_max_samples}")
 
 
 def _validate_image_log(cfg: TrainConfig, source: str) -> None:

@@ -29,17 +29,31 @@ INDIST_DATASETS = (
     "cifar100-conditional",
     "digits",
     "imagefolder",
+    "ImageNet",
 )
 OUTDIST_DATASETS = (
     "tinyimages",
     "80m-tinyimages",
     "imagefolder",
+    "OpenImageO",
     "tensorfile",
     "noise",
     "uniform-noise",
     "lowfreq-noise",
 )
-AUGMENTATIONS = ("original", "autoaugment_cutout", "none", "test")
+AUGMENTATIONS = (
+    "original",
+    "autoaugment_cutout",
+    "none",
+    "test",
+    # ImageNet (take an image of any size to data.image_size; docs/data.md)
+    "madry",
+    "default",
+    "generation_id",
+    "generation_id_randomcrop",
+    "generation_od",
+    "generation_od_randomcrop",
+)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ATTACK_TYPES = ("pgd",)
 NORMS = ("L2", "Linf")
@@ -88,13 +102,13 @@ class ImageLogConfig(LegacyImageLogFields):
 
 @dataclass
 class DataConfig(LegacyDataFields):
-    indist_dataset: str = "cifar10-conditional"  # cifar10(-conditional), cifar100(-conditional), digits, imagefolder
-    indist_ds_dir: str = "./data"  # dataset root (torchvision layout; imagefolder: train/ and test/)
-    outdist_dataset: str = "noise"  # tinyimages, imagefolder, tensorfile, noise/uniform-noise, lowfreq-noise
-    outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder / tensor file path
-    num_workers: int = 2  # loader workers per process (capped by the cores per process)
+    indist_dataset: str = "cifar10-conditional"  # cifar10(-conditional), cifar100(-conditional), digits, imagefolder, ImageNet
+    indist_ds_dir: str = "./data"  # dataset root (torchvision layout; imagefolder: train/ and test/; ImageNet: meta.bin, train/, val/)
+    outdist_dataset: str = "noise"  # tinyimages, imagefolder, OpenImageO, tensorfile, noise/uniform-noise, lowfreq-noise
+    outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder (also OpenImageO) / tensor file path
+    num_workers: int = 2  # loader workers per process, which also decode the JPEGs (capped by the cores per process)
     num_classes: int = 10  # classes of the in-distribution
-    image_size: int = 32  # side of the images fed to the model
+    image_size: int = 32  # side of the images fed to the model (ImageNet: 224 unless set; 256 for the ConvNeXt configs)
     download: bool = False  # let torchvision download CIFAR if it is missing
     outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
 
@@ -162,6 +176,8 @@ class TrainConfig(LegacyTrainFields):
     logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
     augm_type_classification: str = "autoaugment_cutout"  # augmentation of the classifier stream
     augm_type_generation: str = "original"  # augmentation of the EBM in-dist and out-dist streams
+    openimages_max_samples: Optional[int] = None  # OpenImageO: use the fixed subset randperm(n, seed 42)[:this] of the folder (null: all)
+    openimages_augm: Optional[str] = None  # OpenImageO augmentation; null: generation_od (generation_od_randomcrop with generation_id_randomcrop)
     track_r1: bool = False  # log 1/2 mean ||grad_x s(x_in)||^2 (train_r1_loss, unweighted, on metrics-log steps) without training on it
     keep_samples: bool = False  # also write every generated sample as a PNG under samples/step_<N>/
     robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)

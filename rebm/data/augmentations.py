@@ -1,16 +1,27 @@
 """Training augmentations by name (torchvision.transforms.v2), applied per sample with a seed.
 
-Names (config keys `augm_type_generation`, `augm_type_classification`):
+Names (config keys `augm_type_generation`, `augm_type_classification`, `openimages_augm`):
 - `original`: RandomCrop(image_size, padding image_size // 8 — 4 px at 32 — zero fill) +
   horizontal flip;
 - `autoaugment_cutout`: crop + flip + AutoAugment (CIFAR-10 policy, black fill) + Cutout of
   image_size // 2 px (16 at 32) with black fill ("mean0": every fill colour is 0);
-- `none` / `test`: nothing.
+- `none` / `test`: nothing (on full-resolution images, ImageNet and OpenImage-O: the fixed
+  resizes below);
+- the ImageNet names, which take an image of any size to image_size S (the original DAT
+  ImageNet transforms; S = 224 or 256):
+  `madry` RandomResizedCrop(S) + flip + ColorJitter(0.1, 0.1, 0.1) + PCA lighting (std 0.05);
+  `default` and `generation_od` RandomResizedCrop(S) + flip;
+  `generation_od_randomcrop` RandomResizedCrop(S) + RandomCrop(S, padding 4S/32) + flip;
+  `generation_id` Resize(S) + CenterCrop(S) + flip;
+  `generation_id_randomcrop` Resize(256/224 S) + CenterCrop(S) + RandomCrop(S, padding 4S/32)
+  + flip; on full-resolution images `test` is Resize(256/224 S, bicubic) + CenterCrop(S) and
+  `none` is Resize((S, S), bicubic).
 
 Transforms take one CHW image tensor (uint8, or float in [0, 1]) and return the same dtype; the
 batch is converted to float [0, 1] once after stacking.
 
-Reproducibility: v2 RandomCrop/RandomHorizontalFlip/AutoAugment and `Cutout` below draw only from
+Reproducibility: the v2 transforms used here (crops, flips, AutoAugment, ColorJitter) and `Cutout`
+and `Lighting` below draw only from
 torch's global CPU generator (torch.rand / torch.randint), so seeding that generator with a
 per-sample seed right before the transform fixes the sample's augmentation, whatever the world
 size, worker count or resume point. `augment_batch` does this inside `torch.random.fork_rng`
@@ -26,7 +37,15 @@ import torch
 from torch import Tensor
 from torchvision.transforms import v2
 
-AUGMENTATION_NAMES = ("original", "autoaugment_cutout", "none", "test")
+IMAGENET_AUGMENTATIONS = ("madry", "default", "generation_id", "generation_id_randomcrop",
+                          "generation_od", "generation_od_randomcrop")
+AUGMENTATION_NAMES = ("original", "autoaugment_cutout", "none", "test") + IMAGENET_AUGMENTATIONS
+
+# PCA lighting noise of AlexNet, with the ImageNet RGB eigenvalues / eigenvectors (columns)
+IMAGENET_EIGVAL = (0.2175, 0.0188, 0.0045)
+IMAGENET_EIGVEC = ((-0.5675, 0.7192, 0.4009),
+                   (-0.5808, -0.0045, -0.8140),
+                   (-0.5836, -0.6948, 0.4203))
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -54,6 +73,56 @@ class Cutout(torch.nn.Module):
         return f"size={self.size}, fill={self.fill}"
 
 
+class Lighting(torch.nn.Module):
+    """AlexNet-style PCA lighting: add eigvec @ (alpha * eigval), alpha ~ N(0, std) per image, to
+    every pixel of a float [0, 1] image; the result is clamped back to [0, 1] (the image domain
+    the attacks work in)."""
+
+    def __init__(self, std: float):
+        super().__init__()
+        self.std = std
+        self.register_buffer("eigval", torch.tensor(IMAGENET_EIGVAL), persistent=False)
+        self.register_buffer("eigvec", torch.tensor(IMAGENET_EIGVEC), persistent=False)
+
+    def forward(self, image: Tensor) -> Tensor:
+        alpha = torch.randn(3) * self.std
+        shift = self.eigvec @ (alpha * self.eigval)
+        return (image + shift.view(3, 1, 1)).clamp_(0.0, 1.0)
+
+
+class FullImageTransform(v2.Compose):
+    """A transform that takes a decoded image of any size to image_size x image_size (the
+    ImageNet names); full-resolution sources apply it to the decoded file directly. It accepts a
+    PIL image (the geometric steps then run in PIL, several times faster than antialiased
+    resizes of uint8 tensors, and pixel-identical to the original's PIL pipeline) or a CHW
+    tensor, and returns a tensor."""
+
+
+def imagenet_augmentation(name: str, size: int) -> FullImageTransform:
+    """The ImageNet transforms of the module docstring, on PIL images or uint8 CHW tensors of
+    any size."""
+    bicubic = v2.InterpolationMode.BICUBIC
+    resized = int(256 / 224 * size)  # 256 at 224 px (the usual ImageNet eval resize)
+    padding = int(4 * size / 32)
+    flip = v2.RandomHorizontalFlip()
+    steps = {
+        "none": [v2.Resize((size, size), interpolation=bicubic, antialias=True)],
+        "test": [v2.Resize(resized, interpolation=bicubic, antialias=True), v2.CenterCrop(size)],
+        "generation_id": [v2.Resize(size, antialias=True), v2.CenterCrop(size), flip],
+        "generation_id_randomcrop": [v2.Resize(resized, antialias=True), v2.CenterCrop(size),
+                                     v2.RandomCrop(size, padding=padding), flip],
+        "default": [v2.RandomResizedCrop(size, antialias=True), flip],
+        "generation_od": [v2.RandomResizedCrop(size, antialias=True), flip],
+        "generation_od_randomcrop": [v2.RandomResizedCrop(size, antialias=True),
+                                     v2.RandomCrop(size, padding=padding), flip],
+        "madry": [v2.RandomResizedCrop(size, antialias=True), flip,
+                  v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1)],
+    }
+    # PILToTensor leaves tensors alone, so the same transform takes both inputs
+    tail = [v2.ToDtype(torch.float32, scale=True), Lighting(0.05)] if name == "madry" else []
+    return FullImageTransform(steps[name] + [v2.PILToTensor()] + tail)
+
+
 def _crop_flip(image_size: int) -> list:
     padding = max(1, image_size // 8)  # 4 px at 32 px, scaled for other sizes
     return [
@@ -62,8 +131,13 @@ def _crop_flip(image_size: int) -> list:
     ]
 
 
-def build_augmentation(name: str, image_size: int) -> Optional[Transform]:
-    """The per-sample transform of an augmentation name; None means identity (no randomness)."""
+def build_augmentation(name: str, image_size: int, full_images: bool = False
+                       ) -> Optional[Transform]:
+    """The per-sample transform of an augmentation name; None means identity (no randomness).
+    `full_images`: the source yields decoded files of any size (ImageNet, OpenImage-O), so
+    `none` and `test` are the fixed resizes to image_size instead of the identity."""
+    if name in IMAGENET_AUGMENTATIONS or (full_images and name in ("none", "test")):
+        return imagenet_augmentation(name, image_size)
     if name in ("none", "test"):
         return None
     if name == "original":

@@ -13,7 +13,10 @@ Guarantees (see sampling.py for the layout):
 - each stream has its own epochs (steps_per_epoch = its length // batch_size, drop_last) and its
   own shuffle per (rand_seed, stream, epoch);
 - resume is O(1): step s is computed directly, nothing before it is loaded;
-- results do not depend on num_workers.
+- results do not depend on num_workers;
+- an unreadable image file is replaced by a function of its index alone (imagenet.py), so the
+  replacement is the same on any world size; each micro-batch counts its replacements
+  (`MicroBatch.replaced`) and each rank logs every bad file once.
 
 Evaluation (`build_eval_data`) gives rank r the indices r, r+W, ... — each test image exactly once
 over all ranks, no padding duplicates — as (x, y, index) batches.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,7 +37,6 @@ from torchvision.transforms.v2 import functional as TF
 from rebm.config import BatchPlan, TrainConfig
 from rebm.data.augmentations import (
     Transform,
-    augment_batch,
     build_augmentation,
     single_threaded,
 )
@@ -46,6 +48,7 @@ from rebm.data.files import (
     load_tensor_file,
     load_unlabelled_folder,
 )
+from rebm.data.imagenet import load_imagenet, load_openimage_o
 from rebm.data.sampling import (
     PURPOSE_AUGMENT,
     PURPOSE_SAMPLE,
@@ -60,6 +63,7 @@ from rebm.data.sources import (
     ImageSource,
     NoiseSource,
     TinyImagesSource,
+    log_replaced_once,
 )
 from rebm.distributed.runtime import Runtime
 
@@ -98,6 +102,8 @@ def indist_source(cfg: TrainConfig, split: str) -> ImageSource:
         source = load_digits(data.image_size, train)
     elif name == "imagefolder":
         source = load_labelled_folder(os.path.join(data.indist_ds_dir, split), data.image_size)
+    elif name == "ImageNet":
+        source = load_imagenet(data.indist_ds_dir, split, data.image_size, data.num_classes)
     else:
         raise DataError(f"unknown data.indist_dataset '{name}'")
     _check_labels(source, cfg)
@@ -126,6 +132,8 @@ def outdist_source(cfg: TrainConfig, length: Optional[int] = None) -> ImageSourc
         return TinyImagesSource(path, size, data.outdist_exclude_index)
     if name == "imagefolder":
         return load_unlabelled_folder(data.outdist_std_dir, size)
+    if name == "OpenImageO":
+        return load_openimage_o(data.outdist_std_dir, size, cfg.openimages_max_samples)
     if name == "tensorfile":
         return load_tensor_file(data.outdist_std_dir, size)
     if name in ("noise", "uniform-noise", "lowfreq-noise"):
@@ -139,16 +147,31 @@ def load_indist(cfg: TrainConfig, split: str, augm: str = "test",
     """Dataset of (float [0, 1] CHW image, label) with augmentation `augm` (a name of
     augmentations.py). seed=None: augmentation from the ambient RNG; else seeded per sample
     (call `.set_epoch`)."""
-    transform = build_augmentation(augm, cfg.data.image_size)
-    return ImageDataset(indist_source(cfg, split), transform, seed, stream="eval")
+    source = indist_source(cfg, split)
+    transform = build_augmentation(augm, cfg.data.image_size, source.full_images)
+    return ImageDataset(source, transform, seed, stream="eval")
 
 
 def load_outdist(cfg: TrainConfig, augm: str = "none", length: Optional[int] = None
                  ) -> ImageDataset:
     """Dataset of (float [0, 1] CHW image, -1) of the configured out-distribution."""
     source = outdist_source(cfg, length)
-    transform = None if source.is_procedural else build_augmentation(augm, cfg.data.image_size)
+    transform = None if source.is_procedural else build_augmentation(
+        augm, cfg.data.image_size, source.full_images)
     return ImageDataset(source, transform, None, stream="out")
+
+
+def outdist_augmentation(cfg: TrainConfig) -> str:
+    """The out-distribution stream's augmentation: `augm_type_generation`, except OpenImage-O
+    (as the original): `openimages_augm` if set, else generation_od_randomcrop when the
+    in-distribution uses generation_id_randomcrop, else generation_od."""
+    if cfg.data.outdist_dataset != "OpenImageO":
+        return cfg.augm_type_generation
+    if cfg.openimages_augm is not None:
+        return cfg.openimages_augm
+    if cfg.augm_type_generation == "generation_id_randomcrop":
+        return "generation_od_randomcrop"
+    return "generation_od"
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,7 +213,9 @@ class MicroBatch:
     """One rank's micro-batch of the three streams; images float32 [0, 1] NCHW.
 
     key_*: int64 per-sample keys from (rand_seed, stream, epoch, dataset index), for per-sample
-    deterministic attack noise. index_*: dataset indices. epoch_*: the epoch of each stream."""
+    deterministic attack noise. index_*: dataset indices. epoch_*: the epoch of each stream.
+    replaced: images of this micro-batch whose file was unreadable and replaced (all streams);
+    replaced_files: those files."""
 
     x_in: Tensor
     y_in: Tensor
@@ -208,6 +233,8 @@ class MicroBatch:
     epoch_in: int = 0
     epoch_c: int = 0
     epoch_out: int = 0
+    replaced: int = 0
+    replaced_files: Tuple[str, ...] = ()
 
     def _map_tensors(self, fn) -> "MicroBatch":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -235,9 +262,9 @@ class _Stream:
         )
         seed = self.schedule.seed
         augment_seeds = sample_keys(seed, self.name, epoch, indices, PURPOSE_AUGMENT)
-        images = augment_batch(self.source.images(indices), self.transform, augment_seeds)
+        batch = self.source.read(indices, self.transform, augment_seeds)
         keys = torch.from_numpy(sample_keys(seed, self.name, epoch, indices, PURPOSE_SAMPLE))
-        return images, self.source.labels(indices), keys, torch.from_numpy(indices), epoch
+        return batch, keys, torch.from_numpy(indices), epoch
 
 
 class _MicroBatchDataset(Dataset):
@@ -254,14 +281,16 @@ class _MicroBatchDataset(Dataset):
             return self._build(*key)
 
     def _build(self, step: int, micro: int) -> MicroBatch:
-        x_in, y_in, key_in, idx_in, ep_in = self.ebm.read(step, micro, self.rank, self.plan)
-        x_c, y_c, key_c, idx_c, ep_c = self.clf.read(step, micro, self.rank, self.plan)
-        x_out, _, key_out, idx_out, ep_out = self.out.read(step, micro, self.rank, self.plan)
+        b_in, key_in, idx_in, ep_in = self.ebm.read(step, micro, self.rank, self.plan)
+        b_c, key_c, idx_c, ep_c = self.clf.read(step, micro, self.rank, self.plan)
+        b_out, key_out, idx_out, ep_out = self.out.read(step, micro, self.rank, self.plan)
+        replaced = b_in.replaced + b_c.replaced + b_out.replaced
         return MicroBatch(
-            x_in=x_in, y_in=y_in, x_c=x_c, y_c=y_c, x_out=x_out,
-            key_in=key_in, key_c=key_c, key_out=key_out,
+            x_in=b_in.images, y_in=b_in.labels, x_c=b_c.images, y_c=b_c.labels,
+            x_out=b_out.images, key_in=key_in, key_c=key_c, key_out=key_out,
             index_in=idx_in, index_c=idx_c, index_out=idx_out,
             step=step, micro=micro, epoch_in=ep_in, epoch_c=ep_c, epoch_out=ep_out,
+            replaced=len(replaced), replaced_files=replaced,
         )
 
 
@@ -283,7 +312,11 @@ class _StepSampler(Sampler):
 class TrainData:
     """Iterating yields, for optimizer step start_step, start_step+1, ..., the list of this
     rank's `plan.accumulation_steps` MicroBatches (each of plan.per_device_batch_size), forever.
-    Every `iter()` starts again at `start_step`."""
+    Every `iter()` starts again at `start_step`.
+
+    `replaced_images`: images this rank's batches replaced so far (unreadable files, counted
+    every time they are met); the engine sums `MicroBatch.replaced` into its metrics window.
+    Each unreadable file is logged once by this rank's main process (workers only report)."""
 
     def __init__(self, dataset: _MicroBatchDataset, plan: BatchPlan, start_step: int,
                  loader_kwargs: dict):
@@ -292,6 +325,14 @@ class TrainData:
         self.start_step = start_step
         self._loader_kwargs = loader_kwargs
         self.schedules = {s.name: s.schedule for s in (dataset.ebm, dataset.clf, dataset.out)}
+        self.replaced_images = 0
+        self._rank = dataset.rank
+
+    def _note(self, micro_batch: MicroBatch) -> MicroBatch:
+        if micro_batch.replaced:
+            self.replaced_images += micro_batch.replaced
+            log_replaced_once(micro_batch.replaced_files, f" (rank {self._rank})")
+        return micro_batch
 
     @property
     def steps_per_epoch(self) -> int:
@@ -303,7 +344,8 @@ class TrainData:
 
     def step_batch(self, step: int) -> List[MicroBatch]:
         """This rank's micro-batches of one step, computed directly (no loader, no workers)."""
-        return [self._dataset[(step, m)] for m in range(self.plan.accumulation_steps)]
+        return [self._note(self._dataset[(step, m)])
+                for m in range(self.plan.accumulation_steps)]
 
     def __iter__(self) -> Iterator[List[MicroBatch]]:
         loader = DataLoader(
@@ -315,7 +357,7 @@ class TrainData:
         )
         group: List[MicroBatch] = []
         for micro_batch in loader:
-            group.append(micro_batch)
+            group.append(self._note(micro_batch))
             if len(group) == self.plan.accumulation_steps:
                 yield group
                 group = []
@@ -344,11 +386,12 @@ def build_train_data(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan,
     train = indist_source(cfg, "train")
     out = outdist_source(cfg, length=len(train))
     out_transform = None if out.is_procedural else build_augmentation(
-        cfg.augm_type_generation, size)
+        outdist_augmentation(cfg), size, out.full_images)
+    full = train.full_images
     streams = [
-        _Stream("in", train, build_augmentation(cfg.augm_type_generation, size),
+        _Stream("in", train, build_augmentation(cfg.augm_type_generation, size, full),
                 _schedule(len(train), cfg, "in", train)),
-        _Stream("clf", train, build_augmentation(cfg.augm_type_classification, size),
+        _Stream("clf", train, build_augmentation(cfg.augm_type_classification, size, full),
                 _schedule(len(train), cfg, "clf", train)),
         _Stream("out", out, out_transform, _schedule(len(out), cfg, "out", out)),
     ]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +46,27 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
+@dataclass
+class SourceBatch:
+    """What a source gives for a batch of indices: float32 [0, 1] images at image_size, their
+    labels, and the files that could not be decoded and were replaced (see imagenet.py)."""
+
+    images: Tensor
+    labels: Tensor
+    replaced: Tuple[str, ...] = ()
+
+
+_LOGGED_BAD_FILES: Set[str] = set()  # per process: each unreadable file is logged once
+
+
+def log_replaced_once(paths: Sequence[str], where: str = "") -> None:
+    """Log every file of `paths` not logged by this process before (one warning line each)."""
+    for path in paths:
+        if path not in _LOGGED_BAD_FILES:
+            _LOGGED_BAD_FILES.add(path)
+            LOGGER.warning("unreadable image %s replaced by the next readable one%s", path, where)
+
+
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
@@ -52,6 +74,7 @@ class ImageSource:
     """Indexable image storage (see the module docstring)."""
 
     name = "images"
+    full_images = False  # True: files decoded at full resolution (augmentations resize them)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -66,6 +89,13 @@ class ImageSource:
     def is_procedural(self) -> bool:
         """True for generated noise (no augmentation is applied to it)."""
         return False
+
+    def read(self, indices: np.ndarray, transform: Optional[Transform],
+             seeds: Optional[Sequence[int]]) -> SourceBatch:
+        """Images of `indices` through `transform` (image i seeded by seeds[i]), as float [0, 1],
+        with their labels."""
+        images = augment_batch(self.images(indices), transform, seeds)
+        return SourceBatch(images, self.labels(indices))
 
 
 class TensorSource(ImageSource):
@@ -246,8 +276,9 @@ class ImageDataset(torch.utils.data.Dataset):
         seeds = None
         if self.seed is not None:
             seeds = sample_keys(self.seed, self.stream, self.epoch, idx, PURPOSE_AUGMENT)
-        image = augment_batch(self.source.images(idx), self.transform, seeds)[0]
-        return image, int(self.source.labels(idx)[0])
+        batch = self.source.read(idx, self.transform, seeds)
+        log_replaced_once(batch.replaced)
+        return batch.images[0], int(batch.labels[0])
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 
@@ -41,6 +41,25 @@ class MetricsWindow:
         if isinstance(saved, list):  # stage-1 states before the engine: [loss sum, correct, n]
             saved = dict(zip(("clf_sum", "correct", "images"), saved, strict=True))
         return cls({k: (v if is_main else 0.0) for k, v in saved.items()})
+
+
+# Counts of the data path kept in the window next to the method's sums (so they ride along the
+# same all-reduce and the same saved state), but not handed to the method's `summarize`.
+REPLACED_IMAGES = "data_replaced_images"
+DATA_COUNT_KEYS = (REPLACED_IMAGES,)
+
+
+def add_data_counts(window: MetricsWindow, micro_batches: Sequence) -> None:
+    """Add one step's unreadable-and-replaced images (`MicroBatch.replaced`) to the window. The
+    key is always written, 0 included: every rank must all-reduce the same keys."""
+    replaced = float(sum(getattr(mb, "replaced", 0) for mb in micro_batches))
+    window.sums[REPLACED_IMAGES] = window.sums.get(REPLACED_IMAGES, 0.0) + replaced
+
+
+def pop_data_counts(totals: Dict[str, float]) -> Dict[str, float]:
+    """Remove the data counts from the window's global sums (before `summarize`); returns them
+    for the metrics record (`data_replaced_images`: replaced over all ranks in the window)."""
+    return {key: totals.pop(key) for key in DATA_COUNT_KEYS if key in totals}
 
 
 def peak_memory(runtime: Runtime) -> Dict[str, float]:

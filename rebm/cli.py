@@ -56,7 +56,7 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
 
     problems = []
     file_datasets = {"cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional",
-                     "imagefolder"}
+                     "imagefolder", "ImageNet"}
     if cfg.data.indist_dataset in file_datasets and not os.path.exists(cfg.data.indist_ds_dir):
         problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
     if "noise" not in cfg.data.outdist_dataset and not os.path.exists(cfg.data.outdist_std_dir):

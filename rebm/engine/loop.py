@@ -46,7 +46,7 @@ from rebm.distributed.collectives import (
 from rebm.distributed.logs import setup_logging
 from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
-from rebm.engine.metrics import MetricsWindow, peak_memory
+from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory, pop_data_counts
 from rebm.engine.parts import Parts, build_parts
 from rebm.engine.rundir import resolve_run_dir
 from rebm.engine.tracking import Tracker, progress_bar
@@ -216,6 +216,7 @@ def train_one_step(parts: Parts, ctx: StepContext, micro_batches, runtime: Runti
     parts.progress.step += 1
     result.stats = {**parts.method.after_step(runtime, result), "learning_rate": learning_rate}
     parts.progress.window.add(result.window)
+    add_data_counts(parts.progress.window, micro_batches)  # e.g. unreadable images replaced
     return result
 
 
@@ -240,7 +241,9 @@ def log_metrics(parts: Parts, result: StepResult, plan: BatchPlan, runtime: Runt
     """The window's global means (one all-reduce), this step's statistics, throughput."""
     window = parts.progress.window
     elapsed = time.perf_counter() - window.started
-    summary = {**parts.method.summarize(window.global_sums(runtime)), **result.stats,
+    totals = window.global_sums(runtime)
+    data_counts = pop_data_counts(totals)
+    summary = {**parts.method.summarize(totals), **data_counts, **result.stats,
                "imgs_per_s": window.steps * plan.global_batch_size / max(elapsed, 1e-9),
                **peak_memory(runtime),
                "replicas_identical": replicas_identical(runtime, *parts.replicated)}

@@ -214,6 +214,10 @@ def _worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
         except UserError as err:
             log_to_file(f"error: {one_line(err)}")
             raise
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, evaluation)
+            log_to_file("interrupted")
+            print("interrupted: nothing to save at this point", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         except BaseException as err:
             log_to_file("uncaught error", exc_info=err)
             raise

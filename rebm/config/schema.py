@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from rebm.config.legacy import (
     LegacyAttackFields,
@@ -106,7 +106,7 @@ class ModelConfig(LegacyModelFields):
     trust_checkpoint: bool = False  # also unpickle Python objects outside rebm's allow-list from ckpt_path (they can run code): only for files you trust
     normalize_input: bool = True  # normalise inputs inside the model (CIFAR-10 statistics)
     use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
-    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU)
+    channels_last: Union[bool, str] = "auto"  # channels_last memory format: true, false or auto (on for CPU and for CUDA with amp bf16/fp16; see docs/performance.md)
     compile: bool = False  # torch.compile the model (before DDP wrapping)
 
 

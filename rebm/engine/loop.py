@@ -31,6 +31,7 @@ from rebm.config import (
     training_diff,
 )
 from rebm.data import build_train_data
+from rebm.distributed import compile_cache
 from rebm.distributed.collectives import (
     broadcast_buffers,
     consensus,
@@ -143,6 +144,7 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
             log_now = (plan.crossed(cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
                        or (method.log_final_step and parts.progress.step + 1 == last_step))
             result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
+            compile_cache.after_step()  # model.compile: keep new compiled code in the run dir
             step = parts.progress.step
             bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
                        epoch=data.epoch_of(step - 1), **method.progress())

@@ -64,6 +64,8 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
         ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
         ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),
+        ("compile/wrn", ["compile", *r(2, 1), *wrn], one),
+        ("evalshare/wrn", ["evalshare", *r(3, 1), *wrn], one),
     ]
 
 

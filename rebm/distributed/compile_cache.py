@@ -114,6 +114,11 @@ def activate(run_dir: Optional[str], key: str, writer: bool) -> str:
     return _ACTIVE.load()
 
 
+def active() -> Optional[CompileCache]:
+    """The cache `activate` started in this process (None without model.compile/run_dir)."""
+    return _ACTIVE
+
+
 def after_step() -> None:
     """Called by the training loop after every step: cheap (a counter read) unless something
     was compiled since the last call."""

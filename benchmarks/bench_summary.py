@@ -331,8 +331,9 @@ COMPILE_LABELS = {"first": "fresh run (empty caches)",
 
 
 def _compile(results: dict, summary: dict, meta: dict) -> List[str]:
-    attempts = _get(results, "compile/wrn", "attempts") or {}
-    lines = ["11. model.compile across a restart (loop step, WRN-16-4, each attempt a fresh "
+    attempts = _get(results, "compile", "attempts") or {}
+    label = _get(results, "compile", "label", default="")
+    lines = [f"11. model.compile across a restart (loop step, {label}; each attempt a fresh "
              "process with an empty local inductor cache)"]
     for name, label in COMPILE_LABELS.items():
         a = attempts.get(name)

@@ -5,6 +5,7 @@ shipped CIFAR configs' intervals)."""
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import shutil
@@ -36,8 +37,10 @@ def _compile_attempt(args, run_dir: str, queue) -> None:
     from rebm.distributed import compile_cache
     from sections.common import loop_step
 
+    args = copy.copy(args)
+    args.workdir = run_dir  # make_config puts the run dir (and the fake CIFAR) under workdir
     started = time.perf_counter()
-    bench = single_process(args, ["model.compile=true", f"run_dir={run_dir}"])
+    bench = single_process(args, ["model.compile=true"])
     built = time.perf_counter() - started
     batches = prefetch(bench, 1 + args.reps)
     first = loop_step(bench, batches[0])["total"]

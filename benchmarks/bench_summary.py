@@ -12,6 +12,7 @@ TARGETS = {
     "resume_difference_s": 1.0,  # |resume at step 10,000 - resume at step 10|, <=
     "peer_ratio": 0.8,  # rebm dat_step / 6.5 s, <= (at least 20 % faster)
     "overhead_ratio": 1.05,  # loop step / minimal hand-written step, <=
+    "default_vs_old": 0.90,  # default dat_step / old default's (NCHW, eager), <=
 }
 
 
@@ -44,11 +45,15 @@ def summarize(results: dict) -> dict:
             s[f"resume/{cfg}"] = {"value": diff, "target": "|diff| <= 1 s",
                                   "met": abs(diff) <= TARGETS["resume_difference_s"]}
     peer = results.get("peer/wrn", {})
-    step = _get(results, "peer/wrn", "dat_step_s", "nchw")
+    step = _get(results, "peer/wrn", "dat_step_s", "default")
+    old_default = _get(results, "peer/wrn", "dat_step_s", "nchw")
+    if step and old_default:
+        s["default_vs_old"] = {"value": step / old_default, "target": "<= 0.90",
+                               "met": step / old_default <= TARGETS["default_vs_old"]}
     if step:
         best = min(peer["dat_step_s"].values())
         gflop, gemm = peer["step_gflop"], peer["gemm_gflops"]
-        # judged on the default (NCHW, eager); the speed options are reported beside it
+        # judged on the default (channels_last auto, eager); the options are reported beside it
         s["peer"] = {"value": step / PEER_STEP_S, "dat_step_s": step, "peer_s": PEER_STEP_S,
                      "variants_s": peer["dat_step_s"],
                      "best_ratio": best / PEER_STEP_S,
@@ -73,11 +78,51 @@ def summarize(results: dict) -> dict:
             s["eval_speedup"].update(independent_s=indep, ceiling=e1 / (indep / 2),
                                      contention_slowdown=indep / e11 if e11 else None,
                                      of_ceiling=(indep / 2) / e2)
+    shares = eval_shares(results, s)
+    if shares:
+        s["eval_share"] = shares
     for name in ("quickstart", "wrn"):
         ratio = _get(results, "attack", "models", name, "ratio")
         if ratio:
             s[f"attack/{name}"] = {"value": ratio}
     return s
+
+
+def eval_shares(results: dict, summary: dict) -> List[dict]:
+    """The share of wall time periodic evaluation takes at each shipped CIFAR config's interval,
+    estimated from per-image costs measured on the benchmark's model (section `evalshare`),
+    scaled to the config's model by forward FLOPs (Inception for FID is not scaled), with T at
+    its curriculum maximum (the most training per interval: a lower bound on the share early
+    in a run). 2 ranks: training divided by the measured DDP speed-up (ddp/wrn), evaluation by
+    the measured evaluation speed-up (eval)."""
+    e = results.get("evalshare/wrn") or {}
+    if "train_image_s" not in e:
+        return []
+    ddp = _get(summary, "ddp_efficiency/wrn", "value")
+    eval_speedup = _get(summary, "eval_speedup", "value")
+    out = []
+    for w in e["shipped"]:
+        scale = e["model_gflop"][w["model"]] / e["model_gflop"][e["label"].split(",")[0]]
+        attack, forward = e["attack_step_image_s"], e["forward_image_s"]
+        # the step's work besides its T + K attack steps: the fused loss pass, optimizer, EMA
+        rest = max(0.0, e["train_image_s"] - (e["T"] + e["K"]) * attack)
+        train = w["interval_images"] * ((w["T"] + w["K"]) * attack + rest) * scale
+        parts = {
+            "accuracy": w["test_images"] * ((2 if w["robust_steps"] else 1) * forward
+                                            + w["robust_steps"] * attack) * scale,
+            "samples": (w["samples"] * w["sample_steps"] + w["sweep_pgd_image_steps"])
+            * attack * scale,
+            "fid": w["fid_images"] * e["inception_image_s"],
+        }
+        evaluation = sum(parts.values())
+        row = {"config": w["config"], "train_h": train / 3600, "eval_h": evaluation / 3600,
+               "parts_h": {k: v / 3600 for k, v in parts.items()},
+               "share_ws1": evaluation / (train + evaluation), "share_ws2": None}
+        if ddp and eval_speedup:
+            row["share_ws2"] = (evaluation / eval_speedup) / (
+                train / ddp + evaluation / eval_speedup)
+        out.append(row)
+    return out
 
 
 def _fmt(value, unit: str = "s", digits: int = 3) -> str:
@@ -95,8 +140,10 @@ def _mark(entry: Optional[dict]) -> str:
 
 
 COLS = ("quickstart", "wrn")
-PEER_VARIANT_LABELS = {"channels_last": "model.channels_last=true",
-                       "compiled": "+ model.compile=true"}
+PEER_VARIANT_LABELS = {"nchw": "old default (NCHW, eager)",
+                       "default": "default (channels_last auto)",
+                       "nhwc_inputs": "default + NHWC input batches",
+                       "compiled": "default + model.compile=true"}
 BREAKDOWN_ROWS = [
     ("data wait (num_workers=0)", "data_wait"),
     ("negative-sample attack (T PGD steps)", "neg_attack"),
@@ -238,7 +285,7 @@ def _peer(results: dict, summary: dict, meta: dict) -> List[str]:
                  f"{p['value']:.3f} (target <= 0.80){_mark(p)}")
     for name, label in PEER_VARIANT_LABELS.items():
         seconds = p["variants_s"].get(name)
-        if seconds:
+        if seconds and name != "default":
             lines.append(f"   {label:29s} {seconds:.3f} s: ratio {seconds / PEER_STEP_S:.3f}")
     return lines + [
         f"   the step is {p['step_gflop']:.0f} GFLOP (FlopCounterMode): rebm runs at "
@@ -261,6 +308,58 @@ def _each_config(title: str, render: Callable[[dict, dict, str], Optional[str]])
     return part
 
 
+def _speed_options(results: dict, summary: dict, meta: dict) -> List[str]:
+    steps = _get(results, "peer/wrn", "dat_step_s") or {}
+    lines = ["10. Default vs speed options: dat_step, WRN-16-4, 32 px, batch 32, T=10, K=10, "
+             "fp32, frozen BN, SGD (interleaved, one process)",
+             f"   {'variant':36s}{'median step':>14s}{'vs old default':>16s}"
+             f"{'vs original ' + str(PEER_STEP_S) + ' s':>20s}"]
+    old = steps.get("nchw")
+    for name, label in PEER_VARIANT_LABELS.items():
+        if name in steps and old:
+            lines.append(f"   {label:36s}{steps[name]:>12.3f} s{steps[name] / old:>16.3f}"
+                         f"{steps[name] / PEER_STEP_S:>20.3f}")
+    d = summary.get("default_vs_old")
+    if d:
+        lines.append(f"   default / old default {d['value']:.3f} (target <= 0.90){_mark(d)}")
+    return lines if old else lines[:1] + ["   n/a"]
+
+
+COMPILE_LABELS = {"first": "fresh run (empty caches)",
+                  "resumed_without_cache": "restart, no run-dir cache",
+                  "resumed_with_cache": "restart, run-dir compile cache"}
+
+
+def _compile(results: dict, summary: dict, meta: dict) -> List[str]:
+    attempts = _get(results, "compile", "attempts") or {}
+    label = _get(results, "compile", "label", default="")
+    lines = [f"11. model.compile across a restart (loop step, {label}; each attempt a fresh "
+             "process with an empty local inductor cache)"]
+    for name, label in COMPILE_LABELS.items():
+        a = attempts.get(name)
+        if a:
+            lines.append(
+                f"   {label:32s} first step {a['first_step_s']:7.2f} s, then "
+                f"{a['steady_step_s']:.3f} s/step; build {a['build_s']:.2f} s; artifacts "
+                f"loaded {a['cache_artifacts_loaded']}; graphs {a['graphs_after_first_step']}, "
+                f"recompiles after step 1: {a['recompiles_after_first_step']}")
+    return lines if attempts else lines + ["   n/a"]
+
+
+def _eval_share(results: dict, summary: dict, meta: dict) -> List[str]:
+    lines = ["12. Periodic evaluation's share of wall time at the shipped CIFAR configs' "
+             "intervals (estimated: see eval_shares in benchmarks/bench_summary.py)"]
+    for row in summary.get("eval_share", []):
+        ws2 = row["share_ws2"]
+        p = row["parts_h"]
+        lines.append(
+            f"   {row['config']}: per interval training {row['train_h']:.2f} h, evaluation "
+            f"{row['eval_h']:.2f} h (accuracy {p['accuracy']:.2f}, samples {p['samples']:.2f}, "
+            f"FID {p['fid']:.2f}); share 1 rank {row['share_ws1']:.1%}, 2 ranks "
+            f"{'n/a' if ws2 is None else f'{ws2:.1%}'}")
+    return lines if len(lines) > 1 else lines + ["   n/a"]
+
+
 TABLE_PARTS = (
     _breakdown,
     _each_config("2. DDP efficiency: loop step, same global batch, 2 ranks x 1 thread vs 1 rank "
@@ -275,11 +374,14 @@ TABLE_PARTS = (
     _peer,
     _each_config("9. Framework overhead: loop step (dat_step + EMA + AUC + consensus) / minimal "
                  "PyTorch step", _overhead_line),
+    _speed_options,
+    _compile,
+    _eval_share,
 )
 
 
 def table(results: dict, summary: dict, meta: dict) -> str:
-    """The printed table: a header, then sections 1-9 (docs/performance.md), then failures."""
+    """The printed table: a header, then sections 1-12 (docs/performance.md), then failures."""
     lines = _header(meta)
     for part in TABLE_PARTS:
         lines += ["", *part(results, summary, meta)]

@@ -13,7 +13,8 @@ Sections (the code of each is in benchmarks/sections/):
               forward+backward, optimizer, EMA, bookkeeping, logging/checkpoint (amortized)
   steps       the loop's step vs a minimal hand-written PyTorch DAT step (interleaved), and
               DAT.step alone
-  peer        DAT.step in NCHW, channels_last and compiled + channels_last (interleaved), the
+  peer        DAT.step in NCHW (the old default), the default (channels_last on CPU), with NHWC
+              inputs, and compiled (interleaved), the
               step's FLOPs and the machine's GEMM rate (the peer comparison, `wrn` config)
   ddp         images/s of the loop's step on W ranks (rebm.distributed.spawn, gloo on CPU; or
               under torchrun); with W > 1 also the gradient all-reduce (exposed and raw)
@@ -22,6 +23,11 @@ Sections (the code of each is in benchmarks/sections/):
               --independent: each rank evaluates all of it at once (the contention ceiling)
   resume      restore + build_train_data(start_step=k) + first batch, k = 10 vs 10,000
   checkpoint  save_training_state of the WRN-16-4 training state (training is blocked for it)
+  compile     model.compile: first step of a fresh run, of a restart without and with the run
+              dir's compile cache (each in a fresh process with an empty local inductor cache),
+              and the graphs compiled / recompiled
+  evalshare   seconds per image of a training step, an evaluation forward, a PGD step and an
+              Inception forward (FID): the units of the evaluation wall-time share estimate
 
 Configs: `quickstart` = experiments/quickstart/digits.yaml (WRN-10-1, 16 px, batch 64, T = 10,
 K = 5); `wrn` = CIFAR-shaped WRN-16-4 (2.75M params), 32 px, 10 classes, batch 32, T = 10,
@@ -45,6 +51,7 @@ from sections.common import CONFIGS, write_json
 from sections.ddp import section_ddp
 from sections.evaluation import section_eval
 from sections.peer import section_peer
+from sections.speed import section_compile, section_evalshare
 from sections.state import section_checkpoint, section_resume
 from sections.steps import section_steps
 
@@ -57,6 +64,8 @@ SECTIONS = {
     "attack": section_attack,
     "resume": section_resume,
     "checkpoint": section_checkpoint,
+    "compile": section_compile,
+    "evalshare": section_evalshare,
 }
 
 

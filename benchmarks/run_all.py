@@ -7,7 +7,8 @@ their ranks with rebm.distributed.spawn, gloo on CPU), prints one table and writ
 <out>/results.json (per-section logs in <out>/logs/). Figures are medians of several repetitions;
 every ratio compares two measurements of the same invocation. Take final figures on an idle
 machine: `--quick` (one or two repetitions) is a smoke run whose numbers are noise.
-Default repetitions finish in under 10 minutes on an idle 2-core CPU.
+Default repetitions finish in about 15 minutes on an idle 2-core CPU (the compile section
+compiles three times).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +66,9 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
         ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
         ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),
+        # three fresh compilations (tens of seconds each on CPU); --quick: the small model
+        ("compile", ["compile", *r(2, 1), *(qs if quick else wrn)], one),
+        ("evalshare/wrn", ["evalshare", *r(3, 1), *wrn], one),
     ]
 
 
@@ -89,11 +94,15 @@ def run_job(key: str, argv: List[str], threads: int, workdir: str, out_dir: str,
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
+        # its own process group: a timeout ends the section with every process it started
+        # (spawned ranks, compile attempts), not just the section's own process
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(threads), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout)
-            code: Optional[int] = proc.returncode
+            code: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = None
     elapsed = time.perf_counter() - started
     if code == 0 and os.path.exists(json_path):

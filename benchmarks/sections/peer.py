@@ -1,5 +1,6 @@
-"""Section `peer`: DAT.step exactly as the loop calls it, float32, in NCHW, channels_last and
-compiled + channels_last (interleaved), with the step's FLOPs and the machine's GEMM rate, to
+"""Section `peer`: DAT.step exactly as the loop calls it, float32, in NCHW (the old default),
+the default (channels_last on CPU), the default with NHWC input batches, and the default
+compiled (interleaved), with the step's FLOPs and the machine's GEMM rate, to
 relate the step time to what the hardware can do (the peer comparison, `wrn` config)."""
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from sections.common import (
     timed,
 )
 
-# The speed options the peer comparison tries (all float32, the same arithmetic).
+# The speed options the peer comparison tries (all float32, the same arithmetic): the old
+# default (NCHW, eager), the default (`model.channels_last: auto`, on for CPU), the default with
+# the input batches also converted to channels_last, and the default compiled.
 PEER_VARIANTS = {
-    "nchw": [],
-    "channels_last": ["model.channels_last=true"],
-    "compiled": ["model.channels_last=true", "model.compile=true"],  # compiles in warm-up
+    "nchw": ["model.channels_last=false"],
+    "default": [],
+    "nhwc_inputs": [],
+    "compiled": ["model.compile=true"],  # compiles in warm-up
 }
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
 
 def step_gflop(raw_model: torch.nn.Module, batch, T: int, K: int) -> Dict[str, float]:
@@ -62,14 +70,16 @@ def section_peer(args) -> dict:
     cfg, parts, device = base.cfg, base.parts, base.runtime.device
     n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles the compiled variant
     prefetched = prefetch(base, n)
+    nhwc = [[mb._map_tensors(_channels_last) for mb in step] for step in prefetched]
     T, K = parts.method.curriculum.T, cfg.indist_attack_clf.max_steps
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for rep in range(n):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
             v = variants[name]
-            _, seconds = timed(functools.partial(v.parts.method.step, v.ctx, prefetched[rep],
-                                                 False), device)
+            batches = (nhwc if name == "nhwc_inputs" else prefetched)[rep]
+            _, seconds = timed(functools.partial(v.parts.method.step, v.ctx, batches, False),
+                               device)
             if rep >= n - args.reps:
                 times[name].append(seconds)
     flops = step_gflop(parts.raw_model, prefetched[0][0], T, K)

@@ -168,6 +168,9 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     )
     _validate_openimages(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
+    if cfg.model.channels_last not in (True, False, "auto"):
+        raise ConfigError(f"{source}: 'model.channels_last: {cfg.model.channels_last}' is not valid;"
+                          " use true, false or auto")
     for name in ("attack", "indist_attack_clf"):
         attack: AttackConfig = getattr(cfg, name)
         _check_choice(attack.attack_type, ATTACK_TYPES, f"{name}.attack_type", source)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from rebm.config.legacy import (
     LegacyAttackFields,
@@ -122,7 +122,7 @@ class ModelConfig(LegacyModelFields):
     use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
     use_convstem: bool = False  # ConvNeXt: the convolutional stem of Singh et al. instead of timm's patch stem (their robust checkpoints need it)
     use_layernorm: bool = True  # ConvNeXt: the original's switch; LayerNorm is the same in train and eval mode, so it changes nothing
-    channels_last: bool = False  # channels_last memory format (faster convolutions on GPU; recommended for the ImageNet models)
+    channels_last: Union[bool, str] = "auto"  # channels_last memory format: true, false or auto (on for CPU and for CUDA with amp bf16/fp16; see docs/performance.md)
     compile: bool = False  # torch.compile the model (before DDP wrapping)
 
 

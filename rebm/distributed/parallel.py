@@ -22,6 +22,21 @@ from rebm.distributed.runtime import Runtime
 LOGGER = logging.getLogger("rebm")
 
 
+def resolve_channels_last(setting, device: torch.device, amp: str) -> bool:
+    """`model.channels_last` (true, false or auto) -> whether to use it on this run; the one
+    place `auto` is decided (docs/performance.md has the measurements).
+
+    auto is on where channels_last was measured to help: on CPU (oneDNN convolutions run
+    natively in NHWC: 0.8x step time on WideResNet) and on CUDA under bf16/fp16 autocast
+    (tensor-core convolutions want NHWC). It stays off on CUDA in fp32 and on other
+    accelerators, where it is not known to help (not measured here)."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and amp in ("bf16", "fp16")
+
+
 def strip_parallel(model: nn.Module) -> nn.Module:
     """The module without its DDP / DataParallel wrappers, still compiled when it was.
 

@@ -7,6 +7,7 @@ channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Tuple
 
 import torch
@@ -14,10 +15,13 @@ import torch.nn as nn
 
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
+from rebm.distributed import compile_cache
 from rebm.distributed.collectives import on_every_rank
-from rebm.distributed.parallel import wrap_model
+from rebm.distributed.parallel import resolve_channels_last, wrap_model
 from rebm.distributed.runtime import Runtime
 from rebm.models import model_from_config
+
+LOGGER = logging.getLogger("rebm")
 
 
 def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
@@ -35,12 +39,27 @@ def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
         on_every_rank(runtime, lambda: load_checkpoint(model, cfg.model.ckpt_path,
                                                        trust=cfg.model.trust_checkpoint),
                       f"read model.ckpt_path '{cfg.model.ckpt_path}'")
-    if cfg.model.channels_last:
+    channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)
+    compiled = "off"
+    if cfg.model.compile:
+        compiled = "on, " + compile_cache.activate(
+            cfg.run_dir, compile_cache.cache_key(runtime.device, _shaping(cfg, channels_last)),
+            writer=runtime.is_main)
+    LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
+                "on" if channels_last else "off", cfg.model.channels_last, cfg.amp, compiled)
     return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
                       sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile,
                       find_unused_parameters=cfg.find_unused_parameters)
+
+
+def _shaping(cfg: TrainConfig, channels_last: bool) -> dict:
+    """The config values the compiled code depends on (the compile cache's key)."""
+    return {"model": cfg.model.model_type, "classes": cfg.data.num_classes,
+            "image_size": cfg.data.image_size, "normalize": cfg.model.normalize_input,
+            "batchnorm": cfg.model.use_batchnorm, "amp": cfg.amp, "channels_last": channels_last}
 
 
 def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:

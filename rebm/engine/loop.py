@@ -34,6 +34,7 @@ from rebm.config import (
     training_diff,
 )
 from rebm.data import build_train_data
+from rebm.distributed import compile_cache
 from rebm.distributed.collectives import (
     broadcast_buffers,
     consensus,
@@ -166,6 +167,7 @@ def run_steps(parts: Parts, ctx: StepContext, data, cfg: TrainConfig, plan: Batc
             log_now = (plan.crossed(cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
                        or (parts.method.log_final_step and parts.progress.step + 1 == last_step))
             result = train_one_step(parts, ctx, micro_batches, runtime, log_now)
+            compile_cache.after_step()  # model.compile: keep new compiled code in the run dir
             step = parts.progress.step
             bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
                        epoch=data.epoch_of(step - 1), **parts.method.progress())

@@ -1,0 +1,142 @@
+"""The speed options' defaults: `model.channels_last: auto` (on for CPU, so the exactness tests
+of the suite run on it), and `model.compile`'s cache across restarts and its graph count."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rebm.config import ConfigError, load_config, plan_batches
+from rebm.data.pipeline import build_train_data
+from rebm.distributed import Runtime, compile_cache
+from rebm.distributed.parallel import resolve_channels_last
+from rebm.distributed.precision import Precision
+from rebm.methods.dat.step import dat_step
+from rebm.training.modeling import get_model, get_optimizer
+from tests.helpers import REPO, base_env, run_command
+
+pytestmark = pytest.mark.timeout(240)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("setting,device,amp,expected", [
+    ("auto", CPU, "none", True), ("auto", CPU, "bf16", True),
+    ("auto", CUDA, "bf16", True), ("auto", CUDA, "fp16", True), ("auto", CUDA, "none", False),
+    ("auto", torch.device("mps"), "none", False),
+    (False, CPU, "none", False), (True, CUDA, "none", True),
+])
+def test_auto_resolves_per_device_and_precision(setting, device, amp, expected):
+    assert resolve_channels_last(setting, device, amp) is expected
+
+
+def test_default_is_channels_last_on_cpu(caplog):
+    cfg = load_config("experiments/quickstart/digits.yaml")
+    assert cfg.model.channels_last == "auto"
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="rebm"):
+        model, raw = get_model(cfg, Runtime())
+    convs = [m for m in raw.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last)
+                         for c in convs)
+    assert not raw.conv1.weight.is_contiguous()  # a 3x3 kernel: NHWC differs from NCHW
+    assert "speed options: channels_last on (model.channels_last=auto)" in caplog.text
+    assert "compile off" in caplog.text
+
+
+def test_exactness_tests_run_on_the_default():
+    """The DDP == one process, bit-identical resume and 1/2/3-rank evaluation tests use the
+    shipped configs without touching `model.channels_last`, so on CPU they test channels_last."""
+    for path in sorted((REPO / "experiments").glob("*/*.yaml")):
+        cfg = load_config(str(path))
+        assert resolve_channels_last(cfg.model.channels_last, CPU, cfg.amp), path
+    switched_off = re.compile(r"channels_last\s*[=:]\s*(false|False)")
+    for test_file in (REPO / "tests").glob("test_*.py"):
+        if test_file.name != Path(__file__).name:
+            assert not switched_off.search(test_file.read_text()), test_file
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("false", False), ("auto", "auto")])
+def test_existing_boolean_values_still_load(tmp_path, value, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  model_type: WideResNet10x1\n  channels_last: {value}\n")
+    assert load_config(str(path)).model.channels_last == expected
+    assert load_config(None, [f"model.channels_last={value}"]).model.channels_last == expected
+
+
+def test_a_bad_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"'model.channels_last: fast' is not valid; use true"):
+        load_config(None, ["model.channels_last=fast"])
+
+
+def test_dat_run_compiles_two_graphs_whatever_t():
+    """Dynamo's graph count over DAT steps with a changing T: the attack forward (its input
+    requires grad) and the loss forward; T is a Python loop count and recompiles nothing.
+    (The `eager` backend: dynamo's guards and graphs without inductor's slow CPU codegen.)"""
+    cfg = load_config("experiments/quickstart/digits.yaml", [
+        "batch_size=8", "attack.start_step=1", "indist_attack_clf.max_steps=1"])
+    runtime, plan = Runtime(), plan_batches(cfg, 1)
+    torch.manual_seed(0)
+    _, raw = get_model(cfg, runtime)
+    torch._dynamo.reset()
+    model = torch.compile(raw, backend="eager")
+    optimizer = get_optimizer(cfg, raw.parameters())
+    precision = Precision(cfg.amp, runtime.device)
+    batches = iter(build_train_data(cfg, runtime, plan))
+    before = compile_cache.compiled_graphs()
+    counts = []
+    for T in (1, 1, 2, 3):
+        assert dat_step(model, optimizer, next(batches), T, cfg, plan, precision).finite
+        counts.append(compile_cache.compiled_graphs() - before)
+    assert counts == [2, 2, 2, 2]
+
+
+CACHE_PROBE = """
+import sys, torch
+from torch._dynamo.utils import counters
+from rebm.distributed import compile_cache
+print(compile_cache.activate(sys.argv[1], compile_cache.cache_key(torch.device('cpu'), {}), True))
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                          torch.nn.Linear(16, 2)))
+model(torch.rand(4, 8)).sum().backward()
+compile_cache.after_step()
+print('hits', counters['inductor']['fxgraph_cache_hit'], counters['aot_autograd']['autograd_cache_hit'])
+"""
+
+
+def test_compile_cache_survives_a_restart_on_a_fresh_node(tmp_path):
+    """Two processes, each with an empty local inductor cache (a restart on another node): the
+    second loads what the first saved under the run dir and compiles nothing afresh."""
+    run_dir = tmp_path / "run"
+
+    def attempt(n: int):
+        env = base_env(1, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"local{n}"),
+                           "PYTHONPATH": str(REPO)})
+        result = run_command([sys.executable, "-c", CACHE_PROBE, str(run_dir)], 200, env)
+        result.assert_ok()
+        return result.output
+
+    first = attempt(1)
+    assert "(empty: the first compile is saved there)" in first and "hits 0 0" in first
+    saved = list((run_dir / "compile_cache").glob("*.bin"))
+    assert len(saved) == 1 and saved[0].stat().st_size > 0
+    second = attempt(2)
+    assert re.search(r"\(loaded [1-9]\d* artifacts\)", second), second
+    hits = re.search(r"hits (\d+) (\d+)", second)
+    assert hits and int(hits.group(1)) >= 1 and int(hits.group(2)) >= 1, second
+
+
+def test_an_unreadable_cache_file_is_replaced(tmp_path):
+    key = compile_cache.cache_key(CPU, {"model": "x"})
+    assert key != compile_cache.cache_key(CPU, {"model": "y"})
+    path = tmp_path / compile_cache.CACHE_DIRNAME / f"{key}.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"not a cache")
+    try:
+        assert "unreadable" in compile_cache.activate(str(tmp_path), key, writer=True)
+    finally:
+        compile_cache.activate(None, key, writer=False)

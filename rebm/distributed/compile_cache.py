@@ -93,11 +93,15 @@ class CompileCache:
         result = torch.compiler.save_cache_artifacts()
         if result is None:
             return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            fh.write(result[0])
-        os.replace(tmp, self.path)
+        try:  # best effort, rank 0 alone: a failed write must not stop (or desync) the run
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(result[0])
+            os.replace(tmp, self.path)
+        except OSError as err:
+            LOGGER.warning("could not write the compile cache %s (%s); the next restart "
+                           "compiles afresh", self.path, err.strerror or err)
 
 
 _ACTIVE: Optional[CompileCache] = None

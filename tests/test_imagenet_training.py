@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from rebm.eval.generation import SeedImageError, SeedImages
 from rebm.models import build_model
 from tests.fake_data import truncate_file, write_fake_imagenet, write_fake_openimage_o
 from tests.helpers import REPO, run_train
@@ -146,3 +147,11 @@ def test_one_rank_training_agrees_with_two_despite_the_corrupt_jpeg(straight, tm
         assert a["cur_outdist_steps"] == b["cur_outdist_steps"]
     assert max_param_diff(load_state(run_dir, STEPS)["model"],
                           load_state(two_rank_dir, STEPS)["model"]) < 1e-5
+
+
+def test_gaussian_seeds_are_refused_at_imagenet_size():
+    """A full covariance at 3 x 224 x 224 would need ~170 GiB: one line instead of an OOM."""
+    with pytest.raises(SeedImageError, match="data.image_size=224") as err:
+        SeedImages("gaussian", 224, 0)
+    assert "image_log.seed_images" in str(err.value) and "\n" not in str(err.value)
+    SeedImages("gaussian", 64, 0)  # still accepted at small sizes (fitted lazily, on first use)

@@ -15,7 +15,12 @@ import torch
 
 from rebm.eval.generation import SeedImageError, SeedImages
 from rebm.models import build_model
-from tests.fake_data import truncate_file, write_fake_imagenet, write_fake_openimage_o
+from tests.fake_data import (
+    imagenet_wnids,
+    truncate_file,
+    write_fake_imagenet,
+    write_fake_openimage_o,
+)
 from tests.helpers import REPO, run_train
 from tests.test_checkpoint_layouts import _robustness_file
 from tests.test_resume import assert_states_identical, comparable
@@ -25,7 +30,8 @@ pytestmark = pytest.mark.timeout(600)
 
 STEPS = 3
 N_VAL = 9  # 3 classes x 3: an odd count, so the 2-rank evaluation shards unevenly
-CORRUPT = os.path.join("train", "n01440764", "n01440764_1.JPEG")
+WNID = imagenet_wnids(3)[0]
+CORRUPT = os.path.join("train", WNID, f"{WNID}_1.JPEG")  # a training JPEG, cut in half
 # Only sizes change: tiny model, 64 px, batch 8, T and K of 1-2, a state every step, one final
 # evaluation (clean + robust accuracy over the whole val split), 3 samples, no FID.
 SIZES = ["data.num_classes=3", "data.image_size=64", "data.num_workers=0", "batch_size=8",

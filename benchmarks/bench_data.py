@@ -14,13 +14,12 @@
    this, while the cores last.
 
     .venv/bin/python benchmarks/bench_data.py [--reps 5] [--steps 20] [--dir /tmp]
-   With --resnet50-step T: for comparison, the images/s a ResNet-50 (timm) DAT step consumes on
-   this CPU at T PGD steps per negative, estimated from one measured input-gradient pass: a
-   global-batch position costs about T + K + 3 such passes (T for its negative, K = 3 for the
-   classifier's attack of the ImageNet configs, and the training forward/backward of its three
-   images) and consumes 3 images.
+   With --resnet50-step T: for comparison, the images/s a real DAT step of ResNet50ImageNet
+   (the ResNet-50 config: K = 3 for the classifier's attack, frozen BatchNorm, channels_last)
+   consumes on this CPU at T PGD steps per negative: one warm-up step, then timed steps on
+   batches decoded beforehand; it consumes 3 images per global-batch position.
 
-    .venv/bin/python benchmarks/bench_data.py --jpeg-only [--jpeg-size 224] [--resnet50-step 10]
+    .venv/bin/python benchmarks/bench_data.py --jpeg-only [--jpeg-size 224] [--resnet50-step 10 --resnet50-batch 4]
 """
 
 from __future__ import annotations
@@ -177,30 +176,51 @@ def bench_jpeg(work_dir: str, reps: int, size: int, n: int = 64) -> None:
         torch.set_num_threads(threads)
 
 
-def bench_resnet50_step(size: int, outdist_steps: int, clf_steps: int = 3, batch: int = 4) -> None:
-    import timm
+def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int = 4,
+                        timed_steps: int = 2) -> None:
+    """A real DAT step (rebm.methods.dat.step.dat_step: T-step negatives, the classifier's
+    K-step attack of the config, the fused loss forward/backward, the optimizer) of
+    ResNet50ImageNet with the ResNet-50 config's options, on batches the real pipeline decoded
+    from ImageNet-sized JPEGs beforehand (so the time is the step's alone); one warm-up step,
+    then the median of `timed_steps`. Three classes instead of 1000: the head is 0.1% of the
+    work."""
+    from rebm import distributed as rd
+    from rebm.config import load_config
+    from rebm.distributed.precision import Precision
+    from rebm.methods.dat.step import dat_step
+    from rebm.training.modeling import get_model, get_optimizer
+    from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
 
-    model = timm.create_model("resnet50", num_classes=1000).eval()
-    for param in model.parameters():
-        param.requires_grad_(False)
-    x = torch.rand(batch, 3, size, size, requires_grad=True)
-
-    def input_gradient_pass() -> None:
-        x.grad = None
-        model(x).logsumexp(1).sum().backward()
-
-    input_gradient_pass()  # warm-up
-    reps = 3
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        input_gradient_pass()
-    per_image = (time.perf_counter() - t0) / reps / batch
-    passes = outdist_steps + clf_steps + 3
-    positions_per_s = 1.0 / (passes * per_image)
-    print(f"ResNet-50 at {size} px on this CPU ({torch.get_num_threads()} threads): "
-          f"{per_image * 1e3:.0f} ms per image and input-gradient pass; a DAT step at "
-          f"T={outdist_steps} (~{passes} passes per position) consumes ~{positions_per_s:.3f} "
-          f"positions/s = {3 * positions_per_s:.3f} images/s")
+    steps = 1 + timed_steps
+    imagenet = write_fake_imagenet(os.path.join(work_dir, "ImageNet"), num_classes=3,
+                                   n_train=-(-steps * batch // 3), n_val=1, height=375, width=500)
+    openimages = write_fake_openimage_o(os.path.join(work_dir, "OpenImageO"), n=steps * batch,
+                                        height=375, width=500)
+    runtime = rd.setup_distributed(use_ddp=False)
+    cfg = load_config(os.path.join(ROOT, "experiments", "imagenet", "dat_resnet50_224px.yaml"), [
+        f"data.indist_ds_dir={imagenet}", f"data.outdist_std_dir={openimages}",
+        "data.num_classes=3", f"data.image_size={size}", "data.num_workers=0",
+        f"batch_size={batch}", "model.ckpt_path=null", "openimages_max_samples=null"])
+    plan = plan_batches(cfg, runtime.world_size)
+    torch.manual_seed(0)
+    model, raw = get_model(cfg, runtime)
+    optimizer = get_optimizer(cfg, raw.parameters())
+    data = iter(build_train_data(cfg, runtime, plan))
+    batches = [next(data) for _ in range(steps)]
+    precision = Precision(cfg.amp, runtime.device)
+    times = []
+    for micro_batches in batches:
+        t0 = time.perf_counter()
+        dat_step(model, optimizer, micro_batches, outdist_steps, cfg, plan, precision)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[1:])
+    images = 3 * batch  # in-distribution, classifier and out-distribution streams
+    print(f"ResNet50ImageNet DAT step at {size} px on this CPU ({torch.get_num_threads()} "
+          f"threads, channels_last={cfg.model.channels_last}), batch {batch}, "
+          f"T={outdist_steps}, K={cfg.indist_attack_clf.max_steps}: {step_s:.1f} s per step "
+          f"(median of {timed_steps}, after a warm-up of {times[0]:.1f} s) = "
+          f"{images / step_s:.2f} images/s over the 3 streams")
+    rd.teardown(runtime)
 
 
 def main() -> None:
@@ -214,14 +234,16 @@ def main() -> None:
     parser.add_argument("--jpeg-size", type=int, default=224, help="image_size of section 3")
     parser.add_argument("--jpeg-only", action="store_true", help="run only section 3")
     parser.add_argument("--resnet50-step", type=int, default=None, metavar="T",
-                        help="also estimate a ResNet-50 DAT step's consumption at T steps")
+                        help="also time a real ResNet-50 DAT step at T steps per negative")
+    parser.add_argument("--resnet50-batch", type=int, default=4, help="its global batch")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, "
           f"torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         if args.resnet50_step is not None:
-            bench_resnet50_step(args.jpeg_size, args.resnet50_step)
+            bench_resnet50_step(tmp, args.jpeg_size, args.resnet50_step,
+                                args.resnet50_batch)
         if args.jpeg_only:
             bench_jpeg(tmp, args.reps, args.jpeg_size)
             return

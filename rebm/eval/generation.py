@@ -46,6 +46,8 @@ LOGGER = logging.getLogger("rebm")
 SEED_PURPOSE = 2  # sample_keys salt for seed noise, distinct from attack starts and augmentation
 NOISE_SEEDS = ("noise", "lowfreq-noise", "gaussian")
 GAUSSIAN_FIT_IMAGES = 5000  # enough for a stable covariance, cheap even at CIFAR size
+# The full covariance has (3 S^2)^2 float64 entries: 1.2 GB at 64 px, 180 GB at 224 px.
+GAUSSIAN_MAX_IMAGE_SIZE = 64
 
 
 _GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitted once
@@ -138,6 +140,12 @@ class SeedImages:
         self.rand_seed = rand_seed
         self._tensor: Optional[Tensor] = None  # tensor-file seeds, loaded once
         self._folder = None  # folder seeds, decoded per index
+        if spec == "gaussian" and image_size > GAUSSIAN_MAX_IMAGE_SIZE:
+            dims = 3 * image_size * image_size
+            raise SeedImageError(
+                f"image_log.seed_images: 'gaussian' fits a full {dims} x {dims} covariance at "
+                f"data.image_size={image_size} ({dims * dims * 8 / 2**30:.0f} GiB), too large "
+                f"above {GAUSSIAN_MAX_IMAGE_SIZE} px; use noise, lowfreq-noise or a seed file")
         if spec not in NOISE_SEEDS:
             self._open(spec)
 

@@ -127,6 +127,8 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     if dataset is None:
         from rebm.data.pipeline import load_outdist
 
+        # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
+        # original's OOD evaluation applies to every out-distribution
         dataset = load_outdist(cfg, augm="none")
     items = _FirstN(dataset, num_samples)
     return DataLoader(items, batch_size=batch_size,

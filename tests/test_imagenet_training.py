@@ -40,8 +40,7 @@ SIZES = ["data.num_classes=3", "data.image_size=64", "data.num_workers=0", "batc
          "min_imgs_per_threshold=8", "n_imgs_per_metrics_log=8", "n_imgs_per_ckpt_save=8",
          "n_imgs_per_image_log=1000000", "n_imgs_per_evaluation_log=1000000",
          "image_log.log_fid=false", "image_log.adaptive_steps=false", "image_log.num_samples=3",
-         "image_log.num_steps=1", "openimages_max_samples=10", "wandb_disabled=true",
-         "model.channels_last=false"]
+         "image_log.num_steps=1", "openimages_max_samples=10", "wandb_disabled=true"]
 
 
 def _resnet_checkpoint(path):

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
+from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat
 from rebm.distributed.logs import progress
@@ -46,8 +47,7 @@ LOGGER = logging.getLogger("rebm")
 SEED_PURPOSE = 2  # sample_keys salt for seed noise, distinct from attack starts and augmentation
 NOISE_SEEDS = ("noise", "lowfreq-noise", "gaussian")
 GAUSSIAN_FIT_IMAGES = 5000  # enough for a stable covariance, cheap even at CIFAR size
-# The full covariance has (3 S^2)^2 float64 entries: 1.2 GB at 64 px, 180 GB at 224 px.
-GAUSSIAN_MAX_IMAGE_SIZE = 64
+GAUSSIAN_MAX_IMAGE_SIZE = GAUSSIAN_SEED_MAX_IMAGE_SIZE  # also checked with the config
 
 
 _GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitted once

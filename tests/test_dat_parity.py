@@ -247,7 +247,7 @@ def test_blur_kernel_size_rule():
     assert blur_kernel_size(load_config(DIGITS, ["image_log.blur_kernel_size=5"])) == 5
     for size, expected in ((16, 3), (32, 5), (64, 11), (224, 35)):
         cfg = load_config(DIGITS, ["image_log.blur_kernel_size=5", "image_log.adaptive_blur=true",
-                                   f"data.image_size={size}"])
+                                   "image_log.seed_images=noise", f"data.image_size={size}"])
         assert blur_kernel_size(cfg) == expected
 
 

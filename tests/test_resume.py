@@ -191,7 +191,10 @@ def test_sigkill_of_a_worker_ends_the_job_and_max_restarts_resumes(tmp_path):
 
 def test_stuck_rank_times_out_naming_the_rank(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=15"], run_dir)
+    # No periodic saves: around a save the longer start-up timeout applies (rank 0 may write
+    # a large state), and this test is about a rank that stops during training steps.
+    proc = _start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=15",
+                            "n_imgs_per_ckpt_save=100000"], run_dir)
     _wait_for_records(run_dir, 2, proc)
     stuck = _worker_pids(proc.pid)[1]
     os.kill(stuck, signal.SIGSTOP)

@@ -29,10 +29,17 @@ SCHEDULES = ("cosine", "constant")  # rebm.methods.at.SCHEDULES (not imported: -
 
 
 def run(cfg, runtime, args) -> dict:
-    from rebm.engine.loop import train
+    from rebm.engine.trainer import train
     from rebm.methods.at import AdversarialTraining
 
     return train(cfg, runtime, functools.partial(AdversarialTraining, schedule=args.schedule))
+
+
+def loss_streams(cfg) -> int:
+    """Micro-batches the stage-1 loss pass holds (`--check`'s memory plan)."""
+    from rebm.methods.at import AdversarialTraining
+
+    return AdversarialTraining.loss_streams(cfg)
 
 
 def require_live_batchnorm(_args, cfg) -> None:
@@ -75,7 +82,7 @@ def with_default_config(argv: Optional[List[str]]) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     return cli.run_entry(build_parser(), argv, run, prepare=require_live_batchnorm,
-                         with_default_run_dir=True)
+                         loss_streams=loss_streams)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,21 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from rebm.config import TrainConfig, plan_batches  # noqa: E402
-from rebm.data import build_train_data, load_indist, outdist_source  # noqa: E402
+from rebm.data import (  # noqa: E402
+    CLASSIFIER,
+    INDIST,
+    OUTDIST,
+    build_train_data,
+    load_indist,
+    outdist_source,
+)
 from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
 from rebm.data.imagenet import FullImageSource, PathTable, decode_rgb  # noqa: E402
 from rebm.data.sampling import StreamSchedule  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
 from tests.fake_data import write_fake_cifar10  # noqa: E402
 
+STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # the three streams DAT reads
 TINY_RECORDS = 80_000_000
 
 
@@ -78,7 +86,7 @@ def bench_augmentation(root: str, reps: int, batch: int = 256) -> float:
 
 def bench_loader(root: str, workers: int, reps: int, steps: int, batch_size: int) -> tuple:
     cfg = make_cfg(root, batch_size, workers)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     rates = []
     for _ in range(reps):
         loader = iter(data)
@@ -111,7 +119,7 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         assert images.shape == (batch_size, 3, 32, 32)
 
         t0 = time.perf_counter()
-        data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), start_step=123_456)
+        data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=123_456)
         next(iter(data))
         t_all = time.perf_counter() - t0
         rss_all = rss_bytes() - rss0
@@ -187,7 +195,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm import distributed as rd
     from rebm.config import load_config
     from rebm.distributed.precision import Precision
-    from rebm.methods.dat.step import dat_step
+    from rebm.methods.dat.step import DAT, dat_step
     from rebm.training.modeling import get_model, get_optimizer
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
 
@@ -205,7 +213,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     torch.manual_seed(0)
     model, raw = get_model(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
-    data = iter(build_train_data(cfg, runtime, plan))
+    data = iter(build_train_data(cfg, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]
     precision = Precision(cfg.amp, runtime.device)
     times = []

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 from rebm.config import (
-    DAT_LOSS_STREAMS,
+    BatchPlan,
     ConfigError,
     TrainConfig,
     default_run_dir,
@@ -73,20 +73,23 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
 GPU_MEM_KEY = "gpu_mem_gib"
 
 
-def memory_plan_lines(cfg: TrainConfig, world_size: int, micro_batch: int, eval_batch: int,
+LossStreams = Callable[[TrainConfig], int]
+
+
+def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
                       gpu_mem_gib: Optional[float] = None) -> List[str]:
-    """The per-device memory plan (rebm.models.memory) of a training run of `cfg`: the model is
-    built on this CPU and one tiny batch goes through it at data.image_size. The largest pass is
-    DAT's fused loss forward: in-dist, negatives and classifier stream, plus the clean out-dist
-    one when it is weighted."""
+    """The per-device memory plan (rebm.models.memory) of a training run of `cfg` whose loss
+    pass holds `streams` micro-batches (the method's `loss_streams`, e.g. DAT's fused forward
+    over in-dist, negatives and classifier stream, plus clean out-dist when weighted): the
+    model is built on this CPU and one tiny batch goes through it at data.image_size."""
     from rebm.models import model_from_config
     from rebm.models.memory import GIB, plan_memory, uninitialised_copy
 
-    streams = DAT_LOSS_STREAMS + (1 if (cfg.clf_outdist_weight or 0) > 0 else 0)
+    world_size, micro_batch = batches.world_size, batches.per_device_batch_size
     model = uninitialised_copy(lambda: model_from_config(cfg))
     plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
                        cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
-                       eval_batch=eval_batch)
+                       eval_batch=batches.eval_batch_size)
     lines = [f"# memory plan per device (world size {world_size}, micro-batch {micro_batch} x "
              f"{streams} streams, {cfg.data.image_size} px, {cfg.model.model_type}):"]
     lines += plan.lines()
@@ -97,11 +100,15 @@ def memory_plan_lines(cfg: TrainConfig, world_size: int, micro_batch: int, eval_
     return lines
 
 
-def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None) -> int:
+def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
+                 loss_streams: Optional[LossStreams] = None) -> int:
     """--check: validate what can be validated here, print the resolved YAML and the memory plan
-    (`gpu_mem_gib`: also the largest micro-batch that fits a device of that size), exit 0."""
+    (`gpu_mem_gib`: also the largest micro-batch that fits a device of that size) of a training
+    entry's method (`loss_streams`), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = plan_batches(cfg, world_size)
+    streams = loss_streams(cfg) if loss_streams is not None else None
+    plan = (plan_batches(cfg, world_size) if streams is None
+            else plan_batches(cfg, world_size, streams))
     for problem in environment_warnings(cfg):
         print(f"warning: {problem}", file=sys.stderr)
     for key in ignored_fields_set(cfg):
@@ -114,9 +121,9 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None) -> int:
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
         f"{plan.accumulation_steps} accumulation step(s) x {world_size} = {plan.global_batch_size}"
     )
-    for line in memory_plan_lines(cfg, world_size, plan.per_device_batch_size,
-                                  plan.eval_batch_size, gpu_mem_gib):
-        print(line)
+    if streams is not None:
+        for line in memory_plan_lines(cfg, plan, streams, gpu_mem_gib):
+            print(line)
     return 0
 
 
@@ -164,18 +171,19 @@ Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
 
 def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
               prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None,
-              with_default_run_dir: bool = False) -> int:
+              loss_streams: Optional[LossStreams] = None) -> int:
     """The shared body of the entry points: parse, load and validate the config (`prepare` adds
     the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
-    process, or in `args.nproc` spawned ones when the parser has `--nproc`. `with_default_run_dir`
-    (training): a config without `run_dir` gets the deterministic default. A user-fixable error
-    anywhere is one line and exit code 2."""
+    process, or in `args.nproc` spawned ones when the parser has `--nproc`. A training entry
+    gives its method's `loss_streams`: `--check` prints that method's memory plan, and a config
+    without `run_dir` gets the deterministic default. A user-fixable error anywhere is one line
+    and exit code 2."""
     with user_errors_exit():
-        args, cfg = parse_and_load(parser, argv, with_default_run_dir)
+        args, cfg = parse_and_load(parser, argv, with_default_run_dir=loss_streams is not None)
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
-            return check_config(cfg, args.gpu_mem_gib)
+            return check_config(cfg, args.gpu_mem_gib, loss_streams)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:

@@ -27,6 +27,7 @@ from rebm.data.pipeline import (
 )
 from rebm.data.sampling import KeyedPermutation, rank_positions
 from rebm.data.sources import TinyImagesSource
+from rebm.data.streams import CLASSIFIER, INDIST, OUTDIST
 from rebm.distributed import Runtime
 from tests.fake_data import (
     write_fake_cifar10,
@@ -37,6 +38,7 @@ from tests.fake_data import (
 )
 
 N_TRAIN = 120  # 120 / 24 = 5 steps per epoch
+STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # DAT's three streams
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +71,13 @@ def step_pairs(cfg: TrainConfig, step: int, rank: int = 0, world_size: int = 1,
     cfg.per_device_batch_size = per_device
     plan = plan_batches(cfg, world_size)
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-    micro_batches = build_train_data(cfg, runtime, plan).step_batch(step)
+    micro_batches = build_train_data(cfg, runtime, plan, STREAMS).step_batch(step)
     assert len(micro_batches) == plan.accumulation_steps
     pairs = {"in": [], "clf": [], "out": []}
     for mb in micro_batches:
-        assert mb.x_in.shape[0] == plan.per_device_batch_size
-        for name, x, idx in (("in", mb.x_in, mb.index_in), ("clf", mb.x_c, mb.index_c),
-                             ("out", mb.x_out, mb.index_out)):
+        assert mb["in"].images.shape[0] == plan.per_device_batch_size
+        for name, x, idx in (("in", mb["in"].images, mb["in"].indices), ("clf", mb["clf"].images, mb["clf"].indices),
+                             ("out", mb["out"].images, mb["out"].indices)):
             pairs[name] += [(int(i), image_hash(img)) for i, img in zip(idx, x, strict=True)]
     return pairs
 
@@ -145,11 +147,11 @@ def test_global_batch_is_identical_on_1_2_3_ranks(cifar_root):
 def test_worker_count_does_not_change_batches(cifar_root):
     cfg = make_cfg(cifar_root, num_workers=2)
     plan = plan_batches(cfg, 1)
-    with_workers = build_train_data(cfg, Runtime(), plan, start_step=3)
+    with_workers = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=3)
     assert with_workers._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
-    in_process = build_train_data(make_cfg(cifar_root), Runtime(), plan, start_step=3)
+    in_process = build_train_data(make_cfg(cifar_root), Runtime(), plan, STREAMS, start_step=3)
     for a, b in zip(iter(with_workers), [in_process.step_batch(s) for s in (3, 4, 5)], strict=False):
-        assert torch.equal(a[0].x_c, b[0].x_c) and torch.equal(a[0].index_out, b[0].index_out)
+        assert torch.equal(a[0]["clf"].images, b[0]["clf"].images) and torch.equal(a[0]["out"].indices, b[0]["out"].indices)
 
 
 def _rank_main(local_rank: int, world_size: int, port: int, root: str, out_path: str,
@@ -164,9 +166,9 @@ def _rank_main(local_rank: int, world_size: int, port: int, root: str, out_path:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(root)
-    mb, = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size)).step_batch(step)
-    mine = [(int(i), image_hash(x)) for i, x in zip(mb.index_c, mb.x_c, strict=True)]
-    mine += [(int(i), image_hash(x)) for i, x in zip(mb.index_in, mb.x_in, strict=True)]
+    mb, = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size), STREAMS).step_batch(step)
+    mine = [(int(i), image_hash(x)) for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
+    mine += [(int(i), image_hash(x)) for i, x in zip(mb["in"].indices, mb["in"].images, strict=True)]
     gathered = [None] * runtime.world_size
     dist.all_gather_object(gathered, mine)
     if runtime.rank == 0:
@@ -221,18 +223,18 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
 # --------------------------------------------------------------------------------------------
 def _orders(cfg, steps) -> list:
     """Per step: {stream: dataset indices} of the single-process global batch."""
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     orders = []
     for step in steps:
         mb, = data.step_batch(step)
-        orders.append({"in": mb.index_in.tolist(), "clf": mb.index_c.tolist(),
-                       "out": mb.index_out.tolist()})
+        orders.append({"in": mb["in"].indices.tolist(), "clf": mb["clf"].indices.tolist(),
+                       "out": mb["out"].indices.tolist()})
     return orders
 
 
 def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     assert data.steps_per_epoch == N_TRAIN // cfg.batch_size == 5
     assert data.epoch_of(4) == 0 and data.epoch_of(5) == 1
     orders = _orders(cfg, range(10))
@@ -248,11 +250,11 @@ def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
 
 def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     images = {}
     for step in range(10):  # two epochs: every index once per epoch
         mb, = data.step_batch(step)
-        for i, x in zip(mb.index_c.tolist(), mb.x_c, strict=True):
+        for i, x in zip(mb["clf"].indices.tolist(), mb["clf"].images, strict=True):
             images.setdefault(i, []).append(image_hash(x))
     assert all(len(h) == 2 for h in images.values())
     assert sum(h[0] != h[1] for h in images.values()) > 100
@@ -266,20 +268,22 @@ def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
 def test_resume_yields_the_same_batches(cifar_root):
     cfg = make_cfg(cifar_root)
     plan = plan_batches(cfg, 1)
-    through = iter(build_train_data(cfg, Runtime(), plan))
+    through = iter(build_train_data(cfg, Runtime(), plan, STREAMS))
     batches = [next(through) for _ in range(9)]
-    resumed = iter(build_train_data(cfg, Runtime(), plan, start_step=6))
+    resumed = iter(build_train_data(cfg, Runtime(), plan, STREAMS, start_step=6))
     for expected in batches[6:]:
         got = next(resumed)
-        for name in ("x_in", "y_in", "x_c", "y_c", "x_out", "key_in", "key_c", "key_out"):
-            assert torch.equal(getattr(got[0], name), getattr(expected[0], name)), name
+        for stream in ("in", "clf", "out"):
+            for name in ("images", "labels", "keys", "indices"):
+                assert torch.equal(getattr(got[0][stream], name),
+                                   getattr(expected[0][stream], name)), (stream, name)
 
 
 def test_loading_leaves_the_global_rng_alone(cifar_root):
     cfg = make_cfg(cifar_root, outdist_dataset="lowfreq-noise")
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    next(iter(build_train_data(cfg, Runtime(), plan_batches(cfg, 1), start_step=2)))
+    next(iter(build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=2)))
     next(iter(build_eval_data(cfg, Runtime(), batch_size=8)))
     assert torch.equal(torch.get_rng_state(), state)
 
@@ -290,7 +294,7 @@ def test_resume_is_o1(cifar_root, monkeypatch):
     reads = []
 
     def timed_first_batch(start_step):
-        data = build_train_data(cfg, Runtime(), plan, start_step=start_step)
+        data = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=start_step)
         original = data._dataset.ebm.source.images
         monkeypatch.setattr(data._dataset.ebm.source, "images",
                             lambda idx: reads.append(len(idx)) or original(idx))
@@ -302,7 +306,7 @@ def test_resume_is_o1(cifar_root, monkeypatch):
     reads.clear()
     t_small, _ = timed_first_batch(10)
     t_large, batch = timed_first_batch(10_000)
-    assert batch[0].step == 10_000 and batch[0].epoch_in == 10_000 // 5
+    assert batch[0].step == 10_000 and batch[0]["in"].epoch == 10_000 // 5
     assert reads == [24, 24] * 2  # in + clf streams, one step each run: nothing replayed
     assert t_large < 3 * t_small + 0.5
 
@@ -360,10 +364,10 @@ def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
     assert len(out) == 296
     kept = np.setdiff1d(np.arange(300), excluded)
     assert np.array_equal(out.record_numbers(np.arange(296)), kept)
-    mb, = build_train_data(cfg, Runtime(), plan_batches(cfg, 1)).step_batch(2)
-    records = out.record_numbers(mb.index_out.numpy())
+    mb, = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS).step_batch(2)
+    records = out.record_numbers(mb["out"].indices.numpy())
     assert not np.isin(records, excluded).any()
-    assert torch.equal(mb.x_out, torch.from_numpy(chw[records]).float() / 255)
+    assert torch.equal(mb["out"].images, torch.from_numpy(chw[records]).float() / 255)
 
 
 def test_noise_outdist_is_deterministic(cifar_root):

@@ -27,6 +27,7 @@ from rebm.data.pipeline import (
     load_outdist,
     outdist_augmentation,
 )
+from rebm.data.streams import CLASSIFIER, INDIST, OUTDIST
 from rebm.distributed import Runtime
 from tests.fake_data import (
     imagenet_wnids,
@@ -35,6 +36,8 @@ from tests.fake_data import (
     write_fake_openimage_o,
     write_image_folder,
 )
+
+STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # DAT's three streams
 
 CLASSES, N_TRAIN, N_VAL = 3, 4, 3  # 12 training images: 2 steps per epoch at batch 6
 
@@ -78,7 +81,7 @@ def make_cfg(roots, size: int = 32, **top) -> TrainConfig:
 
 def rank_batches(cfg, step: int, rank: int, world_size: int):
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-    return build_train_data(cfg, runtime, plan_batches(cfg, world_size)).step_batch(step)
+    return build_train_data(cfg, runtime, plan_batches(cfg, world_size), STREAMS).step_batch(step)
 
 
 def global_batch(cfg, step: int, world_size: int):
@@ -87,9 +90,9 @@ def global_batch(cfg, step: int, world_size: int):
     for rank in range(world_size):
         for mb in rank_batches(cfg, step, rank, world_size):
             replaced += mb.replaced
-            for name, x, y, idx in (("in", mb.x_in, mb.y_in, mb.index_in),
-                                    ("clf", mb.x_c, mb.y_c, mb.index_c),
-                                    ("out", mb.x_out, None, mb.index_out)):
+            for name, x, y, idx in (("in", mb["in"].images, mb["in"].labels, mb["in"].indices),
+                                    ("clf", mb["clf"].images, mb["clf"].labels, mb["clf"].indices),
+                                    ("out", mb["out"].images, None, mb["out"].indices)):
                 labels = [-1] * len(idx) if y is None else y.tolist()
                 union[name] += [(int(i), lab, img.numpy().tobytes())
                                 for i, lab, img in zip(idx, labels, x, strict=True)]
@@ -206,7 +209,7 @@ def test_corrupt_jpeg_replaced_identically_and_counted(corrupt_roots, caplog):
         total[2] += total_2
     assert total == {1: 2, 2: 2}  # met once by the EBM stream and once by the classifier's
     # the replacement is the next index (same class here), so its label comes with it
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     with caplog.at_level(logging.WARNING):
         for step in range(4):  # two epochs: counted every time, logged once
             data.step_batch(step)
@@ -219,15 +222,15 @@ def test_workers_decode_and_resume_is_exact(corrupt_roots):
     cfg = make_cfg(corrupt_roots)
     cfg.data.num_workers = 2
     plan = plan_batches(cfg, 1)
-    resumed = build_train_data(cfg, Runtime(), plan, start_step=1)
+    resumed = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=1)
     assert resumed._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
     direct = make_cfg(corrupt_roots)
-    fresh = build_train_data(direct, Runtime(), plan)
+    fresh = build_train_data(direct, Runtime(), plan, STREAMS)
     got = [group for _, group in zip(range(3), resumed, strict=False)]  # no 4th step read
     for step, group in zip((1, 2, 3), got, strict=True):
         want = fresh.step_batch(step)[0]
-        assert torch.equal(group[0].x_c, want.x_c) and torch.equal(group[0].x_out, want.x_out)
-        assert torch.equal(group[0].y_in, want.y_in) and group[0].replaced == want.replaced
+        assert torch.equal(group[0]["clf"].images, want["clf"].images) and torch.equal(group[0]["out"].images, want["out"].images)
+        assert torch.equal(group[0]["in"].labels, want["in"].labels) and group[0].replaced == want.replaced
     assert resumed.replaced_images == sum(g[0].replaced for g in got) >= 1
 
 
@@ -294,7 +297,7 @@ def test_metrics_hook_for_replaced_images(corrupt_roots):
     from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
 
     cfg = make_cfg(corrupt_roots)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1))
+    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
     window = MetricsWindow()
     for step in (0, 1):  # one epoch: the truncated file is met twice (EBM + classifier stream)
         add_data_counts(window, data.step_batch(step))
@@ -317,14 +320,14 @@ def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: st
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(roots)
-    data = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size))
+    data = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size), STREAMS)
     window, images = MetricsWindow(), []
     for step in (0, 1):
         batches = data.step_batch(step)
         add_data_counts(window, batches)
         window.add({"n": 1.0})
         images += [(int(i), x.numpy().tobytes()) for mb in batches
-                   for i, x in zip(mb.index_c, mb.x_c, strict=True)]
+                   for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
     counts = pop_data_counts(window.global_sums(runtime))
     gathered = [None] * runtime.world_size
     torch.distributed.all_gather_object(gathered, images)
@@ -348,7 +351,7 @@ def test_two_real_ranks_count_and_read_like_one(corrupt_roots, tmp_path):
     assert counts == {"data_replaced_images": 2.0}  # as one process counts (test above)
     single = [(int(i), x.numpy().tobytes()) for step in (0, 1)
               for mb in rank_batches(make_cfg(corrupt_roots), step, 0, 1)
-              for i, x in zip(mb.index_c, mb.x_c, strict=True)]
+              for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
     assert sorted(gathered[0] + gathered[1]) == sorted(single)
 
 

@@ -13,7 +13,7 @@ from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat import step as step_module
-from rebm.methods.dat.step import dat_step
+from rebm.methods.dat.step import DAT, dat_step
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ def _step(cfg, runtime, monkeypatch=None):
     torch.manual_seed(0)
     model, raw = get_model(cfg, runtime)
     plan = plan_batches(cfg, 1)
-    batches = next(iter(build_train_data(cfg, Runtime(), plan)))
+    batches = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
     attacked = []
     if monkeypatch is not None:
         real = step_module.pgd_from_config
@@ -50,7 +50,9 @@ def test_attacks_go_through_data_parallel_and_give_the_same_step(monkeypatch):
     plain, _, plain_params = _step(cfg, Runtime())
     dp, attacked, dp_params = _step(cfg, Runtime(data_parallel=True), monkeypatch)
     assert attacked and all(isinstance(m, torch.nn.DataParallel) for m in attacked)
-    assert torch.equal(plain.x_adv, dp.x_adv) and torch.equal(plain.x_c_adv, dp.x_c_adv)
+    assert torch.equal(plain.previews["train_adv"], dp.previews["train_adv"])
+    for name in plain.scores:
+        assert torch.equal(plain.scores[name], dp.scores[name]), name
     for name in plain.losses:
         assert torch.equal(plain.losses[name], dp.losses[name]), name
     assert all(torch.equal(a, b) for a, b in zip(plain_params, dp_params, strict=True))

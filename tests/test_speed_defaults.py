@@ -15,7 +15,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
-from rebm.methods.dat.step import dat_step
+from rebm.methods.dat.step import DAT, dat_step
 from rebm.training.modeling import get_model, get_optimizer
 from tests.helpers import REPO, base_env, run_command
 
@@ -86,7 +86,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     model = torch.compile(raw, backend="eager")
     optimizer = get_optimizer(cfg, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
-    batches = iter(build_train_data(cfg, runtime, plan))
+    batches = iter(build_train_data(cfg, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []
     for T in (1, 1, 2, 3):
@@ -99,11 +99,13 @@ CACHE_PROBE = """
 import sys, torch
 from torch._dynamo.utils import counters
 from rebm.distributed import compile_cache
-print(compile_cache.activate(sys.argv[1], compile_cache.cache_key(torch.device('cpu'), {}), True))
+cache, phrase = compile_cache.open_cache(
+    sys.argv[1], compile_cache.cache_key(torch.device('cpu'), {}), True)
+print(phrase)
 model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                           torch.nn.Linear(16, 2)))
 model(torch.rand(4, 8)).sum().backward()
-compile_cache.after_step()
+cache.after_step()
 print('hits', counters['inductor']['fxgraph_cache_hit'], counters['aot_autograd']['autograd_cache_hit'])
 """
 
@@ -136,7 +138,4 @@ def test_an_unreadable_cache_file_is_replaced(tmp_path):
     path = tmp_path / compile_cache.CACHE_DIRNAME / f"{key}.bin"
     path.parent.mkdir()
     path.write_bytes(b"not a cache")
-    try:
-        assert "unreadable" in compile_cache.activate(str(tmp_path), key, writer=True)
-    finally:
-        compile_cache.activate(None, key, writer=False)
+    assert "unreadable" in compile_cache.open_cache(str(tmp_path), key, writer=True)[1]

@@ -20,7 +20,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
 from rebm.methods.dat.objective import dat_loss
-from rebm.methods.dat.step import dat_step
+from rebm.methods.dat.step import DAT, dat_step
 from rebm.models import build_model
 from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
 
@@ -91,7 +91,7 @@ def test_dat_step_runs_under_each_precision(amp):
     precision = Precision(cfg.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
     before = [p.detach().clone() for p in raw.parameters()]
-    batches = next(iter(build_train_data(cfg, runtime, plan)))
+    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
     for _ in range(2):
         metrics = dat_step(model, optimizer, batches, 2, cfg, plan, precision)
         assert metrics.finite
@@ -187,7 +187,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
 
     monkeypatch.setattr(step_module, "pgd_from_config", record)
     plan = plan_batches(cfg, 1)
-    batch = next(iter(build_train_data(cfg, Runtime(), plan)))
+    batch = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):
         dat_step(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
                  Precision("none", torch.device("cpu")))

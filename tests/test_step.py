@@ -9,7 +9,7 @@ from rebm import distributed as rd
 from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
-from rebm.methods.dat.step import dat_step
+from rebm.methods.dat.step import DAT, dat_step
 from rebm.training.modeling import get_model, get_optimizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,7 +28,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
     model.register_forward_pre_hook(lambda *_: wrapper_calls.append(1))
     raw.register_forward_pre_hook(lambda *_: raw_calls.append(1))
     optimizer = get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, runtime, plan)))
+    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
     metrics = dat_step(model, optimizer, batches, 2, cfg, plan, Precision("none", runtime.device))
     params = torch.cat([p.detach().flatten() for p in raw.parameters()])
     with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:

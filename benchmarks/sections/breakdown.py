@@ -14,10 +14,11 @@ from rebm import distributed as rd
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data import build_train_data
 from rebm.distributed.parallel import micro_step_sync
-from rebm.engine.loop import log_metrics, save_training_state
+from rebm.engine.metrics import MetricsWindow
+from rebm.engine.saving import save_training_state
 from rebm.engine.tracking import Tracker
 from rebm.methods.base import MicroOutput, StepResult, mean_terms
-from rebm.methods.dat import dat_loss
+from rebm.methods.dat import DAT, dat_loss
 from sections.common import (
     Bench,
     Stopwatch,
@@ -46,23 +47,23 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
         batch = batch.to(bench.runtime.device)
     attacked.eval()
     with watch("neg_attack"), precision.autocast():
-        x_adv = pgd_from_config(attacked, batch.x_out, cfg.attack, steps=method.curriculum.T,
-                                y=batch.y_in,
+        x_adv = pgd_from_config(attacked, batch["out"].images, cfg.attack, steps=method.curriculum.T,
+                                y=batch["in"].labels,
                                 objective="lse" if cfg.logsumexp_sampling else "logit",
-                                random_start_keys=batch.key_out)
+                                random_start_keys=batch["out"].keys)
     with watch("clf_attack"), precision.autocast():
-        x_c_adv = pgd_from_config(attacked, batch.x_c, cfg.indist_attack_clf, objective="ce",
-                                  y=batch.y_c, random_start_keys=batch.key_c)
+        x_c_adv = pgd_from_config(attacked, batch["clf"].images, cfg.indist_attack_clf, objective="ce",
+                                  y=batch["clf"].labels, random_start_keys=batch["clf"].keys)
     keep: Dict[str, torch.Tensor] = {"x_adv": x_adv.detach()}
     with watch("fwd_bwd"):
         if not method.frozen_bn:
-            keep["in"], keep["adv"] = _fy(attacked, batch.x_in, batch.y_in), _fy(
-                attacked, x_adv, batch.y_in)
+            keep["in"], keep["adv"] = _fy(attacked, batch["in"].images, batch["in"].labels), _fy(
+                attacked, x_adv, batch["in"].labels)
         parts.model.train()
         with micro_step_sync(parts.model, last=last):
             with precision.autocast():
-                losses = dat_loss(parts.model, batch.x_in, batch.y_in, x_adv, x_c_adv, batch.y_c,
-                                  batch.x_out, weights=method.weights, logsumexp=cfg.logsumexp,
+                losses = dat_loss(parts.model, batch["in"].images, batch["in"].labels, x_adv, x_c_adv, batch["clf"].labels,
+                                  batch["out"].images, weights=method.weights, logsumexp=cfg.logsumexp,
                                   r1reg=cfg.r1reg, fused=method.frozen_bn)
             precision.backward(losses.loss / bench.plan.accumulation_steps)
     if method.frozen_bn:
@@ -90,7 +91,7 @@ def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
     result = StepResult(
         loss=sum(terms.values()), losses=terms,
         window={**{name: float(value) for name, value in terms.items()}, "n": 1.0},
-        x_adv=outputs[0].keep["x_adv"],
+        previews={"train_adv": outputs[0].keep["x_adv"]},
         scores={k: torch.cat([o.keep[k] for o in outputs]).float() for k in ("in", "adv")})
     with watch("bookkeeping"):
         parts.progress.step += 1
@@ -102,12 +103,17 @@ def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
 
 def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatch) -> None:
     """The loop's metrics log, image grid and checkpoint, each once."""
-    with watch("metrics_log"):
-        log_metrics(bench.parts, result, bench.plan, bench.runtime, tracker, 0)
+    parts, runtime = bench.parts, bench.runtime
+    with watch("metrics_log"):  # Trainer.log: the window's global sums, the method's summary
+        totals = parts.progress.window.global_sums(runtime)
+        tracker.log(parts.progress.step, bench.plan.images(parts.progress.step), 0,
+                    {**parts.method.summarize(totals), **result.stats})
+        parts.progress.window = MetricsWindow()
     with watch("image_log"):
-        tracker.save_grid(result.x_adv, f"bench_{rep:03d}.png")
+        tracker.save_grid(result.previews["train_adv"], f"bench_{rep:03d}.png",
+                          parts.progress.step)
     with watch("checkpoint"):
-        save_training_state(bench.parts, bench.cfg, bench.runtime, tracker)
+        save_training_state(parts, bench.cfg, runtime)
 
 
 def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:
@@ -129,7 +135,7 @@ def section_breakdown(args) -> dict:
     bench = single_process(args)
     os.makedirs(bench.cfg.run_dir, exist_ok=True)
     tracker = Tracker(bench.cfg, bench.runtime, bench.cfg.run_dir)
-    batches = iter(build_train_data(bench.cfg, bench.runtime, bench.plan, start_step=0))
+    batches = iter(build_train_data(bench.cfg, bench.runtime, bench.plan, DAT.streams, start_step=0))
     pieces: Dict[str, List[float]] = {}
     full: List[float] = []
     for rep in range(args.warmup + args.reps):

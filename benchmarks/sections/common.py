@@ -23,7 +23,6 @@ import torch  # noqa: E402
 from rebm import distributed as rd  # noqa: E402
 from rebm.config import BatchPlan, TrainConfig, load_config, plan_batches  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
-from rebm.engine.loop import train_one_step  # noqa: E402
 from rebm.engine.parts import Parts, build_parts  # noqa: E402
 from rebm.methods.base import StepContext  # noqa: E402
 from rebm.methods.dat import DAT  # noqa: E402
@@ -156,7 +155,7 @@ def make_config(name: str, workdir: str, overrides: Sequence[str] = (), device: 
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Bench:
-    """One process's training setup, as rebm.engine.loop.train builds it (method: DAT)."""
+    """One process's training setup, as rebm.engine.trainer.Trainer builds it (method: DAT)."""
 
     cfg: TrainConfig
     runtime: Runtime
@@ -170,9 +169,9 @@ def build(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> P
 
 
 def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
-    plan = plan_batches(cfg, runtime.world_size, DAT.loss_streams)
+    plan = plan_batches(cfg, runtime.world_size, DAT.loss_streams(cfg))
     parts = build(cfg, runtime)
-    return Bench(cfg, runtime, plan, parts, parts.context(cfg, plan))
+    return Bench(cfg, runtime, plan, parts, parts.context(plan))
 
 
 def single_process(args, overrides: Sequence[str] = ()) -> Bench:
@@ -185,8 +184,8 @@ def single_process(args, overrides: Sequence[str] = ()) -> Bench:
 
 
 def loop_step(bench: Bench, micro_batches) -> Dict[str, float]:
-    """What rebm.engine.loop.train does per step after `next(batches)`: the log_now rule,
-    `train_one_step` (DAT.step, EMA, global AUCs, curriculum, metrics window) and the consensus
+    """What Trainer.fit does per step after `next(batches)`: the log_now rule,
+    `Parts.train_step` (DAT.step, EMA, global AUCs, curriculum, metrics window) and the consensus
     all-reduce. Returns seconds: {"dat_step" (DAT.step, timed inside), "total"}."""
     parts, runtime, plan = bench.parts, bench.runtime, bench.plan
     inner: Dict[str, float] = {}
@@ -198,7 +197,7 @@ def loop_step(bench: Bench, micro_batches) -> Dict[str, float]:
 
     def step() -> Dict[str, bool]:
         log_now = plan.crossed(bench.cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
-        result = train_one_step(parts, bench.ctx, micro_batches, runtime, log_now)
+        result = parts.train_step(bench.ctx, micro_batches, runtime, log_now)
         return rd.consensus(runtime, preempt=False, nonfinite=not result.finite)
 
     parts.method.step = timed_method_step  # the loop's own call, timed from inside
@@ -224,7 +223,7 @@ def prefetch(bench: Bench, n: int) -> List[list]:
     """The micro-batches of steps 0..n-1, built up front and already on the device."""
     from rebm.data import build_train_data
 
-    data = build_train_data(bench.cfg, bench.runtime, bench.plan)
+    data = build_train_data(bench.cfg, bench.runtime, bench.plan, DAT.streams)
     return [[mb.to(bench.runtime.device) for mb in data.step_batch(s)] for s in range(n)]
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from rebm import distributed as rd
 from rebm.distributed.collectives import _comm_device
-from rebm.methods.dat import dat_loss
+from rebm.methods.dat import DAT, dat_loss
 from sections.common import (
     Bench,
     describe,
@@ -40,8 +40,8 @@ def _comm_timings(bench: Bench, batch, reps: int) -> Dict[str, float]:
         parts.optimizer.zero_grad(set_to_none=True)
         model.train()
         with contextlib.nullcontext() if synced else model.no_sync():
-            losses = dat_loss(model, batch.x_in, batch.y_in, batch.x_out, batch.x_c, batch.y_c,
-                              batch.x_out, weights=method.weights, logsumexp=cfg.logsumexp,
+            losses = dat_loss(model, batch["in"].images, batch["in"].labels, batch["out"].images, batch["clf"].images, batch["clf"].labels,
+                              batch["out"].images, weights=method.weights, logsumexp=cfg.logsumexp,
                               r1reg=cfg.r1reg, fused=method.frozen_bn)
             losses.loss.backward()
 
@@ -90,7 +90,7 @@ def _ddp_worker(opts: dict) -> None:
         bench = setup(make_config(opts["config"], opts["workdir"], opts["set"], opts["device"]),
                       runtime)
         cfg, plan = bench.cfg, bench.plan
-        data = build_train_data(cfg, runtime, plan)
+        data = build_train_data(cfg, runtime, plan, DAT.streams)
         step_times, data_times = _ddp_steps(bench, data, opts)
         comm = {}
         if runtime.distributed:

@@ -41,13 +41,13 @@ def step_gflop(raw_model: torch.nn.Module, batch, T: int, K: int) -> Dict[str, f
     from torch.utils.flop_counter import FlopCounterMode
 
     model = copy.deepcopy(raw_model).eval()
-    x = batch.x_in.clone().requires_grad_(True)
+    x = batch["in"].images.clone().requires_grad_(True)
     with FlopCounterMode(display=False) as counter:
         model(x).logsumexp(1).sum().backward(inputs=[x])  # only the input gradient, like PGD
     attack = counter.get_total_flops() / 1e9
     model.train()
     with FlopCounterMode(display=False) as counter:
-        model(torch.cat([batch.x_in, batch.x_out, batch.x_c])).logsumexp(1).sum().backward()
+        model(torch.cat([batch["in"].images, batch["out"].images, batch["clf"].images])).logsumexp(1).sum().backward()
     loss_pass = counter.get_total_flops() / 1e9
     return {"attack_step_gflop": attack, "loss_pass_gflop": loss_pass,
             "step_gflop": (T + K) * attack + loss_pass}

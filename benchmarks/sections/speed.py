@@ -138,7 +138,7 @@ def section_evalshare(args) -> dict:
     loop_step(bench, batches[0])
     b = bench.cfg.batch_size
     train = median([loop_step(bench, mb)["total"] for mb in batches[1:]]) / b
-    x, y = batches[0][0].x_in, batches[0][0].y_in
+    x, y = batches[0][0]["in"].images, batches[0][0]["in"].labels
     model.eval()
     with torch.no_grad():
         forward = _per_image(lambda: model(x), b, args.reps, device)

@@ -3,8 +3,8 @@ and `checkpoint` (save_training_state of a training state; training is blocked f
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from types import SimpleNamespace
 from typing import Dict, List
 
 import torch
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from rebm.checkpoint.state import agree_on_resume, list_states, read_state
 from rebm.data import build_train_data
-from rebm.engine.loop import save_training_state
+from rebm.engine.saving import save_training_state
+from rebm.methods.dat import DAT
 from sections.common import (
     Bench,
     build,
@@ -26,9 +27,9 @@ RESUME_STEPS = (10, 10_000)
 
 
 def _save(bench: Bench, run_dir: str) -> None:
-    """The training state of the current step into run_dir, written as the loop writes it (of
-    the tracker it reads the run dir alone)."""
-    save_training_state(bench.parts, bench.cfg, bench.runtime, SimpleNamespace(run_dir=run_dir))
+    """The training state of the current step into run_dir, written as the loop writes it."""
+    save_training_state(bench.parts, dataclasses.replace(bench.cfg, run_dir=run_dir),
+                        bench.runtime)
 
 
 def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, float]:
@@ -42,7 +43,7 @@ def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, flo
     assert fresh.progress.step == k
 
     def first_batch():
-        return next(iter(build_train_data(cfg, runtime, bench.plan, start_step=k)))
+        return next(iter(build_train_data(cfg, runtime, bench.plan, DAT.streams, start_step=k)))
 
     batch, t_data = timed(first_batch)
     assert batch[0].step == k

@@ -74,15 +74,15 @@ class MinimalDAT:
         cfg, model = self.cfg, self.model
         model.eval()
         a, c = cfg.attack, cfg.indist_attack_clf
-        x_adv = self.pgd(batch.x_out, batch.y_in, T, a.step_size, a.eps, ce=False)
-        x_c = self.pgd(batch.x_c, batch.y_c, c.max_steps, c.step_size, c.eps, ce=True)
+        x_adv = self.pgd(batch["out"].images, batch["in"].labels, T, a.step_size, a.eps, ce=False)
+        x_c = self.pgd(batch["clf"].images, batch["clf"].labels, c.max_steps, c.step_size, c.eps, ce=True)
         model.train()
-        b = batch.x_in.shape[0]
-        logits = model(torch.cat([batch.x_in, x_adv, x_c]))
+        b = batch["in"].images.shape[0]
+        logits = model(torch.cat([batch["in"].images, x_adv, x_c]))
         energy = torch.logsumexp(logits[: 2 * b], dim=1)
         target = torch.cat([torch.ones(b), torch.zeros(b)]).to(energy)
         loss = (F.binary_cross_entropy_with_logits(energy, target)
-                + F.cross_entropy(logits[2 * b:], batch.y_c))
+                + F.cross_entropy(logits[2 * b:], batch["clf"].labels))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()

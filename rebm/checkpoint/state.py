@@ -1,8 +1,11 @@
 """Full training state: save atomically, keep the last few, find and load the newest valid one.
 
-A state holds everything that decides what happens next (model, optimizer, EMA, GradScaler,
-step, curriculum, metric bests, RNG, wandb id, config); the data position is the step itself,
-because the samplers seek to any step in O(1) (rebm/data/sampling.py)."""
+A state is a dict of Stateful parts, each under its own key (model, optimizer, scheduler, ema,
+scaler, method, progress, rng, tracker), plus metadata (format, stage, step, world size, config).
+`training_state` saves and `load_parts` loads every part by one loop; nothing else knows a part's
+layout. The data position is the step itself, because the samplers seek to any step in O(1)
+(rebm/data/sampling.py). States of the earlier flat layout (format 1: every field at the top
+level, the method's merged in) are converted when read (`upgrade_state`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import hashlib
 import logging
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
 
 import torch
 
@@ -22,6 +25,9 @@ from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
+STATE_FORMAT = 2
+METADATA = ("format", "stage", "step", "world_size", "config")
+OPTIONAL_PARTS = ("ema",)  # absent from a state: the EMA restarts from the loaded model
 
 
 class StateError(UserError, RuntimeError):
@@ -56,7 +62,7 @@ def read_state(path: str) -> Dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or "step" not in state or "model" not in state:
         raise StateError(f"'{path}' is not a rebm training state (no 'step'/'model' entries)")
-    return state
+    return upgrade_state(state)
 
 
 def save_state(state: Dict[str, Any], run_dir: str, keep_last: int) -> str:
@@ -148,18 +154,60 @@ def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
     return read_state(chosen) | {"_path": chosen}
 
 
-def training_state(stage: int, step: int, model: torch.nn.Module, optimizer, ema, precision,
-                   cfg, world_size: int, wandb_run_id: Optional[str], **extra: Any
-                   ) -> Dict[str, Any]:
-    """The fields every training state holds (stage 1: adversarial pretraining, stage 2: DAT),
-    plus the stage's own `extra` fields. `model` is the plain module (no wrappers)."""
-    return {
-        "stage": stage, "step": step, "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "ema": ema.state_dict() if ema is not None else None,
-        "scaler": precision.state_dict(), "rng": rng_state(), "wandb_run_id": wandb_run_id,
-        "world_size": world_size, "config": to_dict(cfg), **extra,
-    }
+class Stateful(Protocol):
+    """A part of a training state (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def training_state(parts: Mapping[str, Stateful], stage: int, step: int, cfg,
+                   world_size: int) -> Dict[str, Any]:
+    """Every part's state_dict under its own key, plus the metadata of the state."""
+    state: Dict[str, Any] = {"format": STATE_FORMAT, "stage": stage, "step": step,
+                             "world_size": world_size, "config": to_dict(cfg)}
+    for name, part in parts.items():
+        state[name] = part.state_dict()
+    return state
+
+
+def load_parts(state: Dict[str, Any], parts: Mapping[str, Stateful]) -> None:
+    """Load every part from its own key of `state`; a missing part other than the EMA is an
+    error naming it. (The caller checked the state's stage: `check_stage`.)"""
+    for name, part in parts.items():
+        if name in state:
+            part.load_state_dict(state[name])
+        elif name not in OPTIONAL_PARTS:
+            raise StateError(f"'{state.get('_path', 'the training state')}' has no '{name}' part;"
+                             " it was written by another kind of run")
+
+
+# The fields of a format-1 state (today's top-level keys -> part) that are not the method's.
+_FORMAT1_PROGRESS = ("best", "metrics_window", "eval_pending")
+_FORMAT1_OWN = ("stage", "step", "world_size", "config", "model", "optimizer", "ema", "scaler",
+                "rng", "scheduler", "wandb_run_id", *_FORMAT1_PROGRESS)
+
+
+def upgrade_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A state in the current layout: format-1 states (one flat dict, the method's fields merged
+    in, e.g. DAT's `curriculum`, stage 1's `schedule` and `last_step`) are converted; others are
+    returned as they are."""
+    if state.get("format", 1) >= STATE_FORMAT:
+        return state
+    upgraded = {key: state[key] for key in ("stage", "step", "world_size", "config",
+                                            "model", "optimizer", "scaler", "rng")
+                if key in state}
+    upgraded["format"] = STATE_FORMAT
+    for key in ("ema", "scheduler"):
+        if state.get(key) is not None:
+            upgraded[key] = state[key]
+    upgraded["method"] = {k: v for k, v in state.items() if k not in _FORMAT1_OWN}
+    upgraded["progress"] = {"best": dict(state.get("best", {})),
+                            "metrics_window": state.get("metrics_window", {}),
+                            "eval_pending": bool(state.get("eval_pending", False))}
+    upgraded["tracker"] = {"wandb_run_id": state.get("wandb_run_id")}
+    return upgraded
 
 
 def check_stage(state: Dict[str, Any], stage: int) -> None:
@@ -169,18 +217,6 @@ def check_stage(state: Dict[str, Any], stage: int) -> None:
         raise StateError(
             f"'{state.get('_path', 'the training state')}' is a stage-{found} training state, "
             f"but this is a stage-{stage} run; give each stage its own run_dir")
-
-
-def load_training_state(state: Dict[str, Any], stage: int, model: torch.nn.Module, optimizer,
-                        ema, precision) -> None:
-    """Load the common fields of `training_state` (the caller loads its stage's own)."""
-    check_stage(state, stage)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if ema is not None and state.get("ema") is not None:  # else: the EMA restarts from the model
-        ema.load_state_dict(state["ema"])
-    precision.load_state_dict(state.get("scaler"))
-    set_rng_state(state["rng"])
 
 
 def _step_of(path: str) -> int:
@@ -202,14 +238,17 @@ def replicas_identical(runtime: Runtime, *modules: torch.nn.Module) -> bool:
     return bool((gathered == gathered[0]).all())
 
 
-def rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # this process's device only: resumable on other GPU counts
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+class ProcessRNG:
+    """The process's torch RNG states as a Stateful part (CUDA: this process's device only, so
+    a state resumes on other GPU counts)."""
 
+    def state_dict(self) -> Dict[str, Any]:
+        state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
 
-def set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])

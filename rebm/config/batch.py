@@ -14,10 +14,10 @@ from typing import Optional
 from rebm.config.loading import ConfigError
 from rebm.config.schema import TrainConfig
 
-# A DAT loss pass holds activations of three micro-batches (in-dist, negatives, adversarial
-# classifier batch); evaluation batches default to that many micro-batches, which an
-# input-gradient attack on as many images fits into.
-DAT_LOSS_STREAMS = 3
+# Evaluation without a training method (rebm.eval.evaluate, the robustness test) sizes its
+# batches as three micro-batches, what the loss pass of the stage-2 models it mostly evaluates
+# holds; a training run passes its method's own count (`Method.loss_streams`).
+STANDALONE_EVAL_STREAMS = 3
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class BatchPlan:
 
 
 def eval_batch_size(cfg: TrainConfig, world_size: int,
-                    loss_streams: int = DAT_LOSS_STREAMS) -> int:
+                    loss_streams: int = STANDALONE_EVAL_STREAMS) -> int:
     """Evaluation images per rank and batch: `per_device_eval_batch_size`, by default the global
     `batch_size` capped at `loss_streams` training micro-batches.
 
@@ -59,9 +59,10 @@ def eval_batch_size(cfg: TrainConfig, world_size: int,
 
 
 def plan_batches(cfg: TrainConfig, world_size: int,
-                 loss_streams: int = DAT_LOSS_STREAMS) -> BatchPlan:
-    """The plan of a training run on `world_size` ranks; a batch size that does not divide is a
-    ConfigError before anything starts."""
+                 loss_streams: int = STANDALONE_EVAL_STREAMS) -> BatchPlan:
+    """The plan of a training run on `world_size` ranks whose method's loss pass holds
+    `loss_streams` micro-batches (`Method.loss_streams(cfg)`: it sizes the evaluation batch);
+    a batch size that does not divide is a ConfigError before anything starts."""
     if cfg.batch_size % world_size:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by the world size {world_size}; "

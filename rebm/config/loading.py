@@ -219,12 +219,6 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
     if cfg.fp16 and cfg.amp == "none":
         cfg.amp = "fp16"
-    weights = raw_loss_weights(cfg)
-    if min(weights) < 0 or sum(weights) <= 0:
-        raise ConfigError(
-            f"{source}: 'clf_indist_weight', 'clf_outdist_weight', 'clf_adv_weight' must be >= 0 "
-            "with a positive sum"
-        )
     if cfg.resume_path and not cfg.resume_from_state:
         cfg.resume_from_state = cfg.resume_path
 
@@ -270,16 +264,6 @@ def _validate_image_log(cfg: TrainConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: 'image_log.blur_kernel_size' must be 0 (no blur) or an odd size >= 1, "
             f"got {log.blur_kernel_size}")
-
-
-def raw_loss_weights(cfg: TrainConfig) -> tuple:
-    """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE as configured
-    (the older xent_* spelling wins when set); the DAT objective normalises them."""
-    return (
-        cfg.xent_indist_weight if cfg.xent_indist_weight is not None else cfg.clf_indist_weight,
-        cfg.xent_outdist_weight if cfg.xent_outdist_weight is not None else cfg.clf_outdist_weight,
-        cfg.xent_adv_weight if cfg.xent_adv_weight is not None else cfg.clf_adv_weight,
-    )
 
 
 def to_yaml(cfg: TrainConfig) -> str:

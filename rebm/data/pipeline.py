@@ -1,10 +1,11 @@
 """Data entry points of training and evaluation.
 
-Training reads three streams per optimizer step, each of global size `batch_size`
-(docs/design.md §1): the EBM in-distribution stream (`augm_type_generation`), the classifier
-in-distribution stream (`augm_type_classification`, an independent shuffle of the same images)
-and the out-distribution stream. `build_train_data` yields, for every optimizer step from
-`start_step` on, this rank's `accumulation_steps` micro-batches.
+Training reads the streams a method declares (rebm/data/streams.py), each of global size
+`batch_size` per optimizer step; DAT's are the EBM in-distribution stream
+(`augm_type_generation`), the classifier in-distribution stream (`augm_type_classification`, an
+independent shuffle of the same images) and the out-distribution stream (docs/design.md §1).
+`build_train_data` yields, for every optimizer step from `start_step` on, this rank's
+`accumulation_steps` micro-batches.
 
 Guarantees (see sampling.py for the layout):
 - the union over ranks and micro-steps of step s is exactly the single-process global batch of
@@ -25,12 +26,11 @@ over all ranks, no padding duplicates — as (x, y, index) batches.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms.v2 import functional as TF
 
@@ -65,11 +65,25 @@ from rebm.data.sources import (
     TinyImagesSource,
     log_replaced_once,
 )
+from rebm.data.streams import (
+    CLASSIFIER,
+    INDIST,
+    OUTDIST,
+    MicroBatch,
+    Stream,
+    StreamBatch,
+    outdist_augmentation,
+)
 from rebm.distributed.runtime import Runtime
 
 __all__ = [
+    "CLASSIFIER",
     "DataError",
+    "INDIST",
     "MicroBatch",
+    "OUTDIST",
+    "Stream",
+    "StreamBatch",
     "TrainData",
     "build_eval_data",
     "build_train_data",
@@ -77,6 +91,7 @@ __all__ = [
     "indist_source",
     "load_indist",
     "load_outdist",
+    "outdist_augmentation",
     "outdist_source",
 ]
 
@@ -161,19 +176,6 @@ def load_outdist(cfg: TrainConfig, augm: str = "none", length: Optional[int] = N
     return ImageDataset(source, transform, None, stream="out")
 
 
-def outdist_augmentation(cfg: TrainConfig) -> str:
-    """The out-distribution stream's augmentation: `augm_type_generation`, except OpenImage-O
-    (as the original): `openimages_augm` if set, else generation_od_randomcrop when the
-    in-distribution uses generation_id_randomcrop, else generation_od."""
-    if cfg.data.outdist_dataset != "OpenImageO":
-        return cfg.augm_type_generation
-    if cfg.openimages_augm is not None:
-        return cfg.openimages_augm
-    if cfg.augm_type_generation == "generation_id_randomcrop":
-        return "generation_od_randomcrop"
-    return "generation_od"
-
-
 # --------------------------------------------------------------------------------------------
 # DataLoader settings
 # --------------------------------------------------------------------------------------------
@@ -209,54 +211,17 @@ def _loader_kwargs(cfg: TrainConfig, runtime: Runtime, persistent: bool) -> dict
 # Training
 # --------------------------------------------------------------------------------------------
 @dataclass
-class MicroBatch:
-    """One rank's micro-batch of the three streams; images float32 [0, 1] NCHW.
+class _LoadedStream:
+    """One training stream as loaded: where it reads (schedule) and how it augments."""
 
-    key_*: int64 per-sample keys from (rand_seed, stream, epoch, dataset index), for per-sample
-    deterministic attack noise. index_*: dataset indices. epoch_*: the epoch of each stream.
-    replaced: images of this micro-batch whose file was unreadable and replaced (all streams);
-    replaced_files: those files."""
-
-    x_in: Tensor
-    y_in: Tensor
-    x_c: Tensor
-    y_c: Tensor
-    x_out: Tensor
-    key_in: Tensor
-    key_c: Tensor
-    key_out: Tensor
-    index_in: Optional[Tensor] = None
-    index_c: Optional[Tensor] = None
-    index_out: Optional[Tensor] = None
-    step: int = 0
-    micro: int = 0
-    epoch_in: int = 0
-    epoch_c: int = 0
-    epoch_out: int = 0
-    replaced: int = 0
-    replaced_files: Tuple[str, ...] = ()
-
-    def _map_tensors(self, fn) -> "MicroBatch":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return MicroBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
-
-    def pin_memory(self) -> "MicroBatch":  # called by DataLoader(pin_memory=True)
-        return self._map_tensors(lambda t: t.pin_memory())
-
-    def to(self, device, non_blocking: bool = False) -> "MicroBatch":
-        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
-
-
-@dataclass
-class _Stream:
-    """One training stream: where it reads (schedule) and how it augments."""
-
-    name: str  # "in", "clf" or "out" (see sampling.STREAM_CODES)
+    name: str
     source: ImageSource
     transform: Optional[Transform]
     schedule: StreamSchedule
 
-    def read(self, step: int, micro: int, rank: int, plan: BatchPlan):
+    def read(self, step: int, micro: int, rank: int, plan: BatchPlan
+             ) -> Tuple[StreamBatch, Tuple[str, ...]]:
+        """This rank's part of the stream at (step, micro), and the files it replaced."""
         indices, epoch = self.schedule.rank_indices(
             step, rank, plan.world_size, micro, plan.per_device_batch_size
         )
@@ -264,15 +229,16 @@ class _Stream:
         augment_seeds = sample_keys(seed, self.name, epoch, indices, PURPOSE_AUGMENT)
         batch = self.source.read(indices, self.transform, augment_seeds)
         keys = torch.from_numpy(sample_keys(seed, self.name, epoch, indices, PURPOSE_SAMPLE))
-        return batch, keys, torch.from_numpy(indices), epoch
+        return StreamBatch(images=batch.images, labels=batch.labels, keys=keys,
+                           indices=torch.from_numpy(indices), epoch=epoch), batch.replaced
 
 
 class _MicroBatchDataset(Dataset):
     """Map-style dataset keyed by (step, micro): item = this rank's MicroBatch. A DataLoader
     worker builds whole micro-batches, so the result cannot depend on the worker count."""
 
-    def __init__(self, streams: List[_Stream], rank: int, plan: BatchPlan):
-        self.ebm, self.clf, self.out = streams
+    def __init__(self, streams: List[_LoadedStream], rank: int, plan: BatchPlan):
+        self.streams = streams
         self.rank = rank
         self.plan = plan
 
@@ -281,17 +247,12 @@ class _MicroBatchDataset(Dataset):
             return self._build(*key)
 
     def _build(self, step: int, micro: int) -> MicroBatch:
-        b_in, key_in, idx_in, ep_in = self.ebm.read(step, micro, self.rank, self.plan)
-        b_c, key_c, idx_c, ep_c = self.clf.read(step, micro, self.rank, self.plan)
-        b_out, key_out, idx_out, ep_out = self.out.read(step, micro, self.rank, self.plan)
-        replaced = b_in.replaced + b_c.replaced + b_out.replaced
-        return MicroBatch(
-            x_in=b_in.images, y_in=b_in.labels, x_c=b_c.images, y_c=b_c.labels,
-            x_out=b_out.images, key_in=key_in, key_c=key_c, key_out=key_out,
-            index_in=idx_in, index_c=idx_c, index_out=idx_out,
-            step=step, micro=micro, epoch_in=ep_in, epoch_c=ep_c, epoch_out=ep_out,
-            replaced=len(replaced), replaced_files=replaced,
-        )
+        batches, replaced = {}, ()
+        for stream in self.streams:
+            batches[stream.name], stream_replaced = stream.read(step, micro, self.rank, self.plan)
+            replaced += tuple(stream_replaced)
+        return MicroBatch(batches, step=step, micro=micro, replaced=len(replaced),
+                          replaced_files=replaced)
 
 
 class _StepSampler(Sampler):
@@ -324,7 +285,9 @@ class TrainData:
         self.plan = plan
         self.start_step = start_step
         self._loader_kwargs = loader_kwargs
-        self.schedules = {s.name: s.schedule for s in (dataset.ebm, dataset.clf, dataset.out)}
+        self.schedules = {s.name: s.schedule for s in dataset.streams}
+        # epochs are counted on the first declared stream (DAT: "in"; stage 1: "clf")
+        self._epoch_schedule = dataset.streams[0].schedule
         self.replaced_images = 0
         self._rank = dataset.rank
 
@@ -336,11 +299,11 @@ class TrainData:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Steps per epoch of the EBM in-distribution stream."""
-        return self.schedules["in"].steps_per_epoch
+        """Steps per epoch of the first stream the method declared."""
+        return self._epoch_schedule.steps_per_epoch
 
     def epoch_of(self, step: int) -> int:
-        return self.schedules["in"].epoch_of(step)
+        return self._epoch_schedule.epoch_of(step)
 
     def step_batch(self, step: int) -> List[MicroBatch]:
         """This rank's micro-batches of one step, computed directly (no loader, no workers)."""
@@ -363,13 +326,9 @@ class TrainData:
                 group = []
 
     def describe(self) -> str:
-        parts = [
-            f"{name}: {len(s_.source)} images ({s_.source.name}), "
-            f"{s_.schedule.steps_per_epoch} steps/epoch"
-            for name, s_ in (("in", self._dataset.ebm), ("clf", self._dataset.clf),
-                             ("out", self._dataset.out))
-        ]
-        return "; ".join(parts)
+        return "; ".join(f"{s_.name}: {len(s_.source)} images ({s_.source.name}), "
+                         f"{s_.schedule.steps_per_epoch} steps/epoch"
+                         for s_ in self._dataset.streams)
 
 
 def _schedule(n: int, cfg: TrainConfig, stream: str, source: ImageSource) -> StreamSchedule:
@@ -380,22 +339,24 @@ def _schedule(n: int, cfg: TrainConfig, stream: str, source: ImageSource) -> Str
 
 
 def build_train_data(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan,
-                     start_step: int = 0) -> TrainData:
-    """The three training streams of this rank, starting at optimizer step `start_step`."""
+                     streams: Sequence[Stream], start_step: int = 0) -> TrainData:
+    """This rank's training `streams` (those a method declares, in its order; the others are
+    not loaded), starting at optimizer step `start_step`."""
+    if not streams:
+        raise ValueError("a training method must declare at least one input stream")
     size = cfg.data.image_size
-    train = indist_source(cfg, "train")
-    out = outdist_source(cfg, length=len(train))
-    out_transform = None if out.is_procedural else build_augmentation(
-        outdist_augmentation(cfg), size, out.full_images)
-    full = train.full_images
-    streams = [
-        _Stream("in", train, build_augmentation(cfg.augm_type_generation, size, full),
-                _schedule(len(train), cfg, "in", train)),
-        _Stream("clf", train, build_augmentation(cfg.augm_type_classification, size, full),
-                _schedule(len(train), cfg, "clf", train)),
-        _Stream("out", out, out_transform, _schedule(len(out), cfg, "out", out)),
-    ]
-    dataset = _MicroBatchDataset(streams, runtime.rank, plan)
+    train = indist_source(cfg, "train")  # its length also sizes procedural noise
+    sources: Dict[str, ImageSource] = {"indist": train}
+    if any(stream.dataset == "outdist" for stream in streams):
+        sources["outdist"] = outdist_source(cfg, length=len(train))
+    loaded = []
+    for stream in streams:
+        source = sources[stream.dataset]
+        transform = None if source.is_procedural else build_augmentation(
+            stream.augmentation(cfg), size, source.full_images)
+        loaded.append(_LoadedStream(stream.name, source, transform,
+                                    _schedule(len(source), cfg, stream.name, source)))
+    dataset = _MicroBatchDataset(loaded, runtime.rank, plan)
     return TrainData(dataset, plan, start_step, _loader_kwargs(cfg, runtime, persistent=False))
 
 

@@ -34,6 +34,17 @@ STREAM_CODES = {
     "noise": 4,  # content of procedurally generated noise images (independent of epoch)
     "eval": 5,
 }
+
+
+def stream_code(stream: str) -> int:
+    """The code of a named stream: STREAM_CODES, else (a stream a method declares itself) a hash
+    of its name, above the fixed codes."""
+    if stream in STREAM_CODES:
+        return STREAM_CODES[stream]
+    digest = hashlib.blake2b(f"rebm-stream:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | (1 << 62)
+
+
 # Salts that separate what a key is used for (the key handed to the attack vs. the seed of the
 # augmentation draws), so the two never share random numbers.
 PURPOSE_SAMPLE = 0
@@ -57,7 +68,7 @@ def sample_keys(
 ) -> np.ndarray:
     """int64 keys (non-negative, 63 bit) from (seed, stream, epoch, index, purpose), vectorised."""
     head = _mix64(_as_u64(seed))
-    head = _mix64(head ^ _as_u64(STREAM_CODES[stream]))
+    head = _mix64(head ^ _as_u64(stream_code(stream)))
     head = _mix64(head ^ _as_u64(epoch))
     head = _mix64(head ^ _as_u64(purpose))
     idx = np.asarray(indices, dtype=np.int64).astype(_U64)

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import platform
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -104,27 +104,12 @@ class CompileCache:
                            "compiles afresh", self.path, err.strerror or err)
 
 
-_ACTIVE: Optional[CompileCache] = None
-
-
-def activate(run_dir: Optional[str], key: str, writer: bool) -> str:
-    """Start the run's compile cache (call before the first compile); returns the phrase for
-    the start-up log line. Without a run directory nothing is cached."""
-    global _ACTIVE
+def open_cache(run_dir: Optional[str], key: str, writer: bool
+               ) -> Tuple[Optional[CompileCache], str]:
+    """The run's compile cache, loaded (call before the first compile; the training run owns
+    it and calls `after_step`), and a phrase for the start-up log line. Without a run directory
+    nothing is cached (None)."""
     if not run_dir:
-        _ACTIVE = None
-        return "no cache (no run_dir)"
-    _ACTIVE = CompileCache(run_dir, key, writer)
-    return _ACTIVE.load()
-
-
-def active() -> Optional[CompileCache]:
-    """The cache `activate` started in this process (None without model.compile/run_dir)."""
-    return _ACTIVE
-
-
-def after_step() -> None:
-    """Called by the training loop after every step: cheap (a counter read) unless something
-    was compiled since the last call."""
-    if _ACTIVE is not None:
-        _ACTIVE.after_step()
+        return None, "no cache (no run_dir)"
+    cache = CompileCache(run_dir, key, writer)
+    return cache, cache.load()

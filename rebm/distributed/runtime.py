@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -34,6 +34,9 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     backend: Optional[str] = None  # None = no process group
     data_parallel: bool = False  # nn.DataParallel over several visible GPUs (use_ddp=false)
+    # The preemption flag (rebm.distributed.signals.PreemptionFlag) of the training run this
+    # process runs, if any: its evaluation and generation loops poll it.
+    preemption: Optional[Any] = field(default=None, compare=False)
 
     @property
     def distributed(self) -> bool:

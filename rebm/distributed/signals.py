@@ -22,8 +22,6 @@ from rebm.distributed.runtime import Runtime
 ECHO_WINDOW_S = 1.0
 EXIT_ABORTED = 130  # the shell's code for "killed by SIGINT"
 
-_ACTIVE: Optional["PreemptionFlag"] = None  # the flag of the running training loop, if any
-
 
 class Preempted(Exception):
     """Raised inside an interruptible loop once every rank has agreed to stop; the training loop
@@ -31,7 +29,8 @@ class Preempted(Exception):
 
 
 class PreemptionFlag:
-    """Installs the handlers; `raised` says a stop was asked for on this rank."""
+    """Installs the handlers; `raised` says a stop was asked for on this rank. The training
+    loop hands it to the loops it runs through `Runtime.preemption`."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
@@ -54,21 +53,20 @@ class PreemptionFlag:
             self.signal_name = _signal.Signals(signum).name
 
     def install(self) -> "PreemptionFlag":
-        global _ACTIVE
         for name in self.SIGNALS:
             if hasattr(_signal, name):
                 signum = getattr(_signal, name)
                 self._previous[signum] = _signal.signal(signum, self._handler)
-        _ACTIVE = self
         return self
 
     def uninstall(self) -> None:
-        global _ACTIVE
         for signum, handler in self._previous.items():
             _signal.signal(signum, handler)
         self._previous.clear()
-        if _ACTIVE is self:
-            _ACTIVE = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
 
     def __enter__(self) -> "PreemptionFlag":
         return self.install()
@@ -115,9 +113,10 @@ def interruptible(iterable: Iterable, runtime: Runtime, length: int) -> Iterator
     """`iterable` (this rank's `length` items of an evaluation or generation loop), polling the
     preemption flag before each item through a consensus. Ranks' shards may differ by a batch,
     so only the first min-over-ranks items are polled: every rank reaches every poll. Without
-    an installed flag (evaluation outside training) this adds nothing, not even a collective."""
-    flag = _ACTIVE
-    if flag is None:
+    an installed flag in `runtime.preemption` (evaluation outside training) this adds nothing,
+    not even a collective."""
+    flag = runtime.preemption
+    if flag is None or not flag.installed:
         yield from iterable
         return
     from rebm.distributed.collectives import all_reduce_min, consensus

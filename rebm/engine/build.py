@@ -8,15 +8,15 @@ channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
-from rebm.distributed import compile_cache
 from rebm.distributed.collectives import on_every_rank
+from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
 from rebm.distributed.runtime import Runtime
 from rebm.models import model_from_config
@@ -43,16 +43,25 @@ def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)
-    compiled = "off"
-    if cfg.model.compile:
-        compiled = "on, " + compile_cache.activate(
-            cfg.run_dir, compile_cache.cache_key(runtime.device, _shaping(cfg, channels_last)),
-            writer=runtime.is_main)
     LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
-                "on" if channels_last else "off", cfg.model.channels_last, cfg.amp, compiled)
+                "on" if channels_last else "off", cfg.model.channels_last, cfg.amp,
+                "on" if cfg.model.compile else "off")
     return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
                       sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile,
                       find_unused_parameters=cfg.find_unused_parameters)
+
+
+def get_compile_cache(cfg: TrainConfig, runtime: Runtime) -> Optional[CompileCache]:
+    """With model.compile and a run_dir, the run's compile cache, loaded before the first
+    compile (which happens at the first forward); the training run owns it."""
+    if not cfg.model.compile:
+        return None
+    channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
+    cache, phrase = open_cache(cfg.run_dir, cache_key(runtime.device,
+                                                      _shaping(cfg, channels_last)),
+                               writer=runtime.is_main)
+    LOGGER.info("torch.compile: %s", phrase)
+    return cache
 
 
 def _shaping(cfg: TrainConfig, channels_last: bool) -> dict:

@@ -34,6 +34,13 @@ class MetricsWindow:
                                                       dtype=torch.float64))
         return dict(zip(keys, totals.tolist(), strict=True))
 
+    def gather(self, runtime: Runtime) -> None:
+        """Move the global sums to rank 0 and zero the others' (every rank calls this; one
+        all-reduce): the next log counts the same totals, and rank 0's window is what a saved
+        state holds, as a resumed run restores it."""
+        totals = self.global_sums(runtime)
+        self.sums = {k: (v if runtime.is_main else 0.0) for k, v in totals.items()}
+
     @classmethod
     def restored(cls, saved: Dict[str, float], is_main: bool) -> "MetricsWindow":
         """A window resumed from a state: rank 0 carries the global sums, the others start at

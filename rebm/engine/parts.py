@@ -1,4 +1,7 @@
-"""Everything a training state holds, built once per run and saved/restored in one place."""
+"""What a training run is made of: the model and its wrappers, optimizer, scheduler, EMA,
+precision, method, progress and run identity, built once per run. Each part that a training state
+holds is Stateful (state_dict / load_state_dict) and is saved and loaded under its own key by one
+loop (rebm.checkpoint.state)."""
 
 from __future__ import annotations
 
@@ -9,35 +12,63 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from rebm.checkpoint.state import (
+    ProcessRNG,
     StateError,
-    load_training_state,
+    Stateful,
+    load_parts,
     replicas_identical,
-    training_state,
 )
 from rebm.config import BatchPlan, TrainConfig
+from rebm.distributed.collectives import broadcast_buffers
+from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import attack_view, has_sync_batchnorm
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
-from rebm.engine.build import get_model, get_optimizer
+from rebm.engine.build import get_compile_cache, get_model, get_optimizer
 from rebm.engine.ema import build_ema
-from rebm.engine.metrics import MetricsWindow
-from rebm.methods.base import Method, StepContext
+from rebm.engine.metrics import MetricsWindow, add_data_counts
+from rebm.methods.base import Method, StepContext, StepResult
 
 LOGGER = logging.getLogger("rebm")
 
 
 @dataclass
 class Progress:
-    """Where the run is. `step` counts optimizer steps done; the data position follows from it."""
+    """Where the run is. `step` counts optimizer steps done; the data position follows from it.
+    Stateful: a state keeps the bests, the metrics window and a pending evaluation; its step is
+    the state's own (`state["step"]`, the file name's)."""
 
+    is_main: bool = True  # the saved window is global: rank 0 alone carries it after a load
     step: int = 0
     best: Dict[str, float] = field(default_factory=dict)
     window: MetricsWindow = field(default_factory=MetricsWindow)  # sums since the last log
-    wandb_run_id: Optional[str] = None
     last_eval: Dict[str, Any] = field(default_factory=dict)  # this process's newest evaluation
     last_eval_step: Optional[int] = None  # the step of last_eval
     eval_pending: bool = False  # a preemption abandoned the evaluation of this step
     steps_run: int = 0  # optimizer steps this process ran (0 on a rerun of a finished run)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Call `window.gather` on every rank first: rank 0's window then holds the global sums."""
+        return {"best": dict(self.best), "metrics_window": dict(self.window.sums),
+                "eval_pending": self.eval_pending}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best = dict(state.get("best", {}))
+        self.window = MetricsWindow.restored(state["metrics_window"], self.is_main)
+        self.eval_pending = bool(state.get("eval_pending", False))
+
+
+@dataclass
+class RunIdentity:
+    """What ties a state to its tracked run: the wandb run id (resumed runs log to the same)."""
+
+    wandb_run_id: Optional[str] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"wandb_run_id": self.wandb_run_id}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.wandb_run_id = state.get("wandb_run_id")
 
 
 @dataclass
@@ -50,6 +81,8 @@ class Parts:
     precision: Precision
     method: Method
     progress: Progress
+    identity: RunIdentity = field(default_factory=RunIdentity)
+    compile_cache: Optional[CompileCache] = None  # model.compile: compiled code kept in run dir
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -65,38 +98,50 @@ class Parts:
         """BatchNorm statistics from per-rank batches, which would drift apart between ranks."""
         return self.method.cfg.model.use_batchnorm and not has_sync_batchnorm(self.raw_model)
 
-    def context(self, cfg: TrainConfig, plan: BatchPlan) -> StepContext:
+    def context(self, plan: BatchPlan) -> StepContext:
         return StepContext(model=self.model, attacked=attack_view(self.model),
-                           optimizer=self.optimizer, precision=self.precision, plan=plan, cfg=cfg)
+                           optimizer=self.optimizer, precision=self.precision, plan=plan)
 
-    def state_dict(self, cfg: TrainConfig, world_size: int, window_sums: Dict[str, float]
-                   ) -> dict:
-        extra: Dict[str, Any] = dict(self.method.state_dict(), best=dict(self.progress.best),
-                                     metrics_window=window_sums,
-                                     eval_pending=self.progress.eval_pending)
+    def stateful(self) -> Dict[str, Stateful]:
+        """The parts a training state holds, each under its own key."""
+        parts: Dict[str, Stateful] = {"model": self.raw_model, "optimizer": self.optimizer}
         if self.scheduler is not None:
-            extra["scheduler"] = self.scheduler.state_dict()
-        return training_state(self.method.stage, self.progress.step, self.raw_model,
-                              self.optimizer, self.ema, self.precision, cfg, world_size,
-                              self.progress.wandb_run_id, **extra)
+            parts["scheduler"] = self.scheduler
+        if self.ema is not None:
+            parts["ema"] = self.ema
+        parts.update(scaler=self.precision, method=self.method, progress=self.progress,
+                     rng=ProcessRNG(), tracker=self.identity)
+        return parts
 
     def load_state_dict(self, state: dict, runtime: Runtime) -> None:
         """Load a training state into every rank's parts and check that the replicas agree."""
-        load_training_state(state, self.method.stage, self.raw_model, self.optimizer, self.ema,
-                            self.precision)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.method.load_state_dict(state)
-        self.progress = Progress(step=int(state["step"]), best=dict(state.get("best", {})),
-                                 # the saved window is global: carried by rank 0 alone
-                                 window=MetricsWindow.restored(state["metrics_window"],
-                                                               runtime.is_main),
-                                 wandb_run_id=state.get("wandb_run_id"),
-                                 eval_pending=bool(state.get("eval_pending", False)))
+        load_parts(state, self.stateful())
+        self.progress.step = int(state["step"])
         if not replicas_identical(runtime, *self.replicated):
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
         LOGGER.info("resumed from %s at step %d (%s)", state["_path"], self.progress.step,
                     self.method.describe())
+
+    def train_step(self, ctx: StepContext, micro_batches, runtime: Runtime, log_now: bool
+                   ) -> StepResult:
+        """One optimizer step: the method's update, then LR schedule, BatchNorm sync, EMA and
+        the method's global statistics (e.g. DAT's curriculum)."""
+        learning_rate = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
+        result = self.method.step(ctx, micro_batches, log_now)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.live_unsynced_batchnorm:
+            # per-rank batch statistics would make the replicas (and their EMA) drift apart
+            broadcast_buffers(runtime, self.raw_model)
+        if self.ema is not None:
+            self.ema.update()
+        self.progress.step += 1
+        result.stats = {**self.method.after_step(runtime, result), "learning_rate": learning_rate}
+        self.progress.window.add(result.window)
+        add_data_counts(self.progress.window, micro_batches)  # e.g. unreadable images replaced
+        if self.compile_cache is not None:
+            self.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
+        return result
 
 
 def build_parts(cfg: TrainConfig, runtime: Runtime, method: Method, last_step: float,
@@ -107,4 +152,5 @@ def build_parts(cfg: TrainConfig, runtime: Runtime, method: Method, last_step: f
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),
                  ema=build_ema(raw_model, cfg), precision=Precision(cfg.amp, runtime.device),
-                 method=method, progress=Progress())
+                 method=method, progress=Progress(is_main=runtime.is_main),
+                 compile_cache=get_compile_cache(cfg, runtime))

@@ -1,7 +1,7 @@
 """Adversarial training, the method of stage 1 (In-N-Out style, live BatchNorm).
 
-Loss per step: CE(f(PGD_K^CE(x_c)), y_c) with the `indist_attack_clf` threat model, on the
-classification stream of the data pipeline (its other streams are not used). The learning rate
+Loss per step: CE(f(PGD_K^CE(x_c)), y_c) with the `indist_attack_clf` threat model, on the one
+stream it declares: the in-distribution images with the classification augmentation. The learning rate
 follows a cosine to 0 over the run (the In-N-Out recipe) or stays constant.
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.config import ConfigError
-from rebm.data import MicroBatch
+from rebm.data import CLASSIFIER, MicroBatch
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, accumulate, mean_terms
 
 LOGGER = logging.getLogger("rebm")
@@ -33,7 +33,7 @@ def lr_factor(schedule: str, last_step: int) -> Callable[[int], float]:
 class AdversarialTraining(Method):
     name = "adversarial training"
     stage = 1
-    loss_streams = 1  # the loss pass holds one micro-batch: evaluate in micro-batches
+    streams = (CLASSIFIER,)  # the loss pass holds this one micro-batch
     print_metrics = True
     log_final_step = True
 
@@ -51,32 +51,33 @@ class AdversarialTraining(Method):
     def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
              ) -> StepResult:
         def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
+            clf = batch[CLASSIFIER.name]
             # Attack in eval mode, without DDP: BN uses its running statistics, so the K attack
             # forwards neither update them nor run SyncBatchNorm/DDP collectives, and the
             # adversarial example does not depend on how the batch is split over ranks.
             ctx.attacked.eval()
             with ctx.precision.autocast():
-                x_adv = pgd_from_config(ctx.attacked, batch.x_c, self.cfg.indist_attack_clf,
-                                        objective="ce", y=batch.y_c,
-                                        random_start_keys=batch.key_c)
+                x_adv = pgd_from_config(ctx.attacked, clf.images, self.cfg.indist_attack_clf,
+                                        objective="ce", y=clf.labels,
+                                        random_start_keys=clf.keys)
             # The training forward is in train mode through DDP: BN normalises with (synced, on
             # GPU) batch statistics of the adversarial batch and updates its running stats.
             ctx.model.train()
             with ctx.precision.autocast():
                 logits = ctx.model(x_adv)
-                loss = F.cross_entropy(logits.float(), batch.y_c)
-            correct = (logits.argmax(1) == batch.y_c).sum()
-            keep = {"correct": correct.detach(), "x_c_adv": x_adv.detach()}
-            return MicroOutput(loss=loss, terms={"clf": loss.detach()}, keep=keep)
+                loss = F.cross_entropy(logits.float(), clf.labels)
+            correct = (logits.argmax(1) == clf.labels).sum()
+            return MicroOutput(loss=loss, terms={"clf": loss.detach()},
+                               keep={"correct": correct.detach()})
 
         outputs = accumulate(ctx, micro_batches, micro_step)
         terms = mean_terms(outputs)
-        images = float(sum(len(b.y_c) for b in micro_batches))
-        window = {"clf_sum": sum(float(o.terms["clf"]) * len(b.y_c)
-                                 for o, b in zip(outputs, micro_batches, strict=True)),
-                  "correct": sum(float(o.keep["correct"]) for o in outputs), "images": images}
-        return StepResult(loss=terms["clf"], losses=terms, window=window,
-                          x_c_adv=outputs[0].keep["x_c_adv"])
+        sizes = [len(b[CLASSIFIER.name].labels) for b in micro_batches]
+        window = {"clf_sum": sum(float(o.terms["clf"]) * n
+                                 for o, n in zip(outputs, sizes, strict=True)),
+                  "correct": sum(float(o.keep["correct"]) for o in outputs),
+                  "images": float(sum(sizes))}
+        return StepResult(loss=terms["clf"], losses=terms, window=window)
 
     def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:
         return {"train_clf_loss": totals["clf_sum"] / totals["images"],

@@ -1,23 +1,26 @@
-"""What a training method is: a step function plus its metrics (docs/design.md §6).
+"""What a training method is: its input streams, a step function and its metrics
+(docs/design.md §6).
 
 The engine (rebm.engine) owns everything around a step — data, processes, EMA, intervals,
-evaluation, states. A method owns the step itself: `Method.step` turns one optimizer step's
-micro-batches into an update and a `StepResult`; `after_step` computes the global statistics it
-needs (every rank calls it, collectives allowed); `summarize` turns the metrics window into the
-numbers logged. Method state (e.g. DAT's curriculum) goes through state_dict/load_state_dict.
+evaluation, states. A method declares the input streams it reads (`streams`; the data pipeline
+loads those only, and `loss_streams` sizes the evaluation batch and `--check`'s memory plan) and
+owns the step itself: `Method.step` turns one optimizer step's micro-batches into an update and a
+`StepResult`; `after_step` computes the global statistics it needs (every rank calls it,
+collectives allowed); `summarize` turns the metrics window into the numbers logged. Method state
+(e.g. DAT's curriculum) goes through state_dict/load_state_dict, under its own key of the
+training state.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from rebm.config import BatchPlan, TrainConfig
-from rebm.data import MicroBatch
+from rebm.data import MicroBatch, Stream
 from rebm.distributed.parallel import micro_step_sync
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
@@ -32,7 +35,6 @@ class StepContext:
     optimizer: torch.optim.Optimizer
     precision: Precision
     plan: BatchPlan
-    cfg: TrainConfig
 
     @property
     def device(self) -> torch.device:
@@ -46,9 +48,9 @@ class StepResult:
     loss: Tensor  # the total loss, mean over this rank's micro-batches
     losses: Dict[str, Tensor]  # each loss term, same mean (e.g. {"ebm": ..., "clf": ...})
     window: Dict[str, float]  # sums this step adds to the metrics window (summed over ranks)
-    x_adv: Optional[Tensor] = None  # the first micro-batch's negatives (image grids)
-    x_c_adv: Optional[Tensor] = None  # the first micro-batch's adversarial classifier batch
-    scores: Dict[str, Tensor] = field(default_factory=dict)  # per-image scores (e.g. the AUC's)
+    # images the engine saves as grids every n_imgs_per_image_log, as <name>_step<step>.png
+    previews: Dict[str, Tensor] = field(default_factory=dict)
+    scores: Dict[str, Tensor] = field(default_factory=dict)  # per-image values for after_step
     stats: Dict[str, Any] = field(default_factory=dict)  # global values from `after_step`
 
     @property
@@ -69,39 +71,11 @@ class MicroOutput:
     keep: Dict[str, Tensor] = field(default_factory=dict)  # anything else (scores, previews)
 
 
-class _NanGradient(torch.autograd.Function):
-    """Identity forward, NaN backward: a finite loss whose gradients are not (test hook)."""
-
-    @staticmethod
-    def forward(ctx, loss: Tensor) -> Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return torch.full_like(grad, float("nan"))
-
-
-_steps_in_this_process = 0
-
-
-def _test_nan_gradients(loss: Tensor) -> Tensor:
-    """REBM_TEST_NAN_GRAD_AT=N:R makes the N-th optimizer step of this process on rank R have
-    a finite loss and NaN gradients (tests of the non-finite-gradient stop); unset: identity."""
-    spec = os.environ.get("REBM_TEST_NAN_GRAD_AT")
-    if spec:
-        step, rank = (int(v) for v in spec.split(":"))
-        if step == _steps_in_this_process and str(rank) == os.environ.get("RANK", "0"):
-            return _NanGradient.apply(loss)
-    return loss
-
-
 def accumulate(ctx: StepContext, micro_batches: List[MicroBatch],
                micro_step: Callable[[MicroBatch, int], MicroOutput]) -> List[MicroOutput]:
     """One optimizer step over this rank's micro-batches: `micro_step(batch, index)` for each
     (batch already on the device), backward of its loss / accumulation_steps, DDP gradient
     all-reduce on the last micro-batch only (`no_sync` before it), then the optimizer step."""
-    global _steps_in_this_process
-    _steps_in_this_process += 1
     ctx.optimizer.zero_grad(set_to_none=True)
     outputs = []
     device = ctx.device
@@ -109,7 +83,7 @@ def accumulate(ctx: StepContext, micro_batches: List[MicroBatch],
         batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
         with micro_step_sync(ctx.model, last=index == len(micro_batches) - 1):
             out = micro_step(batch, index)
-            ctx.precision.backward(_test_nan_gradients(out.loss / ctx.plan.accumulation_steps))
+            ctx.precision.backward(out.loss / ctx.plan.accumulation_steps)
         outputs.append(out)
     ctx.precision.step(ctx.optimizer)
     return outputs
@@ -126,14 +100,25 @@ class Method:
 
     name = "method"
     stage = 0  # written into training states: a state of another stage is refused
-    loss_streams = 1  # micro-batches of activations a loss pass holds (default eval batch)
+    streams: Tuple[Stream, ...] = ()  # the input streams `step` reads, in this order
     eval_samples = False  # periodic evaluation also draws samples (and FID)
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
     print_metrics = False  # also print every metrics record as a JSON line on stdout
     log_final_step = False  # also log the training metrics at the run's last step
 
     def __init__(self, cfg: TrainConfig):
+        self.check_config(cfg)
         self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        """The method's own config rules (a ConfigError naming the key); `--check` runs them."""
+
+    @classmethod
+    def loss_streams(cls, cfg: TrainConfig) -> int:
+        """Micro-batches of activations one loss pass holds: one per input stream unless the
+        method says otherwise. It sizes the evaluation batch and `--check`'s memory plan."""
+        return len(cls.streams)
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: int) -> Optional[Any]:
         """A scheduler stepped once per optimizer step, or None (constant learning rate)."""

@@ -1,7 +1,7 @@
 """DAT training (stage 2): `python -m rebm.training.train CONFIG [key=value ...]`.
 
 Launch on N processes with `torchrun --nproc_per_node=N -m rebm.training.train CONFIG`. The loop
-is rebm.engine.loop (the same for stage 1); the method is rebm.methods.dat. Heavy modules are
+is rebm.engine.trainer (the same for stage 1); the method is rebm.methods.dat. Heavy modules are
 imported when training starts, so `--help` answers at once.
 """
 
@@ -14,14 +14,25 @@ from rebm import cli
 
 
 def run(cfg, runtime, _args) -> dict:
-    from rebm.engine.loop import train
+    from rebm.engine.trainer import train
     from rebm.methods.dat import DAT
 
     return train(cfg, runtime, DAT)
 
 
-def warn_fid(args, cfg) -> None:
-    """`--check`: what FID lacks on this machine, as warnings (training would stop at start)."""
+def loss_streams(cfg) -> int:
+    """Micro-batches DAT's loss pass holds (`--check`'s memory plan)."""
+    from rebm.methods.dat import DAT
+
+    return DAT.loss_streams(cfg)
+
+
+def check_dat(args, cfg) -> None:
+    """DAT's own config rules; under `--check`, also what FID lacks on this machine, as
+    warnings (training would stop at start)."""
+    from rebm.methods.dat import DAT
+
+    DAT.check_config(cfg)
     if args.check:
         from rebm.eval.fid import fid_problems
 
@@ -31,7 +42,7 @@ def warn_fid(args, cfg) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    return cli.run_entry(parser, argv, run, prepare=warn_fid, with_default_run_dir=True)
+    return cli.run_entry(parser, argv, run, prepare=check_dat, loss_streams=loss_streams)
 
 
 if __name__ == "__main__":

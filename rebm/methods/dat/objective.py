@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import input_gradients_only
-from rebm.config import TrainConfig, raw_loss_weights
+from rebm.config import TrainConfig
+from rebm.methods.dat.rules import loss_weights
 
 
 @dataclass
@@ -192,10 +193,3 @@ def loss_options(cfg: TrainConfig) -> Dict[str, Any]:
     Fused forwards need frozen BatchNorm (the batch composition must not matter)."""
     return dict(weights=loss_weights(cfg), logsumexp=cfg.logsumexp, r1reg=cfg.r1reg,
                 fused=not cfg.model.use_batchnorm)
-
-
-def loss_weights(cfg: TrainConfig) -> Tuple[float, float, float]:
-    """(in-dist, clean out-dist, adversarial out-dist) weights of the energy BCE, normalised."""
-    raw = raw_loss_weights(cfg)
-    total = sum(raw)
-    return tuple(w / total for w in raw) if total > 0 else tuple(raw)  # type: ignore[return-value]

@@ -1,6 +1,7 @@
 """DAT, the method of stage 2 (docs/design.md §1): one optimizer step and its metrics.
 
-Per micro-batch: negatives x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
+It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batch: negatives
+x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
 if it is, in eval mode; then the energy + classifier loss through the wrapper, so gradients are
 all-reduced. After the step, the curriculum gets the AUC of the all-gathered global batch, so T
@@ -20,7 +21,8 @@ from typing import Any, Dict, List
 import torch
 
 from rebm.attacks.pgd import pgd_from_config
-from rebm.data import MicroBatch
+from rebm.config import TrainConfig
+from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.parallel import attack_view
 from rebm.distributed.precision import Precision
@@ -36,6 +38,7 @@ from rebm.methods.base import (
 )
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
+from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
 
 
 def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -47,7 +50,8 @@ def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 class DAT(Method):
     name = "DAT"
     stage = 2
-    loss_streams = 3  # in-dist, negatives and adversarial classifier batch in one loss pass
+    # the loss pass holds in-dist, negatives (from out-dist) and adversarial classifier batch
+    streams = (INDIST, CLASSIFIER, OUTDIST)
     eval_samples = True
     keep_best = True
 
@@ -58,6 +62,15 @@ class DAT(Method):
         self.frozen_bn = not cfg.model.use_batchnorm  # train-mode logits equal eval-mode ones
         self.track_r1 = cfg.track_r1 and not cfg.r1reg > 0  # measured, not trained
 
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        check_loss_weights(cfg)
+
+    @classmethod
+    def loss_streams(cls, cfg: TrainConfig) -> int:
+        """Plus the clean out-distribution images when they are weighted."""
+        return len(cls.streams) + (1 if scores_clean_outdist(cfg) else 0)
+
     def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
              ) -> StepResult:
         """Attacks -> losses -> backward over the micro-batches -> one optimizer step.
@@ -66,33 +79,34 @@ class DAT(Method):
         cfg, steps = self.cfg, self.curriculum.T
 
         def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
+            x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
+            clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
             ctx.attacked.eval()
             with ctx.precision.autocast():
                 x_adv = pgd_from_config(
-                    ctx.attacked, batch.x_out, cfg.attack, steps=steps, y=batch.y_in,
+                    ctx.attacked, out.images, cfg.attack, steps=steps, y=y_in,
                     objective="lse" if cfg.logsumexp_sampling else "logit",
-                    random_start_keys=batch.key_out)
-                x_c_adv = pgd_from_config(ctx.attacked, batch.x_c, cfg.indist_attack_clf,
-                                          objective="ce", y=batch.y_c,
-                                          random_start_keys=batch.key_c)
+                    random_start_keys=out.keys)
+                x_c_adv = pgd_from_config(ctx.attacked, clf.images, cfg.indist_attack_clf,
+                                          objective="ce", y=clf.labels,
+                                          random_start_keys=clf.keys)
             keep: Dict[str, torch.Tensor] = {}
             if log_now:
-                keep["out"] = _fy(ctx.attacked, batch.x_out, batch.y_in)
+                keep["out"] = _fy(ctx.attacked, out.images, y_in)
                 if self.track_r1:
                     with ctx.precision.autocast():
-                        keep["r1"] = r1_penalty(ctx.attacked, batch.x_in, batch.y_in,
-                                                cfg.logsumexp)
+                        keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, cfg.logsumexp)
             if not self.frozen_bn:
-                keep["in"] = _fy(ctx.attacked, batch.x_in, batch.y_in)
-                keep["adv"] = _fy(ctx.attacked, x_adv, batch.y_in)
+                keep["in"] = _fy(ctx.attacked, x_in, y_in)
+                keep["adv"] = _fy(ctx.attacked, x_adv, y_in)
             ctx.model.train()
             with ctx.precision.autocast():
-                losses = dat_loss(ctx.model, batch.x_in, batch.y_in, x_adv, x_c_adv, batch.y_c,
-                                  batch.x_out, **self.loss_options)
+                losses = dat_loss(ctx.model, x_in, y_in, x_adv, x_c_adv, clf.labels,
+                                  out.images, **self.loss_options)
             if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
                 keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
             if index == 0:
-                keep.update(x_adv=x_adv.detach(), x_c_adv=x_c_adv.detach())
+                keep["x_adv"] = x_adv.detach()
             terms = {name: term.detach() for name, term in losses.terms.items()}
             return MicroOutput(loss=losses.loss, terms=terms, keep=keep)
 
@@ -108,9 +122,8 @@ class DAT(Method):
             window.update(r1=float(terms["r1"]), n_r1=1.0)
         scores = {k: torch.cat([o.keep[k] for o in outputs]).float()
                   for k in ("in", "adv", "out") if k in outputs[0].keep}
-        return StepResult(
-            loss=loss, losses=terms, window=window,
-            x_adv=outputs[0].keep["x_adv"], x_c_adv=outputs[0].keep["x_c_adv"], scores=scores)
+        return StepResult(loss=loss, losses=terms, window=window,
+                          previews={"train_adv": outputs[0].keep["x_adv"]}, scores=scores)
 
     def after_step(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
         """AUCs of the all-gathered global batch, then the curriculum's update; every rank."""
@@ -157,9 +170,10 @@ def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              micro_batches: List[MicroBatch], outdist_steps: int, cfg, plan,
              precision: Precision, log_now: bool = False) -> StepResult:
     """One DAT step at a fixed T outside the engine (notebooks, tests, inspecting a step): the
-    returned result holds the losses, x_adv / x_c_adv and the AUC scores."""
+    returned result holds the losses, the negatives (`previews["train_adv"]`) and the AUC
+    scores."""
     method = DAT(cfg)
     method.curriculum.T = outdist_steps
     ctx = StepContext(model=model, attacked=attack_view(model), optimizer=optimizer,
-                      precision=precision, plan=plan, cfg=cfg)
+                      precision=precision, plan=plan)
     return method.step(ctx, micro_batches, log_now)

@@ -1,0 +1,298 @@
+"""The one training loop, for every stage: `Trainer(cfg, runtime, make_method).fit()`.
+
+The Trainer builds and owns what a run is made of — config, batch plan, runtime (with the
+preemption flag), run tracking, the parts (model, optimizer, EMA, method, ...) and the data — and
+`fit` reads like a training loop: step, agree, log, evaluate, save, stop. The method
+(rebm.methods) owns the step; processes, data positions and checkpoint files are handled by
+rebm.distributed, rebm.data and rebm.checkpoint. Every rank runs every line: intervals depend only
+on the step, decisions go through one consensus per step, and rank 0's writes sit behind inert
+objects (Tracker) or `save_on_main`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Dict, Optional
+
+from rebm.checkpoint.state import agree_on_resume, check_stage, replicas_identical
+from rebm.checkpoint.weights import save_model
+from rebm.config import (
+    ConfigError,
+    TrainConfig,
+    ignored_fields_set,
+    plan_batches,
+    to_dict,
+    training_diff,
+)
+from rebm.data import build_train_data
+from rebm.distributed.collectives import (
+    consensus,
+    decide_on_main,
+    name_stuck_ranks,
+    on_every_rank,
+    on_main,
+    set_collective_timeout,
+)
+from rebm.distributed.logs import setup_logging
+from rebm.distributed.runtime import Runtime
+from rebm.distributed.signals import Preempted, PreemptionFlag
+from rebm.engine.metrics import MetricsWindow, peak_memory, pop_data_counts
+from rebm.engine.parts import Parts, Progress, build_parts
+from rebm.engine.rundir import resolve_run_dir
+from rebm.engine.saving import (
+    TrainingDiverged,
+    keep_best,
+    patient_collectives,
+    save_training_state,
+)
+from rebm.engine.tracking import Tracker, progress_bar
+from rebm.eval.evaluation import evaluate_model
+from rebm.eval.fid import require_fid_ready
+from rebm.eval.generation import check_seed_images
+from rebm.eval.report import describe_evaluation
+from rebm.methods.base import Method, StepResult
+
+LOGGER = logging.getLogger("rebm")
+MethodFactory = Callable[[TrainConfig], Method]
+
+
+def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dict[str, Any]:
+    """Train with the method `make_method(cfg)` builds, in cfg.run_dir, held by this job (rank
+    0 locks it) until the run ends. Every rank calls this."""
+    started = time.perf_counter()
+    cfg, lock = resolve_run_dir(cfg, runtime)
+    try:
+        return Trainer(cfg, runtime, make_method, started).fit()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
+    """The step the run trains to: the first of max_steps and total_epochs (inf if neither)."""
+    limits = []
+    if cfg.max_steps is not None:
+        limits.append(cfg.max_steps)
+    if cfg.total_epochs is not None:
+        limits.append(cfg.total_epochs * steps_per_epoch)
+    return min(limits) if limits else math.inf
+
+
+def resume_point(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
+    """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
+    other stage, or when the run it belongs to trained with another config (unless
+    resume=force)."""
+    state = agree_on_resume(runtime, cfg.run_dir, cfg.resume_from_state,
+                            allow_auto=cfg.resume in ("auto", "force"))
+    if state is not None:
+        check_stage(state, stage)
+    if state is None or cfg.resume == "force":
+        return state
+    changed = training_diff(state.get("config", {}), to_dict(cfg))
+    if changed:
+        raise ConfigError(
+            f"'{state['_path']}' was trained with another config ({'; '.join(changed)}); to "
+            f"continue it anyway pass resume=force, to start afresh choose another run_dir")
+    return state
+
+
+class Trainer:
+    """One training run in cfg.run_dir (already resolved and held by this job)."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory,
+                 started: Optional[float] = None):
+        self.cfg = cfg
+        self.started = started  # for the start-up time logged at the first batch
+        self.preemption = PreemptionFlag()  # installed while `fit` runs
+        self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
+        method = make_method(cfg)
+        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
+        self._start_logging(method)
+        # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
+        # file may have moved); the data position is the step, so the loader starts there.
+        state = resume_point(cfg, self.runtime, method.stage)
+        self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
+                                     start_step=int(state["step"]) if state else 0)
+        self.last_step = planned_last_step(cfg, self.data.steps_per_epoch)
+        self.parts: Parts = build_parts(cfg, self.runtime, method, self.last_step,
+                                        load_pretrained=state is None)
+        if state is not None:
+            self.parts.load_state_dict(state, self.runtime)
+        identity = self.parts.identity
+        self.tracker = Tracker(cfg, self.runtime, cfg.run_dir,
+                               wandb_run_id=identity.wandb_run_id, echo=method.print_metrics)
+        identity.wandb_run_id = self.tracker.wandb_run_id
+        self.tracker.truncate_metrics_after(self.progress.step)  # an attempt that saved none
+        self.ctx = self.parts.context(self.plan)
+        LOGGER.info("%s | data: %s | training to step %s", method.describe(),
+                    self.data.describe(), self.last_step)
+
+    @property
+    def progress(self) -> Progress:
+        return self.parts.progress
+
+    def _start_logging(self, method: Method) -> None:
+        cfg, runtime, plan = self.cfg, self.runtime, self.plan
+        on_every_rank(runtime, lambda: setup_logging(runtime, cfg.run_dir), "create its log file")
+        LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
+                    "accumulation", method.name, cfg.run_dir, runtime.world_size, runtime.device,
+                    plan.per_device_batch_size, plan.accumulation_steps)
+        for key in ignored_fields_set(cfg):
+            LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
+        if method.eval_samples and cfg.n_imgs_per_evaluation_log:
+            # a missing FID or seed-image file (on any node) stops the run now, not after hours
+            on_every_rank(runtime, lambda: (require_fid_ready(cfg), check_seed_images(cfg)),
+                          "find the FID and seed-image files")
+
+    def fit(self) -> Dict[str, Any]:
+        """Train to the last step: step, agree on stopping, log, evaluate, save, at their
+        intervals; then the final evaluation and files. A preemption saves and returns early."""
+        cfg, plan, progress = self.cfg, self.plan, self.progress
+        with self.preemption:
+            try:
+                if progress.eval_pending:  # an evaluation a preemption interrupted
+                    self.evaluate()
+                batches = iter(self.data)
+                bar = progress_bar(self.runtime, progress.step, self.last_step, cfg.batch_size)
+                progress.window.started = time.perf_counter()  # images/s counts training only
+                # a collective timeout in the loop names the rank(s) that did not arrive
+                with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
+                    while progress.step < self.last_step:
+                        log_now = self.log_due(progress.step + 1)
+                        result = self.train_step(next(batches), log_now)
+                        bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
+                                   epoch=self.epoch, **self.parts.method.progress())
+                        decision = consensus(self.runtime, preempt=self.preemption.raised,
+                                             nonfinite=not (result.finite
+                                                            and self.parts.precision.update_finite))
+                        if decision["nonfinite"]:
+                            raise TrainingDiverged(
+                                f"non-finite loss or gradients at step {progress.step} on at "
+                                "least one rank (the update was not applied); the newest state "
+                                f"in {cfg.run_dir}/checkpoints is from before it (try a lower lr)")
+                        if log_now:
+                            self.log(result)
+                        if plan.crossed(cfg.n_imgs_per_image_log, progress.step):
+                            self.save_previews(result)
+                        if plan.crossed(cfg.n_imgs_per_evaluation_log, progress.step):
+                            self.evaluate()
+                        if (plan.crossed(cfg.n_imgs_per_ckpt_save, progress.step)
+                                and progress.step < self.last_step):
+                            self.save()
+                        if decision["preempt"] and progress.step < self.last_step:
+                            break  # at the last step: just finish
+                if progress.step < self.last_step:  # every rank agreed to stop
+                    return self.stop_preempted()
+                return self.finish()
+            except Preempted:  # every rank agreed inside an evaluation: abandon it, save, exit
+                progress.eval_pending = True
+                return self.stop_preempted()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the newest step done."""
+        return self.data.epoch_of(self.progress.step - 1)
+
+    def log_due(self, step: int) -> bool:
+        """Training metrics are logged at optimizer step `step` (counted from 1)."""
+        return (self.plan.crossed(self.cfg.n_imgs_per_metrics_log, step)
+                or (self.parts.method.log_final_step and step == self.last_step))
+
+    def train_step(self, micro_batches, log_now: bool) -> StepResult:
+        """One optimizer step over this rank's micro-batches (rebm.engine.parts)."""
+        if self.started is not None:  # start-up cost: O(1) in the resumed step, no replay
+            LOGGER.info("first batch after %.2fs", time.perf_counter() - self.started)
+            self.started = None
+        result = self.parts.train_step(self.ctx, micro_batches, self.runtime, log_now)
+        if self.progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
+            set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
+        self.progress.steps_run += 1
+        return result
+
+    def log(self, result: StepResult) -> None:
+        """The window's global means (one all-reduce), this step's statistics, throughput."""
+        window, runtime = self.progress.window, self.runtime
+        elapsed = time.perf_counter() - window.started
+        totals = window.global_sums(runtime)
+        data_counts = pop_data_counts(totals)
+        summary = {**self.parts.method.summarize(totals), **data_counts, **result.stats,
+                   "imgs_per_s": window.steps * self.plan.global_batch_size / max(elapsed, 1e-9),
+                   **peak_memory(runtime),
+                   "replicas_identical": replicas_identical(runtime, *self.parts.replicated)}
+        step = self.progress.step
+        self.tracker.log(step, self.plan.images(step), self.epoch, summary)
+        self.progress.window = MetricsWindow()
+
+    def save_previews(self, result: StepResult) -> None:
+        """The image grids the method asked for (e.g. DAT's negatives)."""
+        for name, images in result.previews.items():
+            self.tracker.save_grid(images, f"{name}_step{self.progress.step:08d}.png",
+                                   self.progress.step)
+
+    def evaluate(self) -> Dict[str, Any]:
+        """Every rank evaluates its shard; rank 0 records and keeps the best models."""
+        progress, step = self.progress, self.progress.step
+        LOGGER.info("evaluating at step %d", step)
+        with patient_collectives(self.runtime, self.cfg, progress):
+            results = evaluate_model(self.parts.eval_model, self.cfg, self.runtime,
+                                     batch_size=self.plan.eval_batch_size,
+                                     run_dir=self.tracker.run_dir, step=step,
+                                     samples=self.parts.method.eval_samples)
+        progress.last_eval, progress.last_eval_step = results, step
+        progress.eval_pending = False
+        self.tracker.log(step, self.plan.images(step), self.epoch, results)
+        LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
+        self.tracker.log_table("eval/table", step, results)
+        self.tracker.log_image(os.path.join(self.tracker.run_dir, "samples",
+                                            f"samples_step{step:08d}.png"), step)
+        if self.parts.method.keep_best:
+            keep_best(self.parts, self.cfg, self.runtime, results)
+        return results
+
+    def save(self) -> None:
+        """The training state of this step (rank 0 writes; every rank learns the outcome)."""
+        save_training_state(self.parts, self.cfg, self.runtime)
+
+    def stop_preempted(self) -> Dict[str, Any]:
+        """Save the state (with an abandoned evaluation marked pending), say how to resume."""
+        self.save()
+        step = self.progress.step
+        pending = " (the interrupted evaluation runs first)" if self.progress.eval_pending else ""
+        LOGGER.log(logging.WARNING if self.runtime.is_main else logging.INFO,
+                   "stopped by %s: state saved at step %d; run the same command with "
+                   "run_dir=%s to resume%s", self.preemption.signal_name or
+                   "a signal on another rank", step, self.cfg.run_dir, pending)
+        self.tracker.close()
+        return {"step": step, "preempted": True}
+
+    def finish(self) -> Dict[str, Any]:
+        """The final evaluation (unless the last step just ran one), model_final.pth, the
+        state."""
+        progress, runtime, run_dir = self.progress, self.runtime, self.tracker.run_dir
+        final_path = os.path.join(run_dir, "model_final.pth")
+        finished = decide_on_main(runtime, lambda: os.path.exists(final_path))
+        if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
+            LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
+                        "total_epochs to continue it)", progress.step)
+            self.tracker.close()
+            return {"step": progress.step}
+        results = progress.last_eval
+        if self.cfg.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
+            results = self.evaluate()
+        # model_final first: once the final state exists, a rerun has nothing left to do; a
+        # plain state dict: it loads as model.ckpt_path of the next stage
+        on_main(runtime, lambda: save_model(self.parts.eval_model, final_path),
+                f"write {final_path}")
+        LOGGER.info("wrote %s", final_path)
+        self.save()
+        self.tracker.close()
+        LOGGER.info("finished at step %d%s", progress.step,
+                    f": {describe_evaluation(results)}" if results else "")
+        LOGGER.info("files in %s: model_final.pth (evaluated weights), metrics.jsonl, samples/, "
+                    "checkpoints/ (training states; the same command continues the run), logs/",
+                    run_dir)
+        return {"step": progress.step}

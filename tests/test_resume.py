@@ -17,7 +17,6 @@ from tests.helpers import (
     REPO,
     base_env,
     finish,
-    rebm_traceback_lines,
     run_train,
     torchrun_cmd,
 )
@@ -46,7 +45,7 @@ def assert_states_identical(a, b):
     for idx in opt_a:
         for name, value in opt_a[idx].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b[idx][name]))
-    for part in ("curriculum", "scheduler"):  # DAT's curriculum, stage 1's LR schedule
+    for part in ("method", "scheduler"):  # e.g. DAT's curriculum, stage 1's LR schedule
         assert a.get(part) == b.get(part), part
 
 
@@ -273,19 +272,3 @@ def test_ctrl_c_under_torchrun_saves_and_the_same_command_resumes(straight, tmp_
     assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
     run_train(args, nproc=2, run_dir=run_dir, timeout=300).assert_ok()
     assert_states_identical(load_state(straight / "ws2", STEPS), load_state(run_dir, STEPS))
-
-
-def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(straight, tmp_path):
-    """A finite loss with NaN gradients on rank 1 only (test hook): DDP spreads them, the
-    update is not applied, both ranks stop at that step, and the newest state is the one
-    before it, identical to the uninterrupted run's."""
-    run_dir = tmp_path / "run"
-    result = run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=2, run_dir=run_dir,
-                       timeout=300, extra_env={"REBM_TEST_NAN_GRAD_AT": "3:1"})
-    assert result.returncode != 0, result.output[-4000:]
-    for rank in (0, 1):
-        assert f"[rank {rank}] error: non-finite loss or gradients at step 3" in result.output
-    assert not rebm_traceback_lines(result.output)
-    states = sorted((run_dir / "checkpoints").glob("state_*.pt"))
-    assert states[-1].name == "state_000000002.pt"
-    assert_states_identical(load_state(straight / "ws2", 2), load_state(run_dir, 2))

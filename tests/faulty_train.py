@@ -1,0 +1,33 @@
+"""DAT training with an injected fault, for tests: `python -m tests.faulty_train CONFIG
+[key=value ...] [--nan-grad-at STEP:RANK] [--slow-step-at STEP:RANK:SECONDS]` (under torchrun
+like `python -m rebm.training.train`)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import List, Optional
+
+from rebm import cli
+from rebm.training import train as dat_entry
+
+
+def run(cfg, runtime, args) -> dict:
+    from rebm.engine.trainer import train
+    from tests.faults import FaultyDAT, parse_fault
+
+    return train(cfg, runtime, functools.partial(
+        FaultyDAT, nan_at=parse_fault(args.nan_grad_at, 2),
+        slow_at=parse_fault(args.slow_step_at, 3)))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = cli.build_parser("tests.faulty_train", __doc__.splitlines()[0])
+    parser.add_argument("--nan-grad-at", help="STEP:RANK: NaN gradients at that step, rank")
+    parser.add_argument("--slow-step-at", help="STEP:RANK:SECONDS: that step sleeps first")
+    return cli.run_entry(parser, argv, run, prepare=dat_entry.check_dat,
+                         loss_streams=dat_entry.loss_streams)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Failures injected on one rank (tests/faults.py, started as `python -m tests.faulty_train`):
+every rank stops together, with one line, and no bad state is written."""
+
+import re
+
+import pytest
+import torch
+
+from tests.helpers import rebm_traceback_lines, run_train
+from tests.test_train import CONFIG, FAST, load_state
+
+pytestmark = pytest.mark.timeout(420)
+
+FAULTY = "tests.faulty_train"
+
+
+def assert_same_training_state(a, b):
+    """Weights, EMA, optimizer and the method's state (DAT's curriculum) bit for bit."""
+    for part in ("model", "ema"):
+        assert a[part].keys() == b[part].keys()
+        for key, value in a[part].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, b[part][key]), (part, key)
+    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert opt_a.keys() == opt_b.keys()
+    for index, values in opt_a.items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b[index][name]))
+    assert a["method"] == b["method"]
+
+
+def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(tmp_path):
+    """A finite loss with NaN gradients on rank 1 only at step 3: DDP spreads them, the update
+    is not applied, both ranks stop at that step, and the newest state is the one before it,
+    identical to that of a run without the fault."""
+    args = [CONFIG, *FAST, "n_imgs_per_metrics_log=64"]
+    run_train([*args, "max_steps=2"], nproc=2, run_dir=tmp_path / "clean",
+              timeout=300).assert_ok()
+    run_dir = tmp_path / "run"
+    result = run_train([*args, "max_steps=8", "--nan-grad-at=3:1"], nproc=2, run_dir=run_dir,
+                       timeout=300, module=FAULTY)
+    assert result.returncode != 0, result.output[-4000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: non-finite loss or gradients at step 3" in result.output
+    assert not rebm_traceback_lines(result.output)
+    states = sorted((run_dir / "checkpoints").glob("state_*.pt"))
+    assert states[-1].name == "state_000000002.pt"
+    assert_same_training_state(load_state(tmp_path / "clean", 2), load_state(run_dir, 2))
+
+
+def test_a_rank_slower_than_the_step_timeout_is_named(tmp_path):
+    """Rank 1 sleeps through step 3 longer than ddp_step_timeout_s: the job ends, naming it."""
+    result = run_train([CONFIG, *FAST, "max_steps=6", "ddp_step_timeout_s=8",
+                        "n_imgs_per_ckpt_save=100000", "--slow-step-at=3:1:60"], nproc=2,
+                       run_dir=tmp_path / "run", timeout=240, module=FAULTY)
+    assert result.returncode != 0
+    assert re.search(r"rank 1 did not arrive", result.output), result.output[-4000:]

@@ -258,7 +258,7 @@ def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
             images.setdefault(i, []).append(image_hash(x))
     assert all(len(h) == 2 for h in images.values())
     assert sum(h[0] != h[1] for h in images.values()) > 100
-    keys_epoch0 = data.step_batch(0)[0].key_in
+    keys_epoch0 = data.step_batch(0)[0]["in"].keys
     assert keys_epoch0.dtype == torch.int64 and len(set(keys_epoch0.tolist())) == 24
 
 
@@ -295,8 +295,8 @@ def test_resume_is_o1(cifar_root, monkeypatch):
 
     def timed_first_batch(start_step):
         data = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=start_step)
-        original = data._dataset.ebm.source.images
-        monkeypatch.setattr(data._dataset.ebm.source, "images",
+        original = data._dataset.streams[0].source.images
+        monkeypatch.setattr(data._dataset.streams[0].source, "images",
                             lambda idx: reads.append(len(idx)) or original(idx))
         t0 = time.perf_counter()
         batch = next(iter(data))
@@ -406,3 +406,15 @@ def test_loader_settings_on_cpu(cifar_root):
     assert loader_workers(cfg, Runtime(local_world_size=cores + 1)) == 0
     loader = build_eval_data(cfg, Runtime(), batch_size=4)
     assert loader.pin_memory is False
+
+
+def test_only_the_declared_streams_are_loaded(cifar_root):
+    """A method declaring one stream (stage 1: the classifier stream) gets that one alone, with
+    the same images and keys as when all three are loaded."""
+    cfg = make_cfg(cifar_root)
+    plan = plan_batches(cfg, 1)
+    alone, = build_train_data(cfg, Runtime(), plan, (CLASSIFIER,)).step_batch(3)
+    full, = build_train_data(cfg, Runtime(), plan, STREAMS).step_batch(3)
+    assert list(alone) == ["clf"] and list(full) == ["in", "clf", "out"]
+    for name in ("images", "labels", "keys", "indices"):
+        assert torch.equal(getattr(alone["clf"], name), getattr(full["clf"], name)), name

@@ -1,4 +1,4 @@
-"""Section `breakdown`: one DAT step taken apart into the calls DAT.step and train_one_step make
+"""Section `breakdown`: one DAT step taken apart into the calls DAT.step and Parts.train_step make
 (data, negative attack, classifier attack, forward + backward, optimizer, EMA, bookkeeping), each
 timed; the loop's metrics log, image grid and checkpoint, amortized over their intervals; and the
 real loop step on the next batch, to check that the pieces add up."""
@@ -73,7 +73,7 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
 
 
 def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
-    """next(batches), DAT.step and train_one_step's EMA and bookkeeping, plus the loop's
+    """next(batches), DAT.step and Parts.train_step's EMA and bookkeeping, plus the loop's
     consensus, each piece timed into `watch`."""
     parts, runtime = bench.parts, bench.runtime
     with watch("data_wait"):

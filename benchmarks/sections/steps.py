@@ -1,4 +1,4 @@
-"""Section `steps`: the loop's step (train_one_step + consensus) against a minimal hand-written
+"""Section `steps`: the loop's step (Parts.train_step + consensus) against a minimal hand-written
 PyTorch DAT step on the same batches, interleaved (the framework overhead), and DAT.step alone."""
 
 from __future__ import annotations

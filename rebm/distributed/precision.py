@@ -37,7 +37,7 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step, never with non-finite gradients: fp16's GradScaler skips such a
         step and lowers its scale (normal for fp16); otherwise the step is skipped and
-        `update_finite` is False, which stops the run (rebm.engine.loop)."""
+        `update_finite` is False, which stops the run (rebm.engine.trainer)."""
         if self.scaler.is_enabled():
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -82,6 +82,7 @@ class Parts:
     method: Method
     progress: Progress
     identity: RunIdentity = field(default_factory=RunIdentity)
+    live_batchnorm: bool = False  # model.use_batchnorm: BatchNorm normalises with batch stats
     compile_cache: Optional[CompileCache] = None  # model.compile: compiled code kept in run dir
 
     @property
@@ -96,7 +97,7 @@ class Parts:
     @property
     def live_unsynced_batchnorm(self) -> bool:
         """BatchNorm statistics from per-rank batches, which would drift apart between ranks."""
-        return self.method.cfg.model.use_batchnorm and not has_sync_batchnorm(self.raw_model)
+        return self.live_batchnorm and not has_sync_batchnorm(self.raw_model)
 
     def context(self, plan: BatchPlan) -> StepContext:
         return StepContext(model=self.model, attacked=attack_view(self.model),
@@ -153,4 +154,5 @@ def build_parts(cfg: TrainConfig, runtime: Runtime, method: Method, last_step: f
                  scheduler=method.lr_scheduler(optimizer, last_step),
                  ema=build_ema(raw_model, cfg), precision=Precision(cfg.amp, runtime.device),
                  method=method, progress=Progress(is_main=runtime.is_main),
+                 live_batchnorm=cfg.model.use_batchnorm,
                  compile_cache=get_compile_cache(cfg, runtime))

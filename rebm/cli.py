@@ -106,9 +106,6 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None) -> int:
         print(f"warning: {problem}", file=sys.stderr)
     for key in ignored_fields_set(cfg):
         print(f"note: '{key}' is accepted for compatibility but not used", file=sys.stderr)
-    if cfg.model.use_convstem and not cfg.model.model_type.startswith("convnext"):
-        print(f"note: 'model.use_convstem' applies to ConvNeXt models only; "
-              f"{cfg.model.model_type} ignores it", file=sys.stderr)
     print(to_yaml(cfg), end="")
     print(
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "

@@ -29,6 +29,7 @@ from rebm.config.schema import (
     WANDB_MODES,
     WHICH_LOGIT,
     AttackConfig,
+    ModelConfig,
     TrainConfig,
 )
 from rebm.errors import UserError
@@ -168,6 +169,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     )
     _validate_openimages(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
+    _validate_family_options(cfg, source)
     if cfg.model.channels_last not in (True, False, "auto"):
         raise ConfigError(f"{source}: 'model.channels_last: {cfg.model.channels_last}' is not valid;"
                           " use true, false or auto")
@@ -227,6 +229,21 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         )
     if cfg.resume_path and not cfg.resume_from_state:
         cfg.resume_from_state = cfg.resume_path
+
+
+def _validate_family_options(cfg: TrainConfig, source: str) -> None:
+    """A `model.*` option of other model families, set to a non-default value, is refused: the
+    chosen model would ignore it."""
+    from rebm.models.registry import all_family_options, family_options
+
+    own = family_options(cfg.model.model_type)
+    defaults = ModelConfig()
+    for option in all_family_options():
+        value = getattr(cfg.model, option)
+        if option not in own and value != getattr(defaults, option):
+            raise ConfigError(
+                f"{source}: 'model.{option}: {value}' is an option of other model families; "
+                f"{cfg.model.model_type} does not take it (remove it)")
 
 
 def _validate_openimages(cfg: TrainConfig, source: str) -> None:

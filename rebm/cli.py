@@ -5,7 +5,6 @@ ones), and turning the user-fixable errors into one line and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -16,10 +15,10 @@ from rebm.config import (
     ConfigError,
     TrainConfig,
     default_run_dir,
-    freeze,
-    ignored_fields_set,
+    ignored_fields_notice,
     load_config,
     plan_batches,
+    replace,
     to_yaml,
 )
 from rebm.errors import UserError
@@ -104,8 +103,9 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None) -> int:
     plan = plan_batches(cfg, world_size)
     for problem in environment_warnings(cfg):
         print(f"warning: {problem}", file=sys.stderr)
-    for key in ignored_fields_set(cfg):
-        print(f"note: '{key}' is accepted for compatibility but not used", file=sys.stderr)
+    notice = ignored_fields_notice(cfg)
+    if notice:
+        print(f"note: {notice}", file=sys.stderr)
     print(to_yaml(cfg), end="")
     print(
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
@@ -231,5 +231,5 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides, cfg)
-        cfg = freeze(dataclasses.replace(cfg, run_dir=run_dir), cfg._explicit_keys)
+        cfg = replace(cfg, run_dir=run_dir)
     return args, cfg

@@ -8,9 +8,15 @@ import pytest
 
 from rebm.config import (
     ConfigError,
+    TrainConfig,
+    explicit_keys,
+    ignored_fields_notice,
     ignored_fields_set,
     load_config,
     plan_batches,
+    replace,
+    to_dict,
+    validate,
 )
 from rebm.training import train as train_entry
 from tests.helpers import REPO, run_command
@@ -139,3 +145,41 @@ def test_configs_doc_is_generated_from_the_dataclasses():
 def test_a_bad_override_is_blamed_on_the_command_line():
     with pytest.raises(ConfigError, match=r"^command line: 'amp: fp8' is not a valid choice"):
         load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["amp=fp8"])
+
+
+def test_original_spellings_are_renamed_before_merging(tmp_path):
+    cfg = load_config(None, ["fp16=true", "resume_path=runs/x/checkpoints"])
+    assert cfg.amp == "fp16" and cfg.resume_from_state == "runs/x/checkpoints"
+    assert "fp16" not in to_dict(cfg) and "resume_path" not in to_dict(cfg)
+    assert {"amp", "resume_from_state"} <= set(explicit_keys(cfg))
+    assert load_config(None, ["fp16=false"]).amp == "none"
+    # a later source wins as for any key; both spellings in one source must agree
+    assert load_config(None, ["fp16=true", "amp=fp16"]).amp == "fp16"
+    config = tmp_path / "both.yaml"
+    config.write_text("fp16: true\namp: bf16\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: 'fp16: True' and 'amp: bf16' disagree"):
+        load_config(str(config), ["amp=fp16"])  # the file itself is contradictory
+
+
+def test_validation_only_checks():
+    cfg = TrainConfig()
+    cfg.data.indist_dataset, cfg.model.model_type = "digits", "WideResNet10x1"
+    before = to_dict(cfg)
+    validate(cfg)
+    assert to_dict(cfg) == before
+
+
+def test_explicit_keys_survive_a_replaced_copy():
+    cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["lr=0.5"])
+    moved = replace(cfg, run_dir="elsewhere")
+    assert moved.run_dir == "elsewhere" and explicit_keys(moved) == explicit_keys(cfg)
+    assert "lr" in explicit_keys(cfg) and explicit_keys(TrainConfig()) == ()
+    with pytest.raises(AttributeError, match="frozen"):
+        moved.lr = 1.0
+
+
+def test_legacy_fields_are_one_notice_line():
+    cfg = load_config(None, ["tinyimages_loader=other", "attack.fixed_steps=3"])
+    notice = ignored_fields_notice(cfg)
+    assert "\n" not in notice and notice.endswith("attack.fixed_steps, tinyimages_loader")
+    assert ignored_fields_notice(load_config(None, [])) is None

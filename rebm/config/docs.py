@@ -9,6 +9,7 @@ from dataclasses import fields, is_dataclass
 from typing import List
 
 from rebm.config import (
+    ALIASES,
     IGNORED_FIELDS,
     AttackConfig,
     DataConfig,
@@ -72,6 +73,12 @@ def render() -> str:
                 note = "*ignored* — " + note
             lines.append(f"| `{key}` | `{_default(instance, f.name)}` | {note} |")
         lines.append("")
+    lines += ["## Aliases", "",
+              "Keys of the original configs that rebm reads under its own name; they are renamed "
+              "before the file is merged, and a file that sets both spellings to different values "
+              "is refused.", "", "| original key | rebm field | meaning |", "|---|---|---|"]
+    lines += [f"| `{a.old}` | `{a.new}` | {a.meaning} |" for a in ALIASES]
+    lines.append("")
     return "\n".join(lines)
 
 

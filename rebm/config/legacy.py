@@ -8,34 +8,9 @@ value is reported once at start-up (`ignored_fields_set`); nothing else reads th
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, List, Optional, Set
 
-
-class Frozen:
-    """Config sections refuse assignment once `freeze` ran (after loading and validation), so
-    nothing changes the experiment at run time; unfrozen instances (tests) behave normally."""
-
-    _frozen = False
-    _explicit_keys: tuple = ()  # the dotted keys the YAML file and the overrides set
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self._frozen:
-            raise AttributeError(f"the config is frozen after loading; cannot set '{name}' "
-                                 "(use dataclasses.replace for a changed copy)")
-        object.__setattr__(self, name, value)
-
-
-def freeze(cfg: Any, explicit_keys: Optional[Sequence[str]] = None) -> Any:
-    """Freeze a config and its sections in place; returns it. `explicit_keys`: the keys the user
-    set (kept for reporting ignored legacy fields)."""
-    if explicit_keys is not None:
-        object.__setattr__(cfg, "_explicit_keys", tuple(sorted(set(explicit_keys))))
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            freeze(value)
-    object.__setattr__(cfg, "_frozen", True)
-    return cfg
+from rebm.config.frozen import Frozen, explicit_keys
 
 
 @dataclass
@@ -111,4 +86,13 @@ def legacy_keys(cfg_cls: type, prefix: str = "") -> Set[str]:
 def ignored_fields_set(cfg: Any) -> List[str]:
     """Legacy fields the config file or the command line set (reported once at start-up)."""
     legacy = legacy_keys(type(cfg))
-    return [key for key in cfg._explicit_keys if key in legacy]
+    return [key for key in explicit_keys(cfg) if key in legacy]
+
+
+def ignored_fields_notice(cfg: Any) -> Optional[str]:
+    """One line naming the legacy fields the config sets (None when it sets none)."""
+    keys = ignored_fields_set(cfg)
+    if not keys:
+        return None
+    return (f"config fields accepted for compatibility, without effect (docs/configs.md says "
+            f"why): {', '.join(keys)}")

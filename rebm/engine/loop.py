@@ -28,7 +28,7 @@ from rebm.config import (
     BatchPlan,
     ConfigError,
     TrainConfig,
-    ignored_fields_set,
+    ignored_fields_notice,
     plan_batches,
     to_dict,
     training_diff,
@@ -113,8 +113,8 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
     LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d accumulation",
                 method.name, run_dir, runtime.world_size, runtime.device,
                 plan.per_device_batch_size, plan.accumulation_steps)
-    for key in ignored_fields_set(cfg):
-        LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
+    if ignored_fields_notice(cfg):
+        LOGGER.info(ignored_fields_notice(cfg))
     if method.eval_samples and cfg.n_imgs_per_evaluation_log:
         # a missing FID or seed-image file (on any node) stops the run now, not after hours
         on_every_rank(runtime, lambda: (require_fid_ready(cfg), check_seed_images(cfg)),

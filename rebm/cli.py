@@ -21,6 +21,7 @@ from rebm.config import (
     replace,
     to_yaml,
 )
+from rebm.config.schema import SEED_NOISES
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -60,6 +61,9 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
         problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
     if "noise" not in cfg.data.outdist_dataset and not os.path.exists(cfg.data.outdist_std_dir):
         problems.append(f"data.outdist_std_dir '{cfg.data.outdist_std_dir}' does not exist here")
+    seeds = cfg.image_log.seed_images
+    if seeds not in SEED_NOISES and not os.path.exists(seeds):
+        problems.append(f"image_log.seed_images '{seeds}' does not exist here")
     if cfg.model.ckpt_path and not os.path.exists(cfg.model.ckpt_path):
         problems.append(f"model.ckpt_path '{cfg.model.ckpt_path}' does not exist here")
     if cfg.ddp_backend == "nccl" and not torch.cuda.is_available():

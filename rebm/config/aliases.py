@@ -34,8 +34,13 @@ class Alias:
 
 ALIASES: Tuple[Alias, ...] = (
     Alias("fp16", "amp", "the original's switch: `fp16: true` is `amp: fp16`; `fp16: false` "
-          "sets nothing", _fp16_to_amp),
+          "sets nothing (the original's newest training code defines it but reads it nowhere)",
+          _fp16_to_amp),
     Alias("resume_path", "resume_from_state", "the original's spelling"),
+    Alias("image_log.ood_data_dir", "image_log.seed_images",
+          "the original's seed images of sample generation (rebm/eval/eval_utils.py:"
+          "log_generate_images, compute_fid): a .pt image tensor or a folder of images, resized "
+          "to data.image_size; `null` sets nothing"),
 )
 
 

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rebm.config.aliases import apply_aliases
 from rebm.config.errors import ConfigError
 from rebm.config.frozen import freeze
+from rebm.config.legacy import check_refused
 from rebm.config.schema import (
     AMP_MODES,
     ATTACK_TYPES,
@@ -174,6 +175,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
     )
     _validate_openimages(cfg, source)
+    check_refused(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
     _validate_family_options(cfg, source)
     if cfg.model.channels_last not in (True, False, "auto"):

@@ -64,6 +64,8 @@ DDP_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "force")
 WHICH_LOGIT = ("first", "all", "bird")
+# image_log.seed_images values that are not paths
+SEED_NOISES = ("noise", "lowfreq-noise", "gaussian")
 
 
 @dataclass

@@ -195,8 +195,8 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm import distributed as rd
     from rebm.config import load_config
     from rebm.distributed.precision import Precision
+    from rebm.engine.build import get_model, get_optimizer
     from rebm.methods.dat.step import DAT, dat_step
-    from rebm.training.modeling import get_model, get_optimizer
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
 
     steps = 1 + timed_steps

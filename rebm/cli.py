@@ -5,7 +5,6 @@ ones), and turning the user-fixable errors into one line and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -16,12 +15,13 @@ from rebm.config import (
     ConfigError,
     TrainConfig,
     default_run_dir,
-    freeze,
-    ignored_fields_set,
+    ignored_fields_notice,
     load_config,
     plan_batches,
+    replace,
     to_yaml,
 )
+from rebm.config.schema import SEED_NOISES
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -61,6 +61,9 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
         problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
     if "noise" not in cfg.data.outdist_dataset and not os.path.exists(cfg.data.outdist_std_dir):
         problems.append(f"data.outdist_std_dir '{cfg.data.outdist_std_dir}' does not exist here")
+    seeds = cfg.image_log.seed_images
+    if seeds not in SEED_NOISES and not os.path.exists(seeds):
+        problems.append(f"image_log.seed_images '{seeds}' does not exist here")
     if cfg.model.ckpt_path and not os.path.exists(cfg.model.ckpt_path):
         problems.append(f"model.ckpt_path '{cfg.model.ckpt_path}' does not exist here")
     if cfg.ddp_backend == "nccl" and not torch.cuda.is_available():
@@ -111,11 +114,9 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
             else plan_batches(cfg, world_size, streams))
     for problem in environment_warnings(cfg):
         print(f"warning: {problem}", file=sys.stderr)
-    for key in ignored_fields_set(cfg):
-        print(f"note: '{key}' is accepted for compatibility but not used", file=sys.stderr)
-    if cfg.model.use_convstem and not cfg.model.model_type.startswith("convnext"):
-        print(f"note: 'model.use_convstem' applies to ConvNeXt models only; "
-              f"{cfg.model.model_type} ignores it", file=sys.stderr)
+    notice = ignored_fields_notice(cfg)
+    if notice:
+        print(f"note: {notice}", file=sys.stderr)
     print(to_yaml(cfg), end="")
     print(
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
@@ -242,5 +243,5 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides, cfg)
-        cfg = freeze(dataclasses.replace(cfg, run_dir=run_dir), cfg._explicit_keys)
+        cfg = replace(cfg, run_dir=run_dir)
     return args, cfg

@@ -20,8 +20,9 @@ from rebm.checkpoint.weights import (
 )
 from rebm.config import TrainConfig
 from rebm.distributed import barrier, setup_distributed, spawn, teardown
+from rebm.distributed.parallel import unwrap
+from rebm.engine.build import get_model
 from rebm.models import build_model
-from rebm.training.modeling import get_model, unwrap
 
 ARCH = "WideResNet10x1"
 

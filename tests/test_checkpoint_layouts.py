@@ -13,7 +13,7 @@ from rebm.checkpoint.layouts import NormaliserMismatch
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.models import build_model
 from rebm.models.imagenet import timm_arguments
-from rebm.models.wideresnet import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
+from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
 
 X = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 

@@ -5,13 +5,21 @@ import math
 import sys
 
 import pytest
+import torch
 
 from rebm.config import (
     ConfigError,
+    TrainConfig,
+    explicit_keys,
+    ignored_fields_notice,
     ignored_fields_set,
     load_config,
     plan_batches,
+    replace,
+    to_dict,
+    validate,
 )
+from rebm.distributed import Runtime
 from rebm.training import train as train_entry
 from tests.helpers import REPO, run_command
 
@@ -39,13 +47,18 @@ def test_every_experiment_passes_check(capsys, path):
     assert "batch_size:" in out and "Traceback" not in err
 
 
-def test_original_format_keeps_fields():
+def test_original_format_keeps_fields(tmp_path):
     cfg = load_config(str(REPO / "experiments/cifar10/dat_wrn34x10_seed0.yaml"))
     assert math.isinf(cfg.attack.eps) and cfg.tags == ["dat", "cifar10", "wrn34x10"]
     assert cfg.data.indist_dataset == "cifar10-conditional" and cfg.batch_size == 128
+    assert ignored_fields_notice(cfg) is None  # shipped configs set no field without effect
     # unused original fields are accepted and reported
-    assert "tinyimages_loader" in ignored_fields_set(cfg)
-    assert "attack.fixed_steps" in ignored_fields_set(cfg)
+    original = tmp_path / "original.yaml"
+    original.write_text("tinyimages_loader: innout\nattack:\n  fixed_steps: 10\n"
+                        "image_log:\n  img_extension: png\n  attack_type: pgd\n")
+    cfg = load_config(str(original))
+    assert ignored_fields_set(cfg) == ["attack.fixed_steps", "image_log.attack_type",
+                                       "image_log.img_extension", "tinyimages_loader"]
 
 
 def test_overrides_nested_and_top_level():
@@ -139,3 +152,103 @@ def test_configs_doc_is_generated_from_the_dataclasses():
 def test_a_bad_override_is_blamed_on_the_command_line():
     with pytest.raises(ConfigError, match=r"^command line: 'amp: fp8' is not a valid choice"):
         load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["amp=fp8"])
+
+
+def test_original_spellings_are_renamed_before_merging(tmp_path):
+    cfg = load_config(None, ["fp16=true", "resume_path=runs/x/checkpoints"])
+    assert cfg.amp == "fp16" and cfg.resume_from_state == "runs/x/checkpoints"
+    assert "fp16" not in to_dict(cfg) and "resume_path" not in to_dict(cfg)
+    assert {"amp", "resume_from_state"} <= set(explicit_keys(cfg))
+    assert load_config(None, ["fp16=false"]).amp == "none"
+    # a later source wins as for any key; both spellings in one source must agree
+    assert load_config(None, ["fp16=true", "amp=fp16"]).amp == "fp16"
+    config = tmp_path / "both.yaml"
+    config.write_text("fp16: true\namp: bf16\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: 'fp16: True' and 'amp: bf16' disagree"):
+        load_config(str(config), ["amp=fp16"])  # the file itself is contradictory
+
+
+def test_validation_only_checks():
+    cfg = TrainConfig()
+    cfg.data.indist_dataset, cfg.model.model_type = "digits", "WideResNet10x1"
+    before = to_dict(cfg)
+    validate(cfg)
+    assert to_dict(cfg) == before
+
+
+def test_explicit_keys_survive_a_replaced_copy():
+    cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["lr=0.5"])
+    moved = replace(cfg, run_dir="elsewhere")
+    assert moved.run_dir == "elsewhere" and explicit_keys(moved) == explicit_keys(cfg)
+    assert "lr" in explicit_keys(cfg) and explicit_keys(TrainConfig()) == ()
+    with pytest.raises(AttributeError, match="frozen"):
+        moved.lr = 1.0
+
+
+def test_legacy_fields_are_one_notice_line():
+    cfg = load_config(None, ["mixup_alpha=3", "attack.fixed_steps=3"])
+    notice = ignored_fields_notice(cfg)
+    assert "\n" not in notice and notice.endswith("attack.fixed_steps, mixup_alpha")
+    assert ignored_fields_notice(load_config(None, [])) is None
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("image_log.attack_type=adam", "'image_log.attack_type: adam' is not supported (in the "
+                                   "original DAT code: adam generates the samples by Adam"),
+    ("indist_perturb=true", "'indist_perturb: True' is not supported"),
+    ("tinyimages_loader=GOOD", "remove the key or set it to 'innout'"),
+    ("image_log.img_extension=jpg", "remove the key or set it to null or 'png'"),
+    ("image_log.target_class=3", "'image_log.target_class: 3' is not supported"),
+    ("outdist_dataset_ood_detection=svhn", "rebm's evaluate --ood scores data.outdist_dataset"),
+])
+def test_fields_with_an_effect_rebm_lacks_are_refused(capsys, override, expected):
+    code, _, err = run_main(capsys, str(REPO / "experiments/quickstart/digits.yaml"), override,
+                            "--check")
+    assert code == 2 and expected in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def _samples_from(overrides, tmp_path):
+    """Samples of a seeded model through the real generation code (one process)."""
+    from rebm.eval.generation import generate_samples
+    from rebm.models import model_from_config
+
+    cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"),
+                      ["image_log.num_steps=2", *overrides])
+    torch.manual_seed(0)
+    model = model_from_config(cfg).eval()
+    images, labels = generate_samples(model, cfg, Runtime(), num_samples=12)
+    return cfg, images, labels
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_ood_data_dir_is_the_original_seed_set(tmp_path, kind):
+    """image_log.ood_data_dir=X and image_log.seed_images=X: the same samples, from X's images
+    resized to data.image_size (24 px here, 16 in the config)."""
+    from PIL import Image
+
+    seeds = torch.randint(0, 256, (5, 3, 24, 24), generator=torch.Generator().manual_seed(1),
+                          dtype=torch.uint8)
+    if kind == "file":
+        source = tmp_path / "seeds.pt"
+        torch.save(seeds, source)
+    else:
+        source = tmp_path / "seeds" / "class0"
+        source.mkdir(parents=True)
+        for i, image in enumerate(seeds):
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(source / f"{i:03d}.png")
+        source = source.parent
+    cfg, original, labels = _samples_from([f"image_log.ood_data_dir={source}"], tmp_path)
+    assert cfg.image_log.seed_images == str(source)
+    _, ours, labels_ours = _samples_from([f"image_log.seed_images={source}"], tmp_path)
+    _, noise, _ = _samples_from([], tmp_path)
+    assert original.shape == (12, 3, 16, 16) and torch.equal(labels, labels_ours)
+    assert torch.equal(original, ours) and not torch.equal(original, noise)
+
+
+def test_ood_data_dir_and_seed_images_may_not_disagree(capsys, tmp_path):
+    config = tmp_path / "both.yaml"
+    config.write_text("image_log:\n  seed_images: noise\n  ood_data_dir: seeds.pt\n")
+    code, _, err = run_main(capsys, str(config), "--check")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "'image_log.ood_data_dir: seeds.pt' and 'image_log.seed_images: noise' disagree" in err

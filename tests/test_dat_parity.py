@@ -14,6 +14,7 @@ from rebm.config import ConfigError, load_config, plan_batches
 from rebm.data import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
+from rebm.engine.build import get_model as rebm_get_model
 from rebm.engine.build import get_optimizer as rebm_get_optimizer
 from rebm.eval.generation import SeedImages, blur_kernel_size, gaussian_blur, generate_samples
 from rebm.methods.dat import DAT, dat_step, ebm_loss
@@ -117,14 +118,6 @@ def test_dat_script_saves_and_loads_the_dat_way(tmp_path):
     assert optimizer.param_groups[0]["betas"] == (0.0, 0.99)
 
 
-def test_rebm_call_forms_still_work():
-    cfg = load_config(DIGITS)
-    wrapped, raw = get_model(cfg, Runtime())
-    assert wrapped is raw and isinstance(raw, WideResNet)
-    optimizer = get_optimizer(cfg, raw.parameters())
-    assert type(optimizer) is type(rebm_get_optimizer(cfg, raw.parameters()))
-
-
 # ---------------------------------------------------------------------------------------------
 # Config fields and ranges
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +173,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     runtime = Runtime()
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    wrapped, raw = get_model(cfg, runtime)
+    wrapped, raw = rebm_get_model(cfg, runtime)
     optimizer = rebm_get_optimizer(cfg, raw.parameters())
     batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
     result = dat_step(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),

@@ -1,5 +1,6 @@
-"""WideResNet structure/semantics, the model factory, and modeling.py (unwrap, get_model,
-get_optimizer) in one process. Multi-process loading is in test_checkpoint_io.py."""
+"""WideResNet structure/semantics, the classifier contract (rebm.models.base), the registry, and
+the engine's model/optimizer construction in one process. Multi-process loading is in
+test_checkpoint_io.py."""
 
 import subprocess
 import sys
@@ -12,9 +13,12 @@ import torch.nn.functional as F
 from rebm.checkpoint.weights import save_model
 from rebm.config import TrainConfig
 from rebm.distributed import Runtime
+from rebm.distributed.parallel import unwrap
+from rebm.engine.build import get_model, get_optimizer
 from rebm.models import MODEL_NAMES, build_model, dataset_stats
-from rebm.models.wideresnet import ARCHITECTURES, CIFAR10_MEAN, CIFAR10_STD
-from rebm.training.modeling import get_model, get_optimizer, unwrap
+from rebm.models.base import Classifier
+from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD
+from rebm.models.wideresnet import ARCHITECTURES
 
 
 def _randomise_bn(model, seed=0):
@@ -220,3 +224,54 @@ def test_get_optimizer():
     cfg.optimizer = "AdamW"
     opt = get_optimizer(cfg, params)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_no_import_cycle_between_rebm_modules():
+    """Module-level and function-level imports alike (grimp, import-linter's graph): no file of
+    rebm reaches itself through its imports."""
+    import grimp
+
+    graph = grimp.build_graph("rebm")
+    cycles = [(m, other) for m in graph.modules for other in graph.find_modules_directly_imported_by(m)
+              if graph.chain_exists(importer=other, imported=m)]
+    assert not cycles, cycles
+
+
+class _TwoLayerFamily(Classifier):
+    """A family as small as it gets: what it writes is its layers and logits()."""
+
+    default_stats = ((0.5,) * 3, (0.25,) * 3)
+
+    def __init__(self, num_classes: int, use_batchnorm: bool = False, **options):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3, num_classes)
+        self.init_classifier(use_batchnorm=use_batchnorm, **options)
+
+    def logits(self, x):
+        return self.fc(self.bn(self.normalize(x)).mean((2, 3)))
+
+
+def test_the_contract_holds_for_any_family():
+    torch.manual_seed(0)
+    model = _TwoLayerFamily(4, normalize_input=True).train()
+    assert not model.bn.training and model.training  # frozen BatchNorm
+    assert "mean" not in model.state_dict() and model.mean.flatten().tolist() == [0.5] * 3
+    x, y = torch.rand(3, 3, 8, 8), torch.tensor([3, 0, 2])
+    logits = model(x)
+    assert torch.equal(model(x, y), logits[torch.arange(3), y])
+    raw = _TwoLayerFamily(4, normalize_input=False).eval()
+    raw.load_state_dict(model.state_dict())
+    torch.testing.assert_close(raw((x - 0.5) / 0.25), model.eval()(x))
+    assert _TwoLayerFamily(4, use_batchnorm=True, normalize_input=True).train().bn.training
+
+
+def test_family_options_are_declared_by_the_family():
+    from rebm.config import ConfigError, load_config
+    from rebm.models import family_options
+
+    assert family_options("convnext_test") == ("use_convstem", "use_layernorm")
+    assert family_options("WideResNet10x1") == ()
+    load_config(None, ["model.model_type=convnext_test", "model.use_convstem=true"])
+    with pytest.raises(ConfigError, match="'model.use_convstem: True' is an option of other"):
+        load_config(None, ["model.model_type=WideResNet10x1", "model.use_convstem=true"])

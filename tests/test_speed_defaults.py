@@ -15,8 +15,8 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
+from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.step import DAT, dat_step
-from rebm.training.modeling import get_model, get_optimizer
 from tests.helpers import REPO, base_env, run_command
 
 pytestmark = pytest.mark.timeout(240)

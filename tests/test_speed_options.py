@@ -18,11 +18,12 @@ from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime
+from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.distributed.precision import Precision
+from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.objective import dat_loss
 from rebm.methods.dat.step import DAT, dat_step
 from rebm.models import build_model
-from rebm.training.modeling import get_model, get_optimizer, strip_parallel, unwrap
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,8 +9,8 @@ from rebm import distributed as rd
 from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
+from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.step import DAT, dat_step
-from rebm.training.modeling import get_model, get_optimizer
 
 pytestmark = pytest.mark.timeout(180)
 

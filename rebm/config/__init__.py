@@ -1,10 +1,12 @@
 """Typed experiment configuration (docs/design.md §2): schema, legacy fields, loading, batch plan."""
 
+from rebm.config.aliases import ALIASES
 from rebm.config.batch import BatchPlan, eval_batch_size, plan_batches
+from rebm.config.errors import ConfigError
+from rebm.config.frozen import explicit_keys, freeze, replace
 from rebm.config.identity import RUN_KEYS, default_run_dir, training_diff
-from rebm.config.legacy import freeze, ignored_fields_set, legacy_keys
+from rebm.config.legacy import ignored_fields_notice, ignored_fields_set, legacy_keys
 from rebm.config.loading import (
-    ConfigError,
     load_config,
     to_dict,
     to_yaml,
@@ -21,8 +23,9 @@ from rebm.config.schema import (
 IGNORED_FIELDS = frozenset(legacy_keys(TrainConfig))
 
 __all__ = [
-    "IGNORED_FIELDS", "RUN_KEYS", "default_run_dir", "training_diff", "AttackConfig", "BatchPlan", "ConfigError",
-    "DataConfig", "ImageLogConfig", "ModelConfig", "TrainConfig", "eval_batch_size", "freeze",
-    "ignored_fields_set", "legacy_keys", "load_config", "plan_batches",
+    "ALIASES", "IGNORED_FIELDS", "RUN_KEYS", "default_run_dir",
+    "training_diff", "AttackConfig", "BatchPlan", "ConfigError", "DataConfig", "ImageLogConfig",
+    "ModelConfig", "TrainConfig", "eval_batch_size", "explicit_keys", "freeze", "replace",
+    "ignored_fields_notice", "ignored_fields_set", "legacy_keys", "load_config", "plan_batches",
     "to_dict", "to_yaml", "validate",
 ]

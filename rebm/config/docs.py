@@ -9,6 +9,7 @@ from dataclasses import fields, is_dataclass
 from typing import List
 
 from rebm.config import (
+    ALIASES,
     IGNORED_FIELDS,
     AttackConfig,
     DataConfig,
@@ -38,6 +39,16 @@ def _comments(cls: type) -> dict:
     return out
 
 
+def _legacy_note(f) -> str:
+    """What the original did with a legacy field, and rebm's decision (rebm/config/legacy.py)."""
+    accepted = f.metadata.get("accepted")
+    if accepted is None:
+        return "*ignored* — in the original DAT code: " + f.metadata["why"]
+    values = ", ".join("null" if a is None else f"`{a}`" for a in accepted)
+    return (f"*other values refused* (accepted without effect: {values}) — in the original DAT "
+            f"code: {f.metadata['why']}")
+
+
 def _default(instance, name: str) -> str:
     value = getattr(instance, name)
     if is_dataclass(value):
@@ -54,8 +65,10 @@ def render() -> str:
         "",
         "One YAML file is one experiment; override any field on the command line with "
         "`key=value` or `section.key=value`. Field names are those of the original DAT configs. "
-        "Fields marked *ignored* are accepted so that old files load, and reported once at "
-        "start-up.",
+        "Fields marked *ignored* had no effect in the original either: they are accepted so "
+        "that old files load, and a run names them in one line at start-up. Fields marked "
+        "*other values refused* had an effect that rebm does not offer: their accepted values "
+        "do nothing, any other value stops the run at load with one line.",
         "",
     ]
     for prefix, cls, title in SECTIONS:
@@ -69,9 +82,15 @@ def render() -> str:
             key = prefix + f.name
             note = comments.get(f.name, "")
             if key in IGNORED_FIELDS:
-                note = "*ignored* — " + note
+                note = _legacy_note(f)
             lines.append(f"| `{key}` | `{_default(instance, f.name)}` | {note} |")
         lines.append("")
+    lines += ["## Aliases", "",
+              "Keys of the original configs that rebm reads under its own name; they are renamed "
+              "before the file is merged, and a file that sets both spellings to different values "
+              "is refused.", "", "| original key | rebm field | meaning |", "|---|---|---|"]
+    lines += [f"| `{a.old}` | `{a.new}` | {a.meaning} |" for a in ALIASES]
+    lines.append("")
     return "\n".join(lines)
 
 

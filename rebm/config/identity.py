@@ -12,13 +12,14 @@ import hashlib
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from rebm.config.aliases import canonical_key
 from rebm.config.legacy import legacy_keys
 from rebm.config.loading import to_dict
 from rebm.config.schema import TrainConfig
 
 # Dotted keys (a section name covers the whole section) that do not change what a run trains.
 RUN_KEYS = (
-    "max_steps", "total_epochs", "run_dir", "resume", "resume_from_state", "resume_path",
+    "max_steps", "total_epochs", "run_dir", "resume", "resume_from_state",
     "keep_last_states", "wandb_project", "wandb_dir", "wandb_disabled", "wandb_mode", "tags",
     "use_ddp", "ddp_backend", "device", "find_unused_parameters", "ddp_timeout_s",
     "ddp_step_timeout_s", "per_device_batch_size", "per_device_eval_batch_size",
@@ -65,11 +66,10 @@ def default_run_dir(config_path: Optional[str], overrides: Sequence[str],
     else:
         name = "run"
     legacy = legacy_keys(TrainConfig)
-    keys = sorted({o.split("=", 1)[0] for o in overrides
-                   if _is_training_key(o.split("=", 1)[0], legacy)})
+    given = {canonical_key(key): value for key, value in (o.split("=", 1) for o in overrides)}
+    keys = sorted(k for k in given if _is_training_key(k, legacy))
     if keys:
         values = _flatten(to_dict(cfg)) if cfg is not None else {}
-        text = "\n".join(f"{k}={values.get(k, dict(o.split('=', 1) for o in overrides)[k])!r}"
-                         for k in keys)
+        text = "\n".join(f"{k}={values.get(k, given[k])!r}" for k in keys)
         name += "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return os.path.join("runs", name)

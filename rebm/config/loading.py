@@ -1,7 +1,9 @@
 """Loading a config: YAML file + command-line overrides -> validated, frozen TrainConfig.
 
-Errors are raised as `ConfigError` with one line that names the key, the file and the fix; the
-entry points print that line and exit non-zero without a traceback.
+Each source (the file, then the command line) is read as a raw mapping, its aliases are renamed
+(aliases.py), and it is merged onto the dataclasses; `validate` then only checks. Errors are
+raised as `ConfigError` with one line that names the key, the file and the fix; the entry points
+print that line and exit non-zero without a traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rebm.config.legacy import freeze
+from rebm.config.aliases import apply_aliases
+from rebm.config.errors import ConfigError
+from rebm.config.frozen import freeze
+from rebm.config.legacy import check_refused
 from rebm.config.schema import (
     AMP_MODES,
     ATTACK_TYPES,
@@ -29,13 +34,9 @@ from rebm.config.schema import (
     WANDB_MODES,
     WHICH_LOGIT,
     AttackConfig,
+    ModelConfig,
     TrainConfig,
 )
-from rebm.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem the user can fix; its message is one line."""
 
 
 def _all_keys(obj: Any, prefix: str = "") -> List[str]:
@@ -92,39 +93,46 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
         raise _translate(err, source) from None
 
 
-def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
-    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
-    schema = OmegaConf.structured(TrainConfig)
-    explicit: List[str] = []
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML file")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as err:  # yaml.YAMLError and friends
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConfigError(f"{path}: not valid YAML ({first})") from None
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"{path}: the top level of a config must be a mapping of keys")
-        explicit += _explicit_keys(OmegaConf.to_container(loaded))
-        schema = _merge(schema, loaded, path)
-    overrides = list(overrides)
+def _read_file(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML file")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError and friends
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{path}: not valid YAML ({first})") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: the top level of a config must be a mapping of keys")
+    return loaded
+
+
+def _read_overrides(overrides: Sequence[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. lr=0.01)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"command line: cannot parse overrides: {err}") from None
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
+    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
+    sources = [(path, _read_file(path))] if path is not None else []
     if overrides:
-        try:
-            dotlist = OmegaConf.from_dotlist(overrides)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"command line: cannot parse overrides: {err}") from None
-        explicit += _explicit_keys(OmegaConf.to_container(dotlist))
-        schema = _merge(schema, dotlist, "command line")
+        sources.append(("command line", _read_overrides(overrides)))
+    schema = OmegaConf.structured(TrainConfig)
+    explicit: List[str] = []
+    for source, raw in sources:
+        apply_aliases(raw, source)
+        explicit += _explicit_keys(OmegaConf.to_container(raw))
+        schema = _merge(schema, raw, source)
+    if "data.image_size" not in explicit and schema.data.indist_dataset in DEFAULT_IMAGE_SIZES:
+        schema.data.image_size = DEFAULT_IMAGE_SIZES[schema.data.indist_dataset]
     try:
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise _translate(err, path or "command line") from None
-    if "data.image_size" not in explicit and cfg.data.indist_dataset in DEFAULT_IMAGE_SIZES:
-        cfg.data.image_size = DEFAULT_IMAGE_SIZES[cfg.data.indist_dataset]
     try:
         validate(cfg, source=path or "command line")
     except ConfigError as err:
@@ -150,7 +158,7 @@ def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> 
 
 
 def validate(cfg: TrainConfig, source: str = "config") -> None:
-    """Checks that need no world size; raises ConfigError naming the key."""
+    """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
     from rebm.models import model_names
 
     _check_choice(cfg.data.indist_dataset, INDIST_DATASETS, "data.indist_dataset", source)
@@ -167,7 +175,9 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
     )
     _validate_openimages(cfg, source)
+    check_refused(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
+    _validate_family_options(cfg, source)
     if cfg.model.channels_last not in (True, False, "auto"):
         raise ConfigError(f"{source}: 'model.channels_last: {cfg.model.channels_last}' is not valid;"
                           " use true, false or auto")
@@ -217,10 +227,19 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         )
     if cfg.data.num_workers < 0:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
-    if cfg.fp16 and cfg.amp == "none":
-        cfg.amp = "fp16"
-    if cfg.resume_path and not cfg.resume_from_state:
-        cfg.resume_from_state = cfg.resume_path
+def _validate_family_options(cfg: TrainConfig, source: str) -> None:
+    """A `model.*` option of other model families, set to a non-default value, is refused: the
+    chosen model would ignore it."""
+    from rebm.models.registry import all_family_options, family_options
+
+    own = family_options(cfg.model.model_type)
+    defaults = ModelConfig()
+    for option in all_family_options():
+        value = getattr(cfg.model, option)
+        if option not in own and value != getattr(defaults, option):
+            raise ConfigError(
+                f"{source}: 'model.{option}: {value}' is an option of other model families; "
+                f"{cfg.model.model_type} does not take it (remove it)")
 
 
 def _validate_openimages(cfg: TrainConfig, source: str) -> None:

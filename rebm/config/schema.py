@@ -3,7 +3,8 @@
 One YAML file is one experiment. It is merged onto the dataclasses below (field names are those of
 the original DAT configs, so existing experiment files load unchanged; fields the original had but
 rebm does not use are in legacy.py), then `key=value` / `a.b=value` overrides from the command line
-(OmegaConf dot-list) are applied on top (loading.py). The trailing comment of each field is its
+(OmegaConf dot-list) are applied on top (loading.py); the original's other spellings of some
+fields are aliases (aliases.py). The trailing comment of each field is its
 documentation (docs/configs.md is generated from it).
 """
 
@@ -63,6 +64,8 @@ DDP_BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "never", "force")
 WHICH_LOGIT = ("first", "all", "bird")
+# image_log.seed_images values that are not paths
+SEED_NOISES = ("noise", "lowfreq-noise", "gaussian")
 
 
 @dataclass
@@ -169,7 +172,6 @@ class TrainConfig(LegacyTrainFields):
     use_ema: bool = True  # keep an EMA of the weights; evaluate and export it
     ema_decay: float = 0.999  # EMA decay (warmed up from 0)
     amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
-    fp16: bool = False  # original flag; same as amp=fp16
 
     # Method switches
     logsumexp: bool = True  # energy s(x) = logsumexp_k f_k(x); false: f_y(x)
@@ -195,7 +197,6 @@ class TrainConfig(LegacyTrainFields):
     # Run directory, resume
     run_dir: Optional[str] = None  # output directory; default runs/<config folder>/<config name>[-<hash of training overrides>]
     resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
-    resume_path: Optional[str] = None  # original spelling of resume_from_state
     resume: str = "auto"  # auto: continue from the newest state in run_dir (same training config); force: even if the config changed; never: refuse a run_dir with states
     keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
 
@@ -208,5 +209,3 @@ class TrainConfig(LegacyTrainFields):
     ddp_timeout_s: float = 1800.0  # collective timeout during start-up (data, compile)
     ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
 
-
-# Fields the original accepted but this implementation does not use. Setting one to a

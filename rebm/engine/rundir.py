@@ -7,7 +7,6 @@ with one line naming the holder, before it writes anything.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import glob
@@ -18,7 +17,7 @@ import socket
 import time
 from typing import Optional, Tuple
 
-from rebm.config import TrainConfig, freeze
+from rebm.config import TrainConfig, replace
 from rebm.distributed import Runtime, decide_on_main
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
@@ -119,5 +118,5 @@ def resolve_run_dir(cfg: TrainConfig, runtime: Runtime
 
     chosen, token = decide_on_main(runtime, choose, "create the run directory")
     on_every_rank(runtime, lambda: check_shared(chosen, token, runtime), "see the run directory")
-    cfg = freeze(dataclasses.replace(cfg, run_dir=chosen), cfg._explicit_keys)
+    cfg = replace(cfg, run_dir=chosen)
     return cfg, (held[0] if held else None)

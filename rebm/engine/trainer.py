@@ -23,7 +23,7 @@ from rebm.checkpoint.weights import save_model
 from rebm.config import (
     ConfigError,
     TrainConfig,
-    ignored_fields_set,
+    ignored_fields_notice,
     plan_batches,
     to_dict,
     training_diff,
@@ -141,8 +141,9 @@ class Trainer:
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
                     "accumulation", method.name, cfg.run_dir, runtime.world_size, runtime.device,
                     plan.per_device_batch_size, plan.accumulation_steps)
-        for key in ignored_fields_set(cfg):
-            LOGGER.info("config field '%s' is accepted for compatibility but not used", key)
+        notice = ignored_fields_notice(cfg)
+        if notice:
+            LOGGER.info(notice)
         if method.eval_samples and cfg.n_imgs_per_evaluation_log:
             # a missing FID or seed-image file (on any node) stops the run now, not after hours
             on_every_rank(runtime, lambda: (require_fid_ready(cfg), check_seed_images(cfg)),

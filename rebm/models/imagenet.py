@@ -9,8 +9,9 @@
 Two tiny members of the same families, `TinyResNetImageNet` and `convnext_test`, exist for tests
 and quick CPU runs; they are not models anyone trains for results.
 
-Registration needs no torch or timm: the builders import `timm_nets` when called, so validating a
-config stays cheap.
+Registration needs no torch or timm: the builders import `_timm_nets` when called, so validating a
+config stays cheap. The ConvNeXts declare their own `model.*` options, `use_convstem` and
+`use_layernorm`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ RESNETS: Dict[str, tuple] = {
                                       stem_width=8)),
 }
 
+# model.* fields the ConvNeXt builders take besides the common ones
+CONVNEXT_OPTIONS = ("use_convstem", "use_layernorm")
 # name -> (timm model name or None, ConvNeXtImageNet keyword arguments); the three-conv ConvStem
 # belongs to base/large, the two-conv one to tiny/small (Singh et al.).
 CONVNEXTS: Dict[str, tuple] = {
@@ -61,17 +64,17 @@ def _register_resnet(name: str, arguments: Dict[str, Any]) -> None:
     @register(name)
     def build(num_classes: int, normalize_input: bool = True, use_batchnorm: bool = False,
               **options: Any):
-        from rebm.models.timm_nets import ResNetImageNet
+        from rebm.models._timm_nets import ResNetImageNet
 
         return ResNetImageNet(num_classes=num_classes, normalize_input=normalize_input,
                               use_batchnorm=use_batchnorm, **arguments, **options)
 
 
 def _register_convnext(name: str, arguments: Dict[str, Any]) -> None:
-    @register(name)
+    @register(name, options=CONVNEXT_OPTIONS)
     def build(num_classes: int, normalize_input: bool = True, use_batchnorm: bool = False,
               use_convstem: bool = False, use_layernorm: bool = True, **options: Any):
-        from rebm.models.timm_nets import ConvNeXtImageNet
+        from rebm.models._timm_nets import ConvNeXtImageNet
 
         return ConvNeXtImageNet(num_classes=num_classes, normalize_input=normalize_input,
                                 use_batchnorm=use_batchnorm, use_convstem=use_convstem,

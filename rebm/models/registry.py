@@ -3,73 +3,92 @@
     @register("WideResNet28x10")
     def wrn28_10(num_classes, **options): return WideResNet(28, num_classes, 10, **options)
 
-Builders take `num_classes` and the keyword options `normalize_input`, `mean`, `std`,
-`use_batchnorm`, `in_channels` (ConvNeXts also `use_convstem`, `use_layernorm`), and return a module whose forward(x, y=None) gives logits (or the
-logits of classes y). This module imports no torch: the built-in models are imported on first use,
-so `import rebm.models` stays cheap.
+Builders take `num_classes` and the keyword options every family takes (`normalize_input`,
+`mean`, `std`, `use_batchnorm`, `in_channels`), plus the family's own `options`: the names of the
+`model.*` config fields it reads (ConvNeXt: `use_convstem`, `use_layernorm`), declared at
+registration. They return a `rebm.models.base.Classifier`.
+
+Every public module of this package is imported the first time the registry is asked for a
+model, so a family registers itself by being a file here: no list of modules to keep. Importing
+them must stay cheap (torch, never timm): a family's expensive code lives in a private module
+(`_timm_nets.py`) that its builders import when called. Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
+import os
+import pkgutil
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
-# Modules whose import registers the built-in models.
-BUILTIN_MODULES = ("rebm.models.wideresnet", "rebm.models.imagenet")
-
-_BUILDERS: Dict[str, Callable[..., Any]] = {}
+from rebm.models.stats import dataset_stats
 
 
-def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: make `builder` the model `model.model_type: name`."""
+@dataclass(frozen=True)
+class Registration:
+    builder: Callable[..., Any]
+    options: Tuple[str, ...]  # the family's own model.* fields, passed to the builder
+
+
+_REGISTRY: Dict[str, Registration] = {}
+PACKAGE = __name__.rpartition(".")[0]
+
+
+def register(name: str, options: Tuple[str, ...] = ()
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: make `builder` the model `model.model_type: name`; `options` are the `model.*`
+    config fields (beyond the common ones) that `model_from_config` passes to it."""
     def add(builder: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _BUILDERS and _BUILDERS[name] is not builder:
+        if name in _REGISTRY and _REGISTRY[name].builder is not builder:
             raise ValueError(f"model '{name}' is registered twice")
-        _BUILDERS[name] = builder
+        _REGISTRY[name] = Registration(builder, tuple(options))
         return builder
     return add
 
 
-def _load_builtins() -> None:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+def _load_families() -> None:
+    """Import every public module of the package (their import runs their registrations)."""
+    for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{PACKAGE}.{module.name}")
 
 
 def model_names() -> Tuple[str, ...]:
-    """Every registered `model.model_type`, in registration order."""
-    _load_builtins()
-    return tuple(_BUILDERS)
+    """Every registered `model.model_type`."""
+    _load_families()
+    return tuple(_REGISTRY)
+
+
+def _registration(model_type: str) -> Registration:
+    _load_families()
+    if model_type not in _REGISTRY:
+        raise ValueError(f"unknown model_type '{model_type}'; use one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[model_type]
 
 
 def build_model(model_type: str, num_classes: int, **options: Any):
     """The model registered as `model_type`, with `num_classes` outputs."""
-    _load_builtins()
-    if model_type not in _BUILDERS:
-        raise ValueError(f"unknown model_type '{model_type}'; use one of {', '.join(_BUILDERS)}")
-    return _BUILDERS[model_type](num_classes, **options)
+    return _registration(model_type).builder(num_classes, **options)
 
 
-def accepts(model_type: str, option: str) -> bool:
-    """Whether the builder of `model_type` takes the keyword option `option`."""
-    _load_builtins()
-    return option in inspect.signature(_BUILDERS[model_type]).parameters
+def family_options(model_type: str) -> Tuple[str, ...]:
+    """The `model.*` fields the family of `model_type` reads beyond the common ones."""
+    return _registration(model_type).options
 
 
-# Options of model.* that only some families take (ConvNeXt); passed to the builders that do.
-FAMILY_OPTIONS = ("use_convstem", "use_layernorm")
+def all_family_options() -> Tuple[str, ...]:
+    """The `model.*` fields some family reads (each once)."""
+    _load_families()
+    return tuple(dict.fromkeys(o for r in _REGISTRY.values() for o in r.options))
 
 
 def model_from_config(cfg: Any):
     """The model a config describes (`model.*`, `data.num_classes`, the normalisation statistics
     of `data.indist_dataset`), randomly initialised on the CPU."""
-    from rebm.models.wideresnet import dataset_stats
-
-    _load_builtins()
     mean, std = dataset_stats(cfg.data.indist_dataset)
     model_type = cfg.model.model_type
-    family = {name: getattr(cfg.model, name) for name in FAMILY_OPTIONS
-              if model_type in _BUILDERS and accepts(model_type, name)}
+    own = {name: getattr(cfg.model, name) for name in family_options(model_type)}
     return build_model(model_type, cfg.data.num_classes,
                        normalize_input=cfg.model.normalize_input, mean=mean, std=std,
-                       use_batchnorm=cfg.model.use_batchnorm, **family)
+                       use_batchnorm=cfg.model.use_batchnorm, **own)

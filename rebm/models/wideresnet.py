@@ -16,24 +16,15 @@ the config's default); the training pipeline always passes `model.use_batchnorm`
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rebm.models.base import Classifier
 from rebm.models.registry import register
-
-# CIFAR-10 training-set statistics, to full precision; the original uses them for CIFAR-100 too.
-CIFAR10_MEAN = (0.4913997551666284, 0.48215855929893703, 0.4465309133731618)
-CIFAR10_STD = (0.24703225141799082, 0.24348516474564, 0.26158783926049628)
-# Digits are grey images replicated to 3 channels by the data pipeline.
-DIGITS_MEAN = (0.5, 0.5, 0.5)
-DIGITS_STD = (0.5, 0.5, 0.5)
-# ImageNet training-set statistics (timm's IMAGENET_DEFAULT_MEAN / _STD, the `robustness`
-# library's normaliser), used by the ImageNet models.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD
 
 # name -> (depth, widen factor), each registered below
 ARCHITECTURES = {
@@ -43,17 +34,6 @@ ARCHITECTURES = {
     "WideResNet16x2": (16, 2),
     "WideResNet10x1": (10, 1),
 }
-
-
-def dataset_stats(indist_dataset: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    """(mean, std) used for input normalisation of a model trained on `indist_dataset`."""
-    if indist_dataset == "digits":
-        return DIGITS_MEAN, DIGITS_STD
-    if indist_dataset.lower() == "imagenet":
-        return IMAGENET_MEAN, IMAGENET_STD
-    if indist_dataset.startswith("cifar") or indist_dataset == "imagefolder":
-        return CIFAR10_MEAN, CIFAR10_STD
-    raise ValueError(f"no normalisation statistics for data.indist_dataset '{indist_dataset}'")
 
 
 ACTIVATIONS = ("relu", "swish")
@@ -122,7 +102,7 @@ class NetworkBlock(nn.Module):
         return self.layer(x)
 
 
-class WideResNet(nn.Module):
+class WideResNet(Classifier):
     """WRN-depth-widen_factor; positional order and defaults of the original constructor.
 
     activation: "relu" (DAT's choice) or "swish"; dropRate: dropout before each block's second
@@ -130,6 +110,8 @@ class WideResNet(nn.Module):
     not keyed per sample); return_feature_map: forward returns the pooled features (B,
     nChannels) instead of logits. None of the three adds state-dict entries.
     """
+
+    default_stats = (CIFAR10_MEAN, CIFAR10_STD)
 
     def __init__(
         self,
@@ -154,15 +136,7 @@ class WideResNet(nn.Module):
         self.act = _activation(activation)
         n = (depth - 4) // 6
         widths = [16, 16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
-        self.use_batchnorm = use_batchnorm
-        self.normalize_input = normalize_input
         self.return_feature_map = return_feature_map
-        mean = CIFAR10_MEAN if mean is None else tuple(mean)
-        std = CIFAR10_STD if std is None else tuple(std)
-        # persistent=False: constants of the data, not weights; original checkpoints lack them.
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-
         self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=1, padding=1, bias=False)
         self.block1 = NetworkBlock(n, widths[0], widths[1], 1, activation, dropRate)
         self.block2 = NetworkBlock(n, widths[1], widths[2], 2, activation, dropRate)
@@ -171,7 +145,8 @@ class WideResNet(nn.Module):
         self.fc = nn.Linear(widths[3], num_classes)
         self.num_features = self.nChannels = widths[3]  # nChannels: the original's name
         self._init_weights()
-        self.train()  # applies the frozen-BatchNorm rule from the start
+        self.init_classifier(normalize_input=normalize_input, use_batchnorm=use_batchnorm,
+                             mean=mean, std=std)
 
     def _init_weights(self) -> None:
         # Same scheme as the original: He-normal (fan_out) convs, BN = identity, zero fc bias.
@@ -184,34 +159,22 @@ class WideResNet(nn.Module):
             elif isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
 
-    def train(self, mode: bool = True) -> "WideResNet":
-        """With use_batchnorm=False every BatchNorm stays in eval mode: its running stats act as a
-        fixed affine map (gamma/beta still learn). Wrappers (DDP, DataParallel, compile, EMA
-        copies) call this method recursively, so the rule holds through them."""
-        super().train(mode)
-        if mode and not self.use_batchnorm:
-            for m in self.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):  # includes SyncBatchNorm
-                    m.eval()
-        return self
-
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        if self.normalize_input:
-            x = (x - self.mean) / self.std
-        out = self.conv1(x)
+        """The pooled features (B, nChannels) of images in [0, 1]."""
+        out = self.conv1(self.normalize(x))
         out = self.block3(self.block2(self.block1(out)))
         out = self.act(self.bn1(out))
         # Pool over the whole map: 8x8 at 32 px as in the original, 4x4 at 16 px.
         out = F.avg_pool2d(out, kernel_size=out.shape[-2:])
         return out.flatten(1)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.return_feature_map:
+        if self.return_feature_map:  # the original's option: features whatever y is
             return self.features(x)
-        logits = self.fc(self.features(x))
-        if y is None:
-            return logits
-        return logits[torch.arange(logits.shape[0], device=logits.device), y]
+        return super().forward(x, y)
 
 
 def _register_wideresnet(name: str, depth: int, widen_factor: int) -> None:

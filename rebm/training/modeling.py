@@ -7,10 +7,9 @@ The original's call forms (rebm/training/modeling.py of xuwangyin/DAT) work unch
     model = load_checkpoint(model, ckpt_path)            # returns the model it loaded into
     optimizer = get_optimizer(model=model, optimizer_name="adam", lr=1e-3, wd=5e-4)
 
-rebm's own forms are accepted as well, told apart by the first argument: a whole run config
-(with `.model` and `.data`) means `rebm.engine.build.get_model(cfg, runtime, load_pretrained=True)
--> (wrapped, raw)`, and `get_optimizer(cfg, params)`. New rebm code should import those from
-`rebm.engine.build` directly.
+These are the original's signatures only, for scripts written against it; rebm's own code
+builds models through the registry (`rebm.models.model_from_config`) and the engine
+(`rebm.engine.build.get_model(cfg, runtime) -> (wrapped, raw)`, `get_optimizer(cfg, params)`).
 """
 
 from __future__ import annotations
@@ -25,13 +24,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rebm.checkpoint.weights import load_checkpoint as load_weights
 from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.engine import build
-from rebm.models import build_model, dataset_stats
+from rebm.models import build_model, dataset_stats, family_options
 
 __all__ = ["get_model", "get_optimizer", "load_checkpoint", "strip_parallel", "unwrap"]
-
-
-def _is_run_config(obj: Any) -> bool:
-    return hasattr(obj, "model") and hasattr(obj, "data")
 
 
 def load_checkpoint(model: nn.Module, ckpt_path: str, weights_only: bool = True, *,
@@ -49,18 +44,22 @@ def load_checkpoint(model: nn.Module, ckpt_path: str, weights_only: bool = True,
     return model
 
 
-def _dat_get_model(model_config: Any, device: Union[str, torch.device], num_classes: int,
-                   indist_dataset: str, use_ddp: bool = False, rank: int = 0) -> nn.Module:
-    """The original's get_model: build `model_config.model_type`, move it to `device`, wrap it
-    (DDP with use_ddp, else nn.DataParallel, as the original does even on one device), then load
-    `model_config.ckpt_path` when set. Normalisation statistics come from `indist_dataset`
-    (CIFAR-10's for CIFAR, as in the original)."""
+def get_model(model_config: Any, device: Union[str, torch.device], num_classes: int,
+              indist_dataset: str, use_ddp: bool = False, rank: int = 0) -> nn.Module:
+    """The original's get_model: build `model_config.model_type` (any registered model), move it
+    to `device`, wrap it (DDP with use_ddp, else nn.DataParallel, as the original does even on one
+    device), then load `model_config.ckpt_path` when set. Normalisation statistics come from
+    `indist_dataset` (CIFAR-10's for CIFAR, as in the original)."""
     mean, std = dataset_stats(indist_dataset)
     device = torch.device(device)
-    model = build_model(model_config.model_type, num_classes,
+    model_type = model_config.model_type
+    own = {name: getattr(model_config, name) for name in family_options(model_type)
+           if hasattr(model_config, name)}
+    model = build_model(model_type, num_classes,
                         normalize_input=getattr(model_config, "normalize_input", True),
                         mean=mean, std=std,
-                        use_batchnorm=getattr(model_config, "use_batchnorm", False)).to(device)
+                        use_batchnorm=getattr(model_config, "use_batchnorm", False), **own)
+    model = model.to(device)
     if use_ddp:
         # The original passes device_ids=[rank]; the device the model sits on is the same GPU
         # on one node and the right one on several.
@@ -74,29 +73,9 @@ def _dat_get_model(model_config: Any, device: Union[str, torch.device], num_clas
     return model
 
 
-def get_model(*args: Any, **kwargs: Any) -> Any:
-    """DAT: get_model(model_config, device, num_classes, indist_dataset, use_ddp=False, rank=0)
-    -> the wrapped model (nn.DataParallel, or DDP with use_ddp), `model_config.ckpt_path` loaded.
-
-    rebm: get_model(cfg, runtime, load_pretrained=True) -> (wrapped, raw), when the first
-    argument is a whole run config (rebm.engine.build.get_model)."""
-    first = args[0] if args else kwargs.get("cfg", kwargs.get("model_config"))
-    if _is_run_config(first):
-        return build.get_model(*args, **kwargs)
-    return _dat_get_model(*args, **kwargs)
-
-
-def get_optimizer(*args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """DAT: get_optimizer(model, optimizer_name, lr, wd) -> optimizer over model.parameters().
-    rebm: get_optimizer(cfg, params) (rebm.engine.build.get_optimizer). Same optimizers either
-    way: SGD (momentum 0.9, Nesterov), Adam (betas 0, 0.99), AdamW (0.9, 0.95)."""
-    first = args[0] if args else kwargs.get("model", kwargs.get("cfg"))
-    if isinstance(first, nn.Module):
-        return _dat_get_optimizer(*args, **kwargs)
-    return build.get_optimizer(*args, **kwargs)
-
-
-def _dat_get_optimizer(model: nn.Module, optimizer_name: str, lr: float, wd: float
-                       ) -> torch.optim.Optimizer:
+def get_optimizer(model: nn.Module, optimizer_name: str, lr: float, wd: float
+                  ) -> torch.optim.Optimizer:
+    """The original's get_optimizer: over `model.parameters()`, with rebm's optimizers (SGD
+    momentum 0.9 Nesterov, Adam betas (0, 0.99), AdamW (0.9, 0.95); the same as the original)."""
     settings = SimpleNamespace(optimizer=optimizer_name, lr=lr, wd=wd)
     return build.get_optimizer(settings, model.parameters())  # type: ignore[arg-type]

@@ -4,8 +4,9 @@ Croce & Hein (NeurIPS 2023), and `forward(x, y=None)`.
 
 The networks *are* timm's classes (subclasses that add the options), so their state-dict names are
 exactly timm's: timm's own weights, the `robustness` library's ResNets and the Singh et al. ConvNeXt
-files load without renaming. The normalisation statistics are non-persistent buffers, as in the
-CIFAR models. This module imports timm; registry.py reaches it only when such a model is built.
+files load without renaming. The contract (normalisation buffers, frozen BatchNorm, forward(x, y))
+is rebm.models.base's. This module imports timm, so it is private: the builders of imagenet.py
+import it when such a model is built.
 """
 
 from __future__ import annotations
@@ -18,44 +19,22 @@ from timm.layers import LayerNorm2d
 from timm.models.convnext import ConvNeXt
 from timm.models.resnet import Bottleneck, ResNet
 
-from rebm.models.wideresnet import IMAGENET_MEAN, IMAGENET_STD
+from rebm.models.base import Classifier
+from rebm.models.stats import IMAGENET_MEAN, IMAGENET_STD
 
 
-class ImageNetOptions:
-    """What the ImageNet models add to timm's networks (a mixin; call `_setup_options` after the
-    timm constructor). `mean`/`std` default to the ImageNet statistics."""
+class TimmClassifier(Classifier):
+    """The contract (rebm.models.base) on a timm network: put it first among the bases, so its
+    forward and train come before timm's; `mean`/`std` default to the ImageNet statistics."""
 
-    def _setup_options(self, normalize_input: bool, use_batchnorm: bool,
-                       mean: Optional[Sequence[float]], std: Optional[Sequence[float]]) -> None:
-        self.normalize_input = normalize_input
-        self.use_batchnorm = use_batchnorm
-        mean = IMAGENET_MEAN if mean is None else tuple(mean)
-        std = IMAGENET_STD if std is None else tuple(std)
-        # persistent=False: constants of the data, not weights; public checkpoints lack them.
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-        self.train()
+    default_stats = (IMAGENET_MEAN, IMAGENET_STD)
 
-    def train(self, mode: bool = True):
-        """use_batchnorm=False keeps every BatchNorm in eval mode while training (running stats
-        fixed, affine parameters still learn), as for the CIFAR models."""
-        super().train(mode)
-        if mode and not self.use_batchnorm:
-            for m in self.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
-        return self
-
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.normalize_input:
-            x = (x - self.mean) / self.std
-        logits = super().forward(x)
-        if y is None:
-            return logits
-        return logits[torch.arange(logits.shape[0], device=logits.device), y]
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # timm's own forward, on the normalised input
+        return self.forward_head(self.forward_features(self.normalize(x)))
 
 
-class ResNetImageNet(ImageNetOptions, ResNet):
+class ResNetImageNet(TimmClassifier, ResNet):
     """timm's ResNet (Bottleneck) with the ImageNet options."""
 
     def __init__(self, layers: Sequence[int], num_classes: int = 1000, base_width: int = 64,
@@ -64,7 +43,8 @@ class ResNetImageNet(ImageNetOptions, ResNet):
                  in_channels: int = 3, **timm_options):
         ResNet.__init__(self, block=Bottleneck, layers=tuple(layers), num_classes=num_classes,
                         in_chans=in_channels, base_width=base_width, **timm_options)
-        self._setup_options(normalize_input, use_batchnorm, mean, std)
+        self.init_classifier(normalize_input=normalize_input, use_batchnorm=use_batchnorm,
+                             mean=mean, std=std)
 
 
 class ConvStem(nn.Module):
@@ -95,7 +75,7 @@ def convstem_for(dims0: int, three_convs: bool, in_channels: int = 3) -> ConvSte
     return ConvStem(in_channels, (w, dims0), (2, 2))
 
 
-class ConvNeXtImageNet(ImageNetOptions, ConvNeXt):
+class ConvNeXtImageNet(TimmClassifier, ConvNeXt):
     """timm's ConvNeXt with the ImageNet options; `use_convstem` replaces timm's patch stem by
     Singh et al.'s ConvStem. `use_layernorm` is the original's switch, which only kept LayerNorm
     layers in training mode: LayerNorm computes the same in both modes, so it changes nothing."""
@@ -112,4 +92,5 @@ class ConvNeXtImageNet(ImageNetOptions, ConvNeXt):
         self.use_layernorm = use_layernorm
         if use_convstem:
             self.stem = convstem_for(dims[0], convstem_three_convs, in_channels)
-        self._setup_options(normalize_input, use_batchnorm, mean, std)
+        self.init_classifier(normalize_input=normalize_input, use_batchnorm=use_batchnorm,
+                             mean=mean, std=std)

@@ -1,0 +1,53 @@
+"""A loaded config is frozen (docs/design.md §2): nothing changes the experiment at run time.
+
+It also remembers which keys the YAML file and the command line set (`explicit_keys`): the
+legacy-field notice and the run identity read them, through the accessors below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import fields, is_dataclass
+from typing import Any, Optional, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
+
+
+class Frozen:
+    """Config sections refuse assignment once `freeze` ran (after loading and validation), so
+    nothing changes the experiment at run time; unfrozen instances (tests) behave normally."""
+
+    _frozen = False
+    _explicit_keys: Tuple[str, ...] = ()  # read through explicit_keys(cfg)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(f"the config is frozen after loading; cannot set '{name}' "
+                                 "(use rebm.config.replace for a changed copy)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: T, explicit: Optional[Sequence[str]] = None) -> T:
+    """Freeze a config and its sections in place; returns it. `explicit`: the dotted keys the
+    file and the command line set."""
+    if explicit is not None:
+        object.__setattr__(cfg, "_explicit_keys", tuple(sorted(set(explicit))))
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
+def explicit_keys(cfg: Any) -> Tuple[str, ...]:
+    """The dotted keys (`lr`, `attack.max_steps`, and each section name) that the config file or
+    the command line set, as written there after the aliases of rebm.config.aliases; a config
+    built in code has none."""
+    return cfg._explicit_keys
+
+
+def replace(cfg: T, **changes: Any) -> T:
+    """A frozen copy of a loaded config with top-level fields changed (e.g. the run directory
+    chosen at start-up); it keeps the record of the keys the user set."""
+    return freeze(dataclasses.replace(cfg, **changes), explicit_keys(cfg))  # type: ignore[type-var]

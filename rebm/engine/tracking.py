@@ -87,12 +87,22 @@ class Tracker:
         self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:16]
         with open(id_file, "w") as fh:
             fh.write(self.wandb_run_id + "\n")
+        # wandb's own console lines (banner, run history and summary: ~25 lines a run) would
+        # drown the run's; silent sends them to its debug.log, the run's files stay complete
+        # and the line below says where they are. WANDB_SILENT=false brings them back.
+        quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
             project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
             tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
-            name=os.path.basename(os.path.normpath(self.run_dir)),
+            name=os.path.basename(os.path.normpath(self.run_dir)), settings=quiet,
         )
-        LOGGER.info("wandb %s run %s (%s)", mode, self.wandb_run_id, self.wandb_run.dir)
+        folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
+        if not self.wandb_run.offline:
+            LOGGER.info("wandb run %s: %s (files in %s)", self.wandb_run_id, self.wandb_run.url,
+                        folder)
+        else:
+            LOGGER.info("wandb offline run %s in %s (upload it with `wandb sync %s`)",
+                        self.wandb_run_id, folder, folder)
 
     def truncate_metrics_after(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight

@@ -129,7 +129,7 @@ def run(cfg: TrainConfig, runtime: Runtime, method: Method, started: float) -> D
     if state is not None:
         parts.load_state_dict(state, runtime)
     tracker = Tracker(cfg, runtime, run_dir, wandb_run_id=parts.progress.wandb_run_id,
-                      echo=method.print_metrics)
+                      last_step=last_step)
     parts.progress.wandb_run_id = tracker.wandb_run_id
     tracker.truncate_metrics_after(parts.progress.step)  # records of an attempt that saved none
     LOGGER.info("%s | data: %s | training to step %s", method.describe(), data.describe(),
@@ -249,7 +249,7 @@ def log_metrics(parts: Parts, result: StepResult, plan: BatchPlan, runtime: Runt
                "imgs_per_s": window.steps * plan.global_batch_size / max(elapsed, 1e-9),
                **peak_memory(runtime),
                "replicas_identical": replicas_identical(runtime, *parts.replicated)}
-    tracker.log(parts.progress.step, plan.images(parts.progress.step), epoch, summary)
+    tracker.log_training(parts.progress.step, plan.images(parts.progress.step), epoch, summary)
     parts.progress.window = MetricsWindow()
 
 
@@ -308,9 +308,7 @@ def finish(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runtime: Runtime, tr
     tracker.close()
     LOGGER.info("finished at step %d%s", final_step,
                 f": {describe_evaluation(results)}" if results else "")
-    LOGGER.info("files in %s: model_final.pth (evaluated weights), metrics.jsonl, samples/, "
-                "checkpoints/ (training states; the same command continues the run), logs/",
-                tracker.run_dir)
+    LOGGER.info("files in %s: %s", tracker.run_dir, tracker.describe_files())
     return {"step": final_step}
 
 

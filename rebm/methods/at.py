@@ -34,7 +34,6 @@ class AdversarialTraining(Method):
     name = "adversarial training"
     stage = 1
     loss_streams = 1  # the loss pass holds one micro-batch: evaluate in micro-batches
-    print_metrics = True
     log_final_step = True
 
     def __init__(self, cfg, schedule: str = "cosine"):

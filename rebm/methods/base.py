@@ -129,7 +129,6 @@ class Method:
     loss_streams = 1  # micro-batches of activations a loss pass holds (default eval batch)
     eval_samples = False  # periodic evaluation also draws samples (and FID)
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
-    print_metrics = False  # also print every metrics record as a JSON line on stdout
     log_final_step = False  # also log the training metrics at the run's last step
 
     def __init__(self, cfg: TrainConfig):

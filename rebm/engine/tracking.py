@@ -102,8 +102,8 @@ class Tracker:
         with open(id_file, "w") as fh:
             fh.write(self.wandb_run_id + "\n")
         # wandb's own console lines (banner, run history and summary: ~25 lines a run) would
-        # drown the run's; silent sends them to its debug.log, the run's files stay complete
-        # and the line below says where they are. WANDB_SILENT=false brings them back.
+        # drown the run's; silent drops them (the run's files and wandb's logs/debug*.log stay
+        # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
         quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
             project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),

@@ -25,6 +25,7 @@ from rebm.config.schema import SEED_NOISES
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
+WANDB_ENV_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's own
 
 
 def build_parser(prog: str, description: str, config_optional: bool = False,
@@ -167,6 +168,19 @@ def user_errors_exit() -> Iterator[None]:
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+def check_environment() -> None:
+    """Environment variables are input too. An empty WANDB_MODE (what `export WANDB_MODE=`
+    leaves) means unset: it is removed, as wandb would fail on it in rank 0's wandb.init. A
+    value wandb does not know is one line here, in every process, before any process-group
+    work (wandb would fail on it only later, on rank 0)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and not mode.strip():
+        del os.environ["WANDB_MODE"]
+    elif mode is not None and mode not in WANDB_ENV_MODES:
+        raise ConfigError(f"environment variable WANDB_MODE='{mode}' is not a wandb mode; set "
+                          "it to online, offline or disabled, or unset it")
+
+
 Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
 
 
@@ -181,6 +195,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
     and exit code 2."""
     with user_errors_exit():
         args, cfg = parse_and_load(parser, argv, with_default_run_dir=loss_streams is not None)
+        check_environment()
         if prepare is not None:
             prepare(args, cfg)
         if args.check:

@@ -38,21 +38,33 @@ class PreemptionFlag:
         self.signal_name: Optional[str] = None
         self._first_interrupt: Optional[float] = None
         self._previous: Dict[int, Any] = {}
+        self._notice_prefix: Optional[str] = None  # rank 0's "[rank 0/W] "; None elsewhere
 
     def _handler(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
         if signum == _signal.SIGINT:
             if self._first_interrupt is not None and now - self._first_interrupt > ECHO_WINDOW_S:
-                _say("second interrupt: aborting without saving")
+                self._say("second interrupt: aborting without saving")
                 os._exit(EXIT_ABORTED)
             if self._first_interrupt is None:
                 self._first_interrupt = now
-                _say("interrupt: saving the training state at the next step, then exiting "
-                     "(interrupt again to abort without saving)")
+                self._say("interrupt: saving the training state at the next step, then exiting "
+                          "(interrupt again to abort without saving)")
         if self.signal_name is None:
             self.signal_name = _signal.Signals(signum).name
 
+    def _say(self, text: str) -> None:
+        """One line on stderr from rank 0 only (os.write: safe inside a signal handler)."""
+        if self._notice_prefix is not None:
+            os.write(2, f"\n{self._notice_prefix}{text}\n".encode())
+
     def install(self) -> "PreemptionFlag":
+        # The process group's rank, not RANK: srun without torchrun sets no RANK.
+        import torch.distributed as dist
+
+        grouped = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+        self._notice_prefix = f"[rank 0/{world}] " if rank == 0 else None
         for name in self.SIGNALS:
             if hasattr(_signal, name):
                 signum = getattr(_signal, name)
@@ -101,12 +113,6 @@ def forward_signals(pids: List[int]) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             _signal.signal(signum, handler)
-
-
-def _say(text: str) -> None:
-    """One line on stderr from rank 0 (os.write: safe inside a signal handler)."""
-    if os.environ.get("RANK", "0") == "0":
-        os.write(2, f"\n{text}\n".encode())
 
 
 def interruptible(iterable: Iterable, runtime: Runtime, length: int) -> Iterator:

@@ -17,8 +17,11 @@ import socket
 import time
 from typing import Optional, Tuple
 
-from rebm.config import TrainConfig, replace
-from rebm.distributed import Runtime, decide_on_main
+import yaml
+
+from rebm.checkpoint.paths import RUN_CONFIG, sibling_runs
+from rebm.config import TrainConfig, replace, to_dict, training_diff
+from rebm.distributed import Runtime, decide_on_main, setup_logging
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
 
@@ -95,15 +98,47 @@ def check_shared(run_dir: str, token: str, runtime: Runtime) -> None:
             "not the directory rank 0 created: put run_dir on a filesystem shared by all nodes")
 
 
+def _saved_config(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, RUN_CONFIG)) as fh:
+            return yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def new_run_notice(cfg: TrainConfig) -> Optional[str]:
+    """For a new run directory beside runs of the same config (`<name>` and `<name>-<hash>`:
+    the command line changed training keys, so the default run_dir changed): one line naming
+    the nearest of them and the keys that differ. None when there is none."""
+    siblings = sibling_runs(cfg.run_dir)
+    if not siblings:
+        return None
+    current = to_dict(cfg)
+    diffs = {path: training_diff(_saved_config(path), current) for path in siblings}
+    nearest = min(siblings, key=lambda path: len(diffs[path]))
+    others = f" (and {len(siblings) - 1} other run(s) of this config)" if len(siblings) > 1 else ""
+    if diffs[nearest]:
+        return (f"new run in {cfg.run_dir}: the existing run {nearest}{others} differs in "
+                f"{'; '.join(diffs[nearest])} (run_dir={nearest} resume=force would continue "
+                "that one instead)")
+    return (f"new run in {cfg.run_dir}: the existing run {nearest}{others} has the same "
+            f"training keys (run_dir={nearest} continues that one instead)")
+
+
 def resolve_run_dir(cfg: TrainConfig, runtime: Runtime
                     ) -> Tuple[TrainConfig, Optional[RunDirLock]]:
     """Rank 0 creates and locks the run directory, every rank gets its absolute path and checks
     that it sees the same directory; returns the config with that `run_dir` and the lock (rank
     0) or None. Every rank calls this."""
     held = []
+    setup_logging(runtime)  # the console, for the lines below (the run's log file comes next)
 
     def choose() -> Tuple[str, str]:
         chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", "run"))
+        notice = None if os.path.exists(os.path.join(chosen, RUN_CONFIG)) else (
+            cfg.run_dir and new_run_notice(cfg))
+        if notice:
+            LOGGER.info("%s", notice)
         try:
             os.makedirs(chosen, exist_ok=True)
         except OSError as err:

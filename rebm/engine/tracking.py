@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from rebm.config import TrainConfig, to_dict, to_yaml
-from rebm.distributed import Runtime, print_line
+from rebm.distributed import Runtime
 from rebm.distributed.collectives import on_main
 from rebm.distributed.logs import progress_enabled
 from rebm.eval.report import jsonable
@@ -40,6 +40,20 @@ def wandb_mode(cfg: TrainConfig) -> str:
     return "online" if has_key else "offline"
 
 
+# What a finished run's folder may hold, in the order the closing line lists them; a file is
+# listed only when the run wrote it (stage 1 draws no samples, only DAT keeps best models).
+RUN_FILES = (
+    ("model_final.pth", "evaluated weights"),
+    ("model_bestacc.pth", "best evaluated accuracy"),
+    ("model_bestfid.pth", "best FID"),
+    ("metrics.jsonl", ""),
+    ("samples/", ""),
+    ("checkpoints/", "training states; the same command continues the run"),
+    ("logs/", ""),
+    ("wandb/", ""),
+)
+
+
 def _record_step(line: str) -> float:
     """Step of a metrics.jsonl line; a line cut short by a crash counts as newer (dropped)."""
     try:
@@ -52,9 +66,9 @@ class Tracker:
     """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: str,
-                 wandb_run_id: Optional[str] = None, echo: bool = False):
+                 wandb_run_id: Optional[str] = None, last_step: float = math.inf):
         self.runtime = runtime
-        self.echo = echo  # also print each record as a JSON line on stdout
+        self.last_step = last_step  # for the console summary's "step s/last"
         self.run_dir = run_dir
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
@@ -87,12 +101,22 @@ class Tracker:
         self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:16]
         with open(id_file, "w") as fh:
             fh.write(self.wandb_run_id + "\n")
+        # wandb's own console lines (banner, run history and summary: ~25 lines a run) would
+        # drown the run's; silent drops them (the run's files and wandb's logs/debug*.log stay
+        # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
+        quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
             project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
             tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
-            name=os.path.basename(os.path.normpath(self.run_dir)),
+            name=os.path.basename(os.path.normpath(self.run_dir)), settings=quiet,
         )
-        LOGGER.info("wandb %s run %s (%s)", mode, self.wandb_run_id, self.wandb_run.dir)
+        folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
+        if not self.wandb_run.offline:
+            LOGGER.info("wandb run %s: %s (files in %s)", self.wandb_run_id, self.wandb_run.url,
+                        folder)
+        else:
+            LOGGER.info("wandb offline run %s; upload it with `wandb sync %s`",
+                        self.wandb_run_id, folder)
 
     def truncate_metrics_after(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight
@@ -116,13 +140,18 @@ class Tracker:
         self._on_main(lambda: self._log(step, n_imgs, epoch, metrics),
                       f"write {self.metrics_path}")
 
+    def log_training(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
+        """A training-metrics record; without a progress bar (a log file, a pipe) also one
+        console line with its numbers, so a batch job's log shows the run moving."""
+        self.log(step, n_imgs, epoch, metrics)
+        if self.runtime.is_main and not progress_enabled():
+            LOGGER.info("%s", training_summary(step, self.last_step, epoch, metrics))
+
     def _log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
         record = {"step": step, "n_imgs": n_imgs, "epoch": epoch}
         record.update({k: jsonable(v) for k, v in metrics.items()})
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self.echo:
-            print_line(json.dumps(record))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
@@ -165,6 +194,13 @@ class Tracker:
         self.wandb_run.log({name: wandb.Table(columns=["metric", "value"], data=rows)},
                            step=step)
 
+    def describe_files(self) -> str:
+        """The run's files for people, as they are in the run directory now, e.g.
+        'model_final.pth (evaluated weights), metrics.jsonl, logs/'."""
+        found = [f"{name} ({meaning})" if meaning else name for name, meaning in RUN_FILES
+                 if os.path.exists(os.path.join(self.run_dir, name))]
+        return ", ".join(found) or "none yet"
+
     def close(self) -> None:
         self._on_main(self._close, "finish the wandb run")
 
@@ -172,6 +208,22 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+def training_summary(step: int, last_step: float, epoch: int, metrics: Dict[str, Any]) -> str:
+    """One line of a training-metrics record, its names as in metrics.jsonl, e.g.
+    'step 40/3900 (epoch 0): train_clf_loss 2.21 | learning_rate 0.1 | imgs_per_s 131 | ...'.
+    Bookkeeping that says nothing (replicas identical, no unreadable images) is left out."""
+    total = "" if math.isinf(last_step) else f"/{int(last_step)}"
+    parts = []
+    for key, value in metrics.items():
+        value = jsonable(value)
+        if (key, value) in (("replicas_identical", True), ("data_replaced_images", 0)):
+            continue
+        if isinstance(value, float):
+            value = f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        parts.append(f"{key} {value}")
+    return f"step {step}{total} (epoch {epoch}): " + " | ".join(parts)
 
 
 class _ProgressBar:

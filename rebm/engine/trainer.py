@@ -124,7 +124,7 @@ class Trainer:
             self.parts.load_state_dict(state, self.runtime)
         identity = self.parts.identity
         self.tracker = Tracker(cfg, self.runtime, cfg.run_dir,
-                               wandb_run_id=identity.wandb_run_id, echo=method.print_metrics)
+                               wandb_run_id=identity.wandb_run_id, last_step=self.last_step)
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after(self.progress.step)  # an attempt that saved none
         self.ctx = self.parts.context(self.plan)
@@ -225,7 +225,7 @@ class Trainer:
                    **peak_memory(runtime),
                    "replicas_identical": replicas_identical(runtime, *self.parts.replicated)}
         step = self.progress.step
-        self.tracker.log(step, self.plan.images(step), self.epoch, summary)
+        self.tracker.log_training(step, self.plan.images(step), self.epoch, summary)
         self.progress.window = MetricsWindow()
 
     def save_previews(self, result: StepResult) -> None:
@@ -293,7 +293,5 @@ class Trainer:
         self.tracker.close()
         LOGGER.info("finished at step %d%s", progress.step,
                     f": {describe_evaluation(results)}" if results else "")
-        LOGGER.info("files in %s: model_final.pth (evaluated weights), metrics.jsonl, samples/, "
-                    "checkpoints/ (training states; the same command continues the run), logs/",
-                    run_dir)
+        LOGGER.info("files in %s: %s", run_dir, self.tracker.describe_files())
         return {"step": progress.step}

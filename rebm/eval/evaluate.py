@@ -19,6 +19,7 @@ from rebm import cli
 
 
 def run(cfg, runtime, args) -> Dict[str, Any]:
+    from rebm.checkpoint.paths import with_model_file
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main
     from rebm.eval.evaluation import LOGGER, evaluate_model, load_eval_model
@@ -26,6 +27,7 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.eval.report import describe_evaluation, jsonable
 
     setup_logging(runtime)
+    cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
     if args.samples:
         require_fid_ready(cfg)  # before any work: a missing weights/statistics file is one line
     model = load_eval_model(cfg, runtime)

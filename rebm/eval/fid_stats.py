@@ -30,9 +30,12 @@ from rebm.data.pipeline import loader_workers
 from rebm.distributed import Runtime, print_line, setup_logging
 from rebm.distributed.collectives import on_main
 from rebm.eval.fid import (
+    FEATURES_ENV,
+    INCEPTION_WEIGHTS_FILE,
     Features,
     FIDError,
     feature_extractor,
+    hub_weights_path,
     moments_statistics,
     shard_chunks,
 )
@@ -102,9 +105,29 @@ def build_parser():
     return parser
 
 
+def require_feature_network(cfg) -> None:
+    """Statistics are always features of a network, whatever `image_log.log_fid` says: the
+    Inception weights, or the stand-in that REBM_FID_FEATURES names."""
+    if os.environ.get(FEATURES_ENV):
+        return  # a stand-in; a name that does not import fails with its own line
+    configured = cfg.image_log.inception_weights
+    if os.path.isfile(configured or hub_weights_path()):
+        return
+    from pytorch_fid.inception import FID_WEIGHTS_URL
+
+    found = (f"image_log.inception_weights '{configured}' does not exist" if configured else
+             f"there are no Inception weights at {hub_weights_path()}")
+    raise FIDError(
+        f"FID statistics are Inception features and {found}: put {INCEPTION_WEIGHTS_FILE} "
+        f"(from {FID_WEIGHTS_URL}) there or set image_log.inception_weights=PATH; or name a "
+        f"stand-in feature network with {FEATURES_ENV}=module:function (docs/evaluation.md; "
+        "its statistics only fit FIDs computed with the same stand-in)")
+
+
 def check_args(args, cfg) -> None:
     if args.num_images is not None and args.num_images < 2:
         raise FIDError(f"--num-images {args.num_images}: FID statistics need at least 2 images")
+    require_feature_network(cfg)  # before any process starts its work
 
 
 @record

@@ -34,7 +34,6 @@ class AdversarialTraining(Method):
     name = "adversarial training"
     stage = 1
     streams = (CLASSIFIER,)  # the loss pass holds this one micro-batch
-    print_metrics = True
     log_final_step = True
 
     def __init__(self, cfg, schedule: str = "cosine"):

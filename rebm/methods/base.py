@@ -103,7 +103,6 @@ class Method:
     streams: Tuple[Stream, ...] = ()  # the input streams `step` reads, in this order
     eval_samples = False  # periodic evaluation also draws samples (and FID)
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
-    print_metrics = False  # also print every metrics record as a JSON line on stdout
     log_final_step = False  # also log the training metrics at the run's last step
 
     def __init__(self, cfg: TrainConfig):

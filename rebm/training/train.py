@@ -7,6 +7,7 @@ imported when training starts, so `--help` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import List, Optional
 
@@ -29,7 +30,8 @@ def loss_streams(cfg) -> int:
 
 def check_dat(args, cfg) -> None:
     """DAT's own config rules; under `--check`, also what FID lacks on this machine, as
-    warnings (training would stop at start)."""
+    warnings (training would stop at start), and how many training images there are against
+    batch_size."""
     from rebm.methods.dat import DAT
 
     DAT.check_config(cfg)
@@ -38,6 +40,30 @@ def check_dat(args, cfg) -> None:
 
         for problem in fid_problems(cfg):
             print(f"warning: {problem}", file=sys.stderr)
+        line = training_images_line(cfg)
+        if line:
+            print(line, file=sys.stderr)
+
+
+def training_images_line(cfg) -> Optional[str]:
+    """'note: N training images, S steps per epoch at batch_size B', or a warning when the
+    data cannot be read here or holds fewer images than one global batch; None when the data
+    folder is not on this machine (--check warns about that already)."""
+    from rebm.data import indist_source
+    from rebm.errors import UserError
+
+    try:
+        n = len(indist_source(cfg, "train"))
+    except UserError as err:
+        if not os.path.exists(cfg.data.indist_ds_dir):
+            return None
+        return f"warning: the training images cannot be counted here: {err}"
+    if n < cfg.batch_size:
+        return (f"warning: batch_size={cfg.batch_size} is larger than the {n} training images "
+                f"of {cfg.data.indist_dataset}; training would stop at start (lower batch_size "
+                "or point data.indist_ds_dir at the full data)")
+    return (f"note: {n} training images of {cfg.data.indist_dataset}, {n // cfg.batch_size} "
+            f"steps per epoch at batch_size={cfg.batch_size}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -52,9 +52,10 @@ from rebm.engine.parts import Parts, build_parts
 from rebm.engine.rundir import resolve_run_dir
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.errors import UserError
-from rebm.eval.evaluation import evaluate_model
+from rebm.eval.evaluation import EvalSpec, evaluate_model
 from rebm.eval.fid import require_fid_ready
 from rebm.eval.generation import check_seed_images
+from rebm.eval.registry import standard_metrics
 from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepContext, StepResult
 
@@ -259,9 +260,9 @@ def evaluate_and_keep_best(parts: Parts, cfg: TrainConfig, plan: BatchPlan, runt
     step = parts.progress.step
     LOGGER.info("evaluating at step %d", step)
     with patient_collectives(runtime, cfg, parts):
-        results = evaluate_model(parts.eval_model, cfg, runtime, batch_size=plan.eval_batch_size,
-                                 run_dir=tracker.run_dir, step=step,
-                                 samples=parts.method.eval_samples)
+        spec = EvalSpec(standard_metrics(cfg, samples=parts.method.eval_samples),
+                        plan.eval_batch_size, tracker.run_dir, step)
+        results = evaluate_model(parts.eval_model, cfg, runtime, spec)
     parts.progress.last_eval, parts.progress.last_eval_step = results, step
     parts.progress.eval_pending = False
     tracker.log(step, plan.images(step), epoch, results)

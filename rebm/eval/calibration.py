@@ -1,4 +1,4 @@
-"""Expected calibration error with equal-width confidence bins (20 by default), sharded.
+"""Expected calibration error with equal-width confidence bins (20), sharded (metric "ece").
 
 Bin b holds the predictions whose confidence (max softmax) lies in (b/B, (b+1)/B] (confidence 0
 goes to bin 0). Per bin we keep three sums — count, sum of confidences, number correct — which
@@ -10,14 +10,14 @@ add up over ranks, so one all-reduce gives exactly the single-process ECE:
 from __future__ import annotations
 
 import math
+from typing import Any, Dict, List, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from rebm.distributed import Runtime, all_reduce_sum
-from rebm.distributed.logs import progress
-from rebm.distributed.parallel import unwrap
-from rebm.eval.accuracy import eval_mode
+from rebm.distributed import all_reduce_sum
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.test_set import describe_test_set, test_set_settings
 
 N_BINS = 20
 
@@ -46,12 +46,29 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = N_BI
     return ece_from_bins(calibration_bins(probs, labels, n_bins))
 
 
-def evaluate_ece(model: nn.Module, loader, runtime: Runtime, n_bins: int = N_BINS) -> float:
-    """Clean-data ECE over all ranks' shards (every rank must call this: one all-reduce)."""
-    model = unwrap(model)
-    sums = torch.zeros(3, n_bins, dtype=torch.float64, device=runtime.device)
-    with eval_mode(model), torch.no_grad():
-        for x, y, _index in progress(loader, runtime, "calibration", total=len(loader)):
-            probs = model(x.to(runtime.device)).softmax(dim=1)
-            sums += calibration_bins(probs, y, n_bins)
-    return ece_from_bins(all_reduce_sum(runtime, sums))
+class Calibration(Metric):
+    """Registered metric "ece": the clean predictions' expected calibration error."""
+
+    name = "ece"
+    source = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.sums = torch.zeros(3, N_BINS, dtype=torch.float64, device=ctx.runtime.device)
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        return {"bins": N_BINS, "binning": "equal-width", "confidence": "max softmax",
+                **test_set_settings(cfg)}
+
+    def update(self, batch: TestBatch) -> None:
+        self.sums += calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS)
+
+    def finish(self) -> Dict[str, Any]:
+        return {"ece": ece_from_bins(all_reduce_sum(self.ctx.runtime, self.sums))}
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        return [("calibration error (ECE)", f"{results['ece']:.4f}",
+                 f"{settings['bins']} equal-width bins of the max softmax; "
+                 + describe_test_set(settings, results.get("n_test")))]

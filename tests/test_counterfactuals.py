@@ -15,12 +15,7 @@ from PIL import Image
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.eval.counterfactuals import (
-    CounterfactualSettings,
-    class_image_set,
-    evaluate_counterfactuals,
-    target_classes,
-)
+from rebm.eval.counterfactuals import class_image_set, target_classes
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
@@ -83,21 +78,21 @@ def test_class_statistics_are_those_of_the_class_images(setup):
 
 def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.data.ood_sets import indist_test_set
-    from rebm.eval.evaluation import load_eval_model
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
 
     os.environ["REBM_FID_FEATURES"] = STANDIN
     runtime = rd.setup_distributed()
-    cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}",
-                             f"model.ckpt_path={root}/model.pth"])
+    base = [*OVERRIDES, f"data.indist_ds_dir={root}", f"model.ckpt_path={root}/model.pth",
+            "image_log.num_steps=5", "image_log.step_size=0.5"]
+    cfg = load_config(None, [*base, "eval.counterfactual_num_images=7",
+                             f"eval.counterfactual_fid_stats={stats}"])
     model = load_eval_model(cfg, runtime)
-    settings = CounterfactualSettings(num_images=7, steps=5, step_size=0.5, fid_stats=stats)
-    folder = os.path.join(out, f"grids{runtime.world_size}")
-    result = evaluate_counterfactuals(model, indist_test_set(cfg), settings, runtime,
-                                      num_classes=10, batch_size=20, folder=folder)
-    few = CounterfactualSettings(num_images=3, num_targets=2, steps=2, step_size=0.5)
-    result["few"] = evaluate_counterfactuals(model, indist_test_set(cfg), few, runtime,
-                                             num_classes=10, batch_size=20,
-                                             folder=folder + "_few")
+    folder = os.path.join(out, f"run{runtime.world_size}")
+    result = evaluate_model(model, cfg, runtime, EvalSpec(("counterfactuals",), 20, folder))
+    few = load_config(None, [*base, "eval.counterfactual_num_images=3",
+                             "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])
+    result["few"] = evaluate_model(model, few, runtime,
+                                   EvalSpec(("counterfactuals",), 20, folder + "_few"))
     with torch.no_grad():  # the clean target-class confidence, for comparison
         x = indist_test_set(cfg).images(np.arange(7))
         y = torch.tensor([int(v) for v in indist_test_set(cfg).labels(np.arange(7))])
@@ -122,19 +117,20 @@ def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid
     assert single["n_counterfactuals"] == 7 * 9
     assert single["counterfactual_confidence"] > single["clean"]  # the ascent moved them
     assert 0.0 <= single["counterfactual_success"] <= 1.0
-    assert single["counterfactual_fid"] > 0
-    assert "counterfactual_fid" not in single["few"]  # no statistics given
+    assert single["counterfactual_fid_standin"] > 0  # stand-in features: never stored as FID
+    assert "counterfactual_fid_standin" not in single["few"]  # no statistics given
     assert single["few"]["n_counterfactuals"] == 3 * 2
     for world in (1, 2):
-        grids = tmp_path / f"grids{world}"
+        grids = tmp_path / f"run{world}" / "counterfactuals"
         assert sorted(os.listdir(grids)) == sorted([f"{p}.png" for p in range(7)]
                                                    + ["per_class.json"])
         # 10 tiles of 16 px with 1 px padding: one tile per class
         assert Image.open(grids / "0.png").size == (10 * 17 + 1, 17 + 1)
-        assert Image.open(tmp_path / f"grids{world}_few" / "0.png").size == (3 * 17 + 1, 18)
+        few = tmp_path / f"run{world}_few" / "counterfactuals"
+        assert Image.open(few / "0.png").size == (3 * 17 + 1, 18)
         per_class = json.loads((grids / "per_class.json").read_text())
         assert set(per_class) == {"confidence", "success", "fid"}
         assert np.mean(list(per_class["fid"].values())) == pytest.approx(
-            single["counterfactual_fid"])
-    assert (tmp_path / "grids1" / "3.png").read_bytes() == (tmp_path / "grids2" / "3.png"
-                                                            ).read_bytes()
+            single["counterfactual_fid_standin"])
+    grid = os.path.join("counterfactuals", "3.png")
+    assert (tmp_path / "run1" / grid).read_bytes() == (tmp_path / "run2" / grid).read_bytes()

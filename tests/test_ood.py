@@ -13,13 +13,8 @@ import torch
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.data.ood_sets import DataError, indist_test_set, load_ood_set, load_svhn
-from rebm.eval.ood import (
-    OODSettings,
-    fpr_at_tpr,
-    ood_score,
-    original_ood_attack,
-)
+from rebm.data.ood_sets import DataError, load_ood_set, load_svhn
+from rebm.eval.ood import OODSets, fpr_at_tpr, ood_score, original_ood_attack
 from tests.fake_data import write_fake_cifar10, write_fake_cifar100, write_image_folder
 
 
@@ -156,22 +151,20 @@ def ood_data(tmp_path_factory):
 
 
 def _ood_worker(root: str, out: str) -> None:
-    from rebm.eval.evaluation import load_eval_model
-    from rebm.eval.ood import OODAttack, evaluate_ood_sets
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
 
     runtime = rd.setup_distributed()
-    cfg = load_config(None, ["data.indist_dataset=cifar10", f"data.indist_ds_dir={root}/cifar10",
-                             "data.image_size=16", "model.model_type=WideResNet10x1",
-                             f"model.ckpt_path={root}/model.pth", "rand_seed=2"])
-    model = load_eval_model(cfg, runtime)
-    roots = {"svhn": f"{root}/svhn", "cifar100": f"{root}/cifar100"}
     results = {}
     for score in ("msp", "lse"):
-        settings = OODSettings(["noise", "svhn", "cifar100", f"{root}/folder"], num_samples=13,
-                               score=score, attack=OODAttack(eps=1.0, steps=3, step_size=0.3),
-                               roots=roots)
-        results[score] = evaluate_ood_sets(model, indist_test_set(cfg), settings, runtime,
-                                           seed=cfg.rand_seed, batch_size=5)
+        cfg = load_config(None, [
+            "data.indist_dataset=cifar10", f"data.indist_ds_dir={root}/cifar10",
+            "data.image_size=16", "data.num_workers=0", "model.model_type=WideResNet10x1",
+            f"model.ckpt_path={root}/model.pth", "rand_seed=2",
+            f"eval.ood_datasets=[noise,svhn,cifar100,{root}/folder]", "eval.ood_num_samples=13",
+            f"eval.ood_score={score}", "eval.ood_attack_steps=3", "eval.ood_attack_step_size=0.3",
+            f"eval.ood_roots.svhn={root}/svhn", f"eval.ood_roots.cifar100={root}/cifar100"])
+        model = load_eval_model(cfg, runtime)
+        results[score] = evaluate_model(model, cfg, runtime, EvalSpec(("ood_sets",), 5))
     torch.save(results, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))
     rd.teardown(runtime)
 
@@ -190,4 +183,17 @@ def test_ood_table_identical_on_1_and_2_processes(ood_data, tmp_path, monkeypatc
                 assert 0.0 <= metrics[f"ood/{name}/{key}"] <= 1.0, (score, name, key)
         # the attack raised the OOD scores: detection got no easier
         assert metrics["ood/noise/adv_auroc"] <= metrics["ood/noise/auroc"], score
+    assert single["msp"]["n_test"] == 23
     assert single["msp"]["ood/svhn/auroc"] != single["lse"]["ood/svhn/auroc"]
+
+
+def test_settings_resolve_the_original_attack_and_problems_name_missing_roots(tmp_path):
+    cfg = load_config(None, ["data.image_size=224", "data.indist_dataset=ImageNet",
+                             "data.num_classes=1000", "eval.ood_datasets=[noise,svhn]",
+                             f"eval.ood_roots.svhn={tmp_path}/absent", "eval.ood_attack_steps=4"])
+    settings = OODSets.settings(cfg)
+    assert settings["attack"]["eps"] == 3.0 and settings["attack"]["step_size"] == 1.0
+    assert settings["attack"]["steps"] == 4 and settings["attack"]["objective"] == "uniform_kl"
+    assert settings["roots"] == {"svhn": f"{tmp_path}/absent"}
+    assert OODSets.problems(cfg) == [
+        f"OOD set 'svhn': eval.ood_roots.svhn '{tmp_path}/absent' does not exist"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from rebm.config.legacy import Frozen
+from rebm.config.evaluation_ood import OODCounterfactualFields, validate_ood_counterfactuals
 
 PR_REFERENCE_SPLITS = ("train", "test")
 
 
 @dataclass
-class EvalConfig(Frozen):
+class EvalConfig(OODCounterfactualFields):
     """Evaluation of a model: which test images, which extra metrics, how samples are drawn."""
 
     metrics: List[str] = field(default_factory=list)  # metrics added to every evaluation (training's and rebm.eval.evaluate's), names of rebm.eval.registry, e.g. [inception_score, precision_recall]
@@ -47,3 +47,4 @@ def validate_evaluation(cfg, source: str = "config") -> None:
                               f"got {ev.grid_num_samples}")
     if not all(isinstance(name, str) and name for name in ev.metrics):
         raise ConfigError(f"{source}: 'eval.metrics' must be a list of metric names")
+    validate_ood_counterfactuals(ev, source)

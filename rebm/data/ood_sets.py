@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch import Tensor
 from torchvision import datasets as tv_datasets
 from torchvision.transforms.v2 import functional as TF
 
+from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.augmentations import Transform, build_augmentation
 from rebm.data.files import load_cifar, load_unlabelled_folder
 from rebm.data.imagenet import load_imagenet, load_openimage_o
@@ -42,7 +43,6 @@ from rebm.data.sources import (
 
 LOGGER = logging.getLogger(__name__)
 
-OOD_SET_NAMES = ("noise", "svhn", "cifar10", "cifar100", "tinyimages", "OpenImageO", "ImageNet")
 DEFAULT_ROOTS = {
     "svhn": "data/SVHN",
     "cifar10": "data/CIFAR10",
@@ -138,16 +138,22 @@ def _named_source(name: str, root: str, size: int, seed: int, num_samples: int
     return load_imagenet(root, "test", size, 1000)  # ImageNet: the validation split
 
 
+def ood_set_name(spec: str) -> str:
+    """The name a set is reported under: its name, or an image folder's base name."""
+    return spec if spec in OOD_SET_NAMES else os.path.basename(os.path.normpath(spec))
+
+
 def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
                  roots: Optional[Mapping[str, str]] = None) -> FixedImageSet:
     """The OOD set named by `spec` (a name of OOD_SET_NAMES or an image folder), first
     `num_samples` images of its keyed permutation. DataError (one line naming the set, the
     path and the config key) when it cannot be read."""
     roots = {**DEFAULT_ROOTS, **(roots or {})}
+    name = ood_set_name(spec)
     if spec in OOD_SET_NAMES:
-        name, root = spec, roots.get(spec, "")
+        root = roots.get(spec, "")
     elif os.sep in spec or os.path.isdir(spec):
-        name, root = os.path.basename(os.path.normpath(spec)), spec
+        root = spec
     else:
         raise DataError(f"unknown OOD set '{spec}' in eval.ood_datasets; use one of "
                         f"{', '.join(OOD_SET_NAMES)} or the path of an image folder")
@@ -166,10 +172,10 @@ def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
     return FixedImageSet(name, source, transform, indices, size)
 
 
-def indist_test_set(cfg) -> FixedImageSet:
+def indist_test_set(cfg, indices: Optional[Sequence[int]] = None) -> FixedImageSet:
     """The in-distribution test split at data.image_size with the evaluation transform (as
-    `build_eval_data`), every image in dataset order."""
+    `build_eval_data`): the images of `indices` (dataset indices, in that order), or all."""
     source = indist_source(cfg, "test")
     transform = build_augmentation("test", cfg.data.image_size, source.full_images)
-    return FixedImageSet(source.name, source, transform, np.arange(len(source)),
-                         cfg.data.image_size)
+    chosen = np.arange(len(source)) if indices is None else np.asarray(indices, dtype=np.int64)
+    return FixedImageSet(source.name, source, transform, chosen, cfg.data.image_size)

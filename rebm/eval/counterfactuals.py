@@ -25,14 +25,14 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_attack
-from rebm.data.ood_sets import FixedImageSet
+from rebm.data.ood_sets import FixedImageSet, indist_test_set
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
@@ -41,12 +41,17 @@ from rebm.eval.accuracy import eval_mode
 from rebm.eval.fid import (
     FIDError,
     feature_extractor,
+    feature_network_name,
+    feature_problems,
     feature_statistics,
     frechet_distance,
     load_reference,
+    standin_key,
     to_8bit,
 )
+from rebm.eval.metric import TEST_SET, Metric
 from rebm.eval.ood import chunk_loader, gather_by_position
+from rebm.eval.test_set import test_indices, test_set_settings
 
 LOGGER = logging.getLogger("rebm")
 
@@ -230,6 +235,75 @@ def _write(folder: str, sources: FixedImageSet, pixels: Tensor, labels: Tensor,
         json.dump({k: {str(c): v for c, v in d.items()} for k, d in per_class.items()}, fh,
                   indent=2)
     LOGGER.info("counterfactual grids of %d images written to %s", pixels.shape[0], folder)
+
+
+def counterfactual_settings(cfg) -> CounterfactualSettings:
+    """The `eval.counterfactual_*` fields; unset attack fields take `image_log`'s."""
+    ev, log = cfg.eval, cfg.image_log
+    return CounterfactualSettings(
+        num_images=ev.counterfactual_num_images, num_targets=ev.counterfactual_num_targets,
+        steps=log.num_steps if ev.counterfactual_steps is None else ev.counterfactual_steps,
+        step_size=(log.step_size if ev.counterfactual_step_size is None
+                   else ev.counterfactual_step_size),
+        eps=log.eps if ev.counterfactual_eps is None else ev.counterfactual_eps, norm=log.norm,
+        fid_stats=ev.counterfactual_fid_stats, inception_weights=log.inception_weights)
+
+
+class Counterfactuals(Metric):
+    """Counterfactual explanations of the first `eval.counterfactual_num_images` test images
+    (the module docstring); grids into <run_dir>/counterfactuals/ when the spec has a run_dir."""
+
+    name = "counterfactuals"
+    source = TEST_SET
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        cf = counterfactual_settings(cfg)
+        found = {"num_images": cf.num_images, "num_targets": cf.num_targets or "all others",
+                 "steps": cf.steps, "step_size": cf.step_size, "eps": cf.eps, "norm": cf.norm,
+                 "objective": "target logit", **test_set_settings(cfg)}
+        if cf.fid_stats:
+            found.update(fid_stats=cf.fid_stats, features=feature_network_name(),
+                         inception_weights=cf.inception_weights)
+        return found
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        template = cfg.eval.counterfactual_fid_stats
+        if not template:
+            return []
+        found = feature_problems(cfg.image_log.inception_weights)
+        if not stats_classes(template, cfg.data.num_classes):
+            found.append(f"eval.counterfactual_fid_stats '{template}': no class has a "
+                         "statistics file; make them with python -m rebm.eval.counterfactuals "
+                         f"CONFIG --class-stats '{template}'")
+        return found
+
+    def finish(self) -> Dict[str, Any]:
+        ctx = self.ctx
+        folder = (os.path.join(ctx.spec.run_dir, "counterfactuals") if ctx.spec.run_dir
+                  else None)
+        sources = indist_test_set(ctx.cfg, test_indices(ctx.cfg))
+        results = evaluate_counterfactuals(ctx.model, sources, counterfactual_settings(ctx.cfg),
+                                           ctx.runtime, num_classes=ctx.cfg.data.num_classes,
+                                           batch_size=ctx.batch_size, folder=folder)
+        if "counterfactual_fid" in results:
+            results[standin_key("counterfactual_fid")] = results.pop("counterfactual_fid")
+        return results
+
+    @classmethod
+    def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]
+                 ) -> List[Tuple[str, str, str]]:
+        how = (f"{results['n_counterfactuals']} counterfactuals of {settings['num_images']} "
+               f"test images, {settings['steps']} PGD steps ({settings['norm']}, step "
+               f"{settings['step_size']:g}, eps {settings['eps']:g})")
+        rows = [("counterfactual confidence", f"{results['counterfactual_confidence']:.4f}", how),
+                ("counterfactual success", f"{results['counterfactual_success']:.4f}", how)]
+        for key in ("counterfactual_fid", "counterfactual_fid_standin"):
+            if key in results:
+                rows.append((key.replace("_", " "), f"{results[key]:.2f}",
+                             f"per-class FID vs {settings['fid_stats']}, mean over classes"))
+        return rows
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,18 +8,20 @@ softmax away from uniform and so raises its maximum. L2 steps, no random start; 
 budgets by image size (`original_ood_attack`). In-distribution images are not attacked.
 
 Two entry points:
-- `evaluate_ood_sets` (the paper's OOD table): the in-distribution test set once, then each
-  set of `rebm.data.ood_sets` (`num_samples` images each). Images go through the model in fixed
-  chunks of `batch_size` positions, chunk k on rank k % W, and the scores are gathered by
-  position, so every number is the same on any number of processes, bit for bit.
+- metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
+  shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` images each).
+  OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank
+  k % W, and the scores are gathered by position, so every number is the same on any number of
+  processes (bit for bit at the same number of threads per process).
 - `evaluate_ood` (the training loop's `--ood`): the configured out-distribution against a test
   loader, scores all-gathered (order does not matter for AUROC).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,14 +29,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_attack, pgd_from_config
-from rebm.data.ood_sets import FixedImageSet, load_ood_set
-from rebm.data.sampling import eval_shard
+from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
+from rebm.data.pipeline import loader_workers
+from rebm.data.sampling import eval_chunks, eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode, index_keys
 from rebm.eval.auc import binary_auc
-from rebm.eval.fid import shard_chunks
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.test_set import test_set_settings
 
 SCORES = ("msp", "lse")
 SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
@@ -116,8 +120,8 @@ class _Chunks(Dataset):
 def chunk_loader(read: Callable[[np.ndarray], Tensor], n: int, batch_size: int,
                  runtime: Runtime, num_workers: int = 0) -> DataLoader:
     """This rank's chunks [k·B, (k+1)·B) of positions [0, n), k ≡ rank (mod W): the same
-    batches on any world size (rebm.eval.fid.shard_chunks)."""
-    chunks = shard_chunks(n, batch_size, runtime.rank, runtime.world_size)
+    batches on any world size (rebm.data.sampling.eval_chunks)."""
+    chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
     return DataLoader(_Chunks(read, chunks), batch_size=None, num_workers=num_workers,
                       persistent_workers=False)
 
@@ -175,23 +179,32 @@ class OODSettings:
     roots: Optional[Dict[str, str]] = None
 
 
-def evaluate_ood_sets(model: nn.Module, in_set: FixedImageSet, settings: OODSettings,
-                      runtime: Runtime, *, seed: int, batch_size: int, num_workers: int = 0
-                      ) -> Dict[str, float]:
+def ood_settings(cfg) -> OODSettings:
+    """The `eval.ood_*` fields; attack budget fields left null take the original's."""
+    ev, default = cfg.eval, original_ood_attack(cfg.data.image_size)
+    attack = OODAttack(
+        eps=default.eps if ev.ood_attack_eps is None else ev.ood_attack_eps,
+        steps=default.steps if ev.ood_attack_steps is None else ev.ood_attack_steps,
+        step_size=(default.step_size if ev.ood_attack_step_size is None
+                   else ev.ood_attack_step_size))
+    return OODSettings(tuple(ev.ood_datasets), ev.ood_num_samples, ev.ood_score,
+                       ev.ood_adversarial, attack, dict(ev.ood_roots))
+
+
+def evaluate_ood_sets(model: nn.Module, in_scores: Tensor, settings: OODSettings,
+                      runtime: Runtime, *, image_size: int, seed: int, batch_size: int,
+                      num_workers: int = 0) -> Dict[str, float]:
     """{"ood/<set>/auroc", "ood/<set>/fpr95", and with settings.adversarial "ood/<set>/adv_auroc",
     "ood/<set>/adv_fpr95"} for every set of settings.datasets, plus their means over the sets
-    ("ood/mean/..."). `in_set`: the in-distribution test set (`indist_test_set`); the OOD sets
-    are read at its image size. Every rank must call this."""
+    ("ood/mean/..."). `in_scores`: the in-distribution test scores (all ranks'); the OOD sets
+    are read at `image_size`. Every rank must call this."""
     model = unwrap(model)
     score = canonical_score(settings.score)
-    attack = settings.attack or original_ood_attack(in_set.size)
+    attack = settings.attack or original_ood_attack(image_size)
     metrics: Dict[str, float] = {}
     with eval_mode(model):
-        loader = chunk_loader(in_set.images, len(in_set), batch_size, runtime, num_workers)
-        in_scores = chunk_scores(model, loader, len(in_set), runtime, score,
-                                 label="OOD: in-dist")
         for spec in settings.datasets:
-            ood = load_ood_set(spec, in_set.size, seed, settings.num_samples, settings.roots)
+            ood = load_ood_set(spec, image_size, seed, settings.num_samples, settings.roots)
             loader = chunk_loader(ood.images, len(ood), batch_size, runtime, num_workers)
             clean = chunk_scores(model, loader, len(ood), runtime, score,
                                  label=f"OOD: {ood.name}")
@@ -302,3 +315,71 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     return DataLoader(items, batch_size=batch_size,
                       sampler=list(eval_shard(len(items), runtime.rank, runtime.world_size)))
 
+
+
+# --------------------------------------------------------------------------------------------
+# The registered metric "ood_sets"
+# --------------------------------------------------------------------------------------------
+class OODSets(Metric):
+    """OOD detection against `eval.ood_datasets`: AUROC and FPR at 95 % TPR per set, clean and
+    adversarial (the module docstring)."""
+
+    name = "ood_sets"
+    source = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.ood = ood_settings(ctx.cfg)
+        self.scores: List[Tensor] = []
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        ood = ood_settings(cfg)
+        roots = {**DEFAULT_ROOTS, **ood.roots}
+        attack = ood.attack
+        return {"datasets": list(ood.datasets), "num_samples": ood.num_samples,
+                "roots": {d: roots[d] for d in ood.datasets if d in roots},
+                "score": canonical_score(ood.score), "subset_seed": cfg.rand_seed,
+                "image_size": cfg.data.image_size,
+                "attack": ({"norm": "L2", "eps": attack.eps, "steps": attack.steps,
+                            "step_size": attack.step_size, "objective": attack_objective(
+                                ood.score), "random_start": False}
+                           if ood.adversarial else None),
+                **test_set_settings(cfg)}
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        roots = {**DEFAULT_ROOTS, **cfg.eval.ood_roots}
+        return [f"OOD set '{d}': eval.ood_roots.{d} '{roots[d]}' does not exist"
+                for d in cfg.eval.ood_datasets if d in roots and not os.path.exists(roots[d])]
+
+    def update(self, batch: TestBatch) -> None:
+        self.scores.append(ood_score(batch.logits(), self.ood.score))
+
+    def finish(self) -> Dict[str, Any]:
+        ctx, rt = self.ctx, self.ctx.runtime
+        local = (torch.cat(self.scores) if self.scores
+                 else torch.zeros(0, dtype=torch.float64, device=rt.device))
+        return evaluate_ood_sets(ctx.model, gather_scores(rt, local), self.ood, rt,
+                                 image_size=ctx.cfg.data.image_size, seed=ctx.cfg.rand_seed,
+                                 batch_size=ctx.batch_size,
+                                 num_workers=loader_workers(ctx.cfg, rt))
+
+    @classmethod
+    def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]
+                 ) -> List[Tuple[str, str, str]]:
+        rows = []
+        attack = settings["attack"]
+        how = f"{settings['num_samples']} images, score {settings['score']}" + (
+            f", attack L2 {attack['eps']:g} in {attack['steps']} steps of {attack['step_size']:g}"
+            if attack else "")
+        for name in [*(ood_set_name(n) for n in settings["datasets"]), "mean"]:
+            key = f"ood/{name}/"
+            if f"{key}auroc" not in results:
+                continue
+            value = f"AUROC {results[key + 'auroc']:.4f}, FPR95 {results[key + 'fpr95']:.4f}"
+            if f"{key}adv_auroc" in results:
+                value += (f"; attacked {results[key + 'adv_auroc']:.4f}, "
+                          f"{results[key + 'adv_fpr95']:.4f}")
+            rows.append((f"OOD {name}", value, how))
+        return rows

@@ -14,8 +14,10 @@ from typing import Any, Dict, List, Sequence, Tuple, Type
 from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
 from rebm.eval.autoattack import AutoAttackAccuracy
 from rebm.eval.calibration import Calibration
+from rebm.eval.counterfactuals import Counterfactuals
 from rebm.eval.fid_metric import FID
 from rebm.eval.metric import EvalError, Metric
+from rebm.eval.ood import OODSets
 from rebm.eval.ood_metric import OODDetection
 from rebm.eval.sample_files import KeepSamples, SampleGrid
 
@@ -25,6 +27,8 @@ METRICS: Tuple[Type[Metric], ...] = (
     AutoAttackAccuracy,
     Calibration,
     OODDetection,
+    OODSets,
+    Counterfactuals,
     SampleGrid,
     KeepSamples,
     FID,

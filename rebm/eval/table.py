@@ -116,7 +116,8 @@ class TableRun:
 
         path = os.path.join(self.checkpoints, row.checkpoint)
         return decide_on_main(
-            self.runtime, lambda: checkpoint_identity(path) if os.path.isfile(path) else None,
+            self.runtime,
+            lambda: checkpoint_identity(path, row.checkpoint) if os.path.isfile(path) else None,
             f"look for {path}")
 
     def run_row(self, row, label: str) -> None:

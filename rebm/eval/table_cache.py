@@ -71,7 +71,7 @@ def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[s
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as fh:
-        json.dump(cache, fh, indent=1, sort_keys=True)
+        json.dump(cache, fh, indent=1)
     os.replace(tmp, path)
 
 

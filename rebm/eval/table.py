@@ -36,6 +36,26 @@ def model_identity(cfg) -> Dict[str, Any]:
     return {"model": model, "use_ema": cfg.use_ema}
 
 
+def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
+    """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
+    override or key stops the table at once, naming the row."""
+    from rebm.config import ConfigError, load_config
+    from rebm.eval.registry import metric_classes
+
+    metric_classes(spec.metrics)  # EvalError on an unknown metric name
+    configs: Dict[str, Dict[str, Any]] = {}
+    for row in spec.rows:
+        path = os.path.join(checkpoints, row.checkpoint)
+        configs[row.name] = {}
+        for metric in spec.metrics:
+            overrides = [*spec.row_overrides(row, metric), f"model.ckpt_path={path}"]
+            try:
+                configs[row.name][metric] = load_config(row.config, overrides)
+            except ConfigError as err:
+                raise ConfigError(f"row {row.name}: {err}") from None
+    return configs
+
+
 class _Recorded:
     """A sample metric whose own results are kept (the shared pass returns them merged)."""
 
@@ -59,26 +79,7 @@ class TableRun:
         self.checkpoints, self.force = args.checkpoints, args.force
         self.out = args.out or os.path.join("runs", "tables", spec.stem)
         self.selected = spec.select(args.rows, args.metrics)
-        self.configs = self._load_configs()
-
-    def _load_configs(self) -> Dict[str, Dict[str, Any]]:
-        """Every row's config per metric, loaded before any work: a bad override or key stops
-        the table at once, naming the row."""
-        from rebm.config import ConfigError, load_config
-        from rebm.eval.registry import metric_classes
-
-        metric_classes(self.spec.metrics)  # EvalError on an unknown metric name
-        configs: Dict[str, Dict[str, Any]] = {}
-        for row in self.spec.rows:
-            path = os.path.join(self.checkpoints, row.checkpoint)
-            configs[row.name] = {}
-            for metric in self.spec.metrics:
-                overrides = [*self.spec.row_overrides(row, metric), f"model.ckpt_path={path}"]
-                try:
-                    configs[row.name][metric] = load_config(row.config, overrides)
-                except ConfigError as err:
-                    raise ConfigError(f"row {row.name}: {err}") from None
-        return configs
+        self.configs = row_configs(spec, self.checkpoints)
 
     def key(self, row, metric: str, identity: Dict[str, Any]) -> str:
         from rebm.eval.registry import metric_classes

@@ -42,16 +42,14 @@ def group_stats(values: Values, rows: Sequence[RowSpec], key: str
     return float(np.mean(found)), std, len(found)
 
 
-def _number(value: float) -> str:
-    if not math.isfinite(value):
-        return str(value)
-    return f"{value:.2f}" if abs(value) >= 10 else f"{value:.4f}"
-
-
 def cell(mean: Optional[float], std: Optional[float]) -> str:
+    """'0.8512 ± 0.0031', '12.35 ± 0.41' (2 decimals from 10 on), '–' without a value."""
     if mean is None:
         return "–"
-    return _number(mean) if std is None else f"{_number(mean)} ± {_number(std)}"
+    if not math.isfinite(mean):
+        return str(mean)
+    digits = 2 if abs(mean) >= 10 else 4
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
 def groups_of(rows: Sequence[RowSpec]) -> Dict[str, List[RowSpec]]:

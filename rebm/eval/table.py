@@ -19,6 +19,7 @@ batch is the table's `batch_size` on any number of processes, so the numbers do 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -123,6 +124,7 @@ class TableRun:
 
     def run_row(self, row, label: str) -> None:
         from rebm.distributed.collectives import decide_on_main
+        from rebm.eval.metric import SAMPLES
         from rebm.eval.registry import metric_classes
         from rebm.eval.table_cache import cached_results, read_cache
 
@@ -145,12 +147,12 @@ class TableRun:
             return
         model = self.load_model(row, pending[0])
         for cls in metric_classes(pending):
-            if cls.source == "samples":
+            if cls.source == SAMPLES:
                 continue
             start = time.monotonic()
             results = self.test_metric(model, row, cls.name)
             self.store(cache, row, cls.name, keys[cls.name], results, start, label)
-        samples = [c.name for c in metric_classes(pending) if c.source == "samples"]
+        samples = [c.name for c in metric_classes(pending) if c.source == SAMPLES]
         if samples:
             start = time.monotonic()
             for name, results in self.sample_metrics(model, row, samples).items():
@@ -169,8 +171,21 @@ class TableRun:
         return evaluate_model(model, self.configs[row.name][metric], self.runtime, spec)
 
     def sample_metrics(self, model, row, names: List[str]) -> Dict[str, Dict[str, Any]]:
-        """The row's sample metrics over one shared generation pass (their configs must agree
-        on the samples: metric_overrides of sample metrics must not change image_log)."""
+        """The row's sample metrics, {name: results}: one generation pass for the metrics whose
+        configs draw the same samples (metric_overrides may make them differ)."""
+        from rebm.eval.samples import sample_settings
+
+        passes: Dict[str, List[str]] = {}
+        for name in names:
+            drawn = json.dumps(sample_settings(self.configs[row.name][name]), sort_keys=True,
+                               default=str)
+            passes.setdefault(drawn, []).append(name)
+        results: Dict[str, Dict[str, Any]] = {}
+        for group in passes.values():
+            results.update(self.sample_pass(model, row, group))
+        return results
+
+    def sample_pass(self, model, row, names: List[str]) -> Dict[str, Dict[str, Any]]:
         from rebm.eval.accuracy import eval_mode
         from rebm.eval.metric import EvalContext, EvalSpec
         from rebm.eval.registry import metric_classes

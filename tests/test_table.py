@@ -215,6 +215,10 @@ def test_unknown_metric_and_bad_override_name_the_row(tmp_path):
     result = run_command(cmd, timeout=120, env=_env())
     assert result.returncode == 2 and "row a: " in result.output
     assert "unknown config key 'eval.ood_scor'" in result.output
+    path.write_text(f"metrics: [fid]\nrows: [{{name: a, config: {STAGE2}, checkpoint: x, "
+                    f"overrides: [image_log.log_fid=true, image_log.data_dir={tmp_path}/no.npz]}}]\n")
+    result = run_command(cmd, timeout=120, env=_env())
+    assert result.returncode == 2 and f"row a: image_log.data_dir '{tmp_path}/no.npz'" in result.output
     assert "Traceback" not in result.output
 
 

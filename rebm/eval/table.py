@@ -93,12 +93,15 @@ class TableRun:
     def run(self) -> Dict[str, Any]:
         from rebm.distributed.collectives import decide_on_main, on_main
         from rebm.eval.evaluation import require_ready
-        from rebm.eval.metric import EvalSpec
+        from rebm.eval.metric import EvalError, EvalSpec
         from rebm.eval.table_report import write_report
 
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
             for metric in self.selected.metrics:
-                require_ready(self.configs[row.name][metric], EvalSpec((metric,)))
+                try:
+                    require_ready(self.configs[row.name][metric], EvalSpec((metric,)))
+                except EvalError as err:
+                    raise EvalError(f"row {row.name}: {err}") from None
         total = len(self.selected.rows)
         for number, row in enumerate(self.selected.rows, start=1):
             self.run_row(row, f"[{number}/{total}] {row.name}")

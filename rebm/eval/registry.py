@@ -15,9 +15,11 @@ from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
 from rebm.eval.autoattack import AutoAttackAccuracy
 from rebm.eval.calibration import Calibration
 from rebm.eval.fid_metric import FID
+from rebm.eval.inception_score import InceptionScore
 from rebm.eval.metric import EvalError, Metric
 from rebm.eval.ood_metric import OODDetection
-from rebm.eval.sample_files import KeepSamples, SampleGrid
+from rebm.eval.precision_recall import PrecisionRecall
+from rebm.eval.sample_files import KeepSamples, SampleGrid, SamplesNpz
 
 METRICS: Tuple[Type[Metric], ...] = (
     CleanAccuracy,
@@ -27,7 +29,10 @@ METRICS: Tuple[Type[Metric], ...] = (
     OODDetection,
     SampleGrid,
     KeepSamples,
+    SamplesNpz,
     FID,
+    InceptionScore,
+    PrecisionRecall,
 )
 
 

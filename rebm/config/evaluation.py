@@ -21,7 +21,7 @@ class EvalConfig(OODCounterfactualFields):
     """Evaluation of a model: which test images, which extra metrics, how samples are drawn."""
 
     metrics: List[str] = field(default_factory=list)  # metrics added to every evaluation (training's and rebm.eval.evaluate's), names of rebm.eval.registry, e.g. [inception_score, precision_recall]
-    image_ids: Optional[str] = None  # file of test images to evaluate on, one per line: a 0-based index or a path relative to the split folder (ImageNet: wnid/ILSVRC2012_val_….JPEG); null: the whole split
+    image_ids: Optional[str] = None  # file of test images to evaluate on, one per line: a 0-based index or a path relative to the split folder (ImageNet: wnid/ILSVRC2012_val_….JPEG); robustbench: RobustBench's 5000 ImageNet val images; null: the whole split
     num_images: Optional[int] = None  # evaluate on the first N test images (of image_ids when set); null: all
     unconditional_samples: bool = False  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS)
     grid_num_samples: int = 100  # samples shown in the PNG grid (the first ones)

@@ -180,28 +180,28 @@ def inception_weights_path(configured: Optional[str] = None) -> str:
 
 
 @contextmanager
-def _offline_loader(state_dict: dict):
-    """pytorch-fid's `fid_inception_v3` calls `load_state_dict_from_url(FID_WEIGHTS_URL)`; for
-    the duration of the construction it gets the local state dict instead (no network)."""
-    from pytorch_fid import inception
-
-    original = inception.load_state_dict_from_url
-    inception.load_state_dict_from_url = lambda *args, **kwargs: state_dict
+def offline_loader(module, state_dict: dict):
+    """`module` (pytorch-fid's or torch-fidelity's Inception module) builds its network with
+    `load_state_dict_from_url(URL)`; for the duration of the construction it gets the local
+    state dict instead (no network, no unpickling of arbitrary objects)."""
+    original = module.load_state_dict_from_url
+    module.load_state_dict_from_url = lambda *args, **kwargs: state_dict
     try:
         yield
     finally:
-        inception.load_state_dict_from_url = original
+        module.load_state_dict_from_url = original
 
 
 def inception_network(path: str) -> torch.nn.Module:
     """pytorch-fid's InceptionV3 (FID variant, pool3 block) with the weights of `path`, built
     once per process (on the CPU; move it with `.to`)."""
+    from pytorch_fid import inception
     from pytorch_fid.inception import InceptionV3
 
     if path not in _INCEPTION:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            with _offline_loader(state):
+            with offline_loader(inception, state):
                 net = InceptionV3([InceptionV3.BLOCK_INDEX_BY_DIM[INCEPTION_DIMS]])
         except Exception as err:  # unpickling, truncated file, wrong keys or shapes
             text = str(err).strip().splitlines()

@@ -26,7 +26,7 @@ combined by sums or by index-ordered gathers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -60,13 +60,20 @@ class EvalSpec:
 @dataclass
 class EvalContext:
     """What a metric instance gets: the unwrapped model (in eval mode while the evaluation
-    runs), the config, this rank's runtime, the spec and the resolved batch size."""
+    runs), the config, this rank's runtime, the spec and the resolved batch size. `shared`
+    builds a resource once per evaluation for every metric that asks (a feature network)."""
 
     model: nn.Module
     cfg: Any
     runtime: Runtime
     spec: EvalSpec
     batch_size: int
+    resources: Dict[str, Any] = field(default_factory=dict)
+
+    def shared(self, key: str, build: Callable[[], Any]) -> Any:
+        if key not in self.resources:
+            self.resources[key] = build()
+        return self.resources[key]
 
 
 class TestBatch:

@@ -16,10 +16,12 @@ from rebm.eval.autoattack import AutoAttackAccuracy
 from rebm.eval.calibration import Calibration
 from rebm.eval.counterfactuals import Counterfactuals
 from rebm.eval.fid_metric import FID
+from rebm.eval.inception_score import InceptionScore
 from rebm.eval.metric import EvalError, Metric
 from rebm.eval.ood import OODSets
 from rebm.eval.ood_metric import OODDetection
-from rebm.eval.sample_files import KeepSamples, SampleGrid
+from rebm.eval.precision_recall import PrecisionRecall
+from rebm.eval.sample_files import KeepSamples, SampleGrid, SamplesNpz
 
 METRICS: Tuple[Type[Metric], ...] = (
     CleanAccuracy,
@@ -31,7 +33,10 @@ METRICS: Tuple[Type[Metric], ...] = (
     Counterfactuals,
     SampleGrid,
     KeepSamples,
+    SamplesNpz,
     FID,
+    InceptionScore,
+    PrecisionRecall,
 )
 
 

@@ -2,7 +2,9 @@
 
 The images are the in-distribution test split, or the subset `eval.image_ids` names (one id a
 line: a 0-based index, or a path relative to the split folder such as RobustBench's
-`n01440764/ILSVRC2012_val_00000293.JPEG`), cut to the first `eval.num_images`. They are split
+`n01440764/ILSVRC2012_val_00000293.JPEG`; `robustbench` names the shipped list of the 5000
+ImageNet validation images RobustBench uses, rebm/eval/data/), cut to the first
+`eval.num_images`. They are split
 into chunks of one evaluation batch, chunk k on rank k % W (`rebm.data.sampling.eval_chunks`): a
 batch holds the same images on any world size, so per-batch attacks (AutoAttack draws its random
 numbers per batch) give the same results on 1, 2 or 3 ranks.
@@ -21,7 +23,8 @@ from rebm.distributed import all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.eval.metric import EvalContext, EvalError, Metric, TestBatch
 
-ROBUSTBENCH_IDS = os.path.join(os.path.dirname(__file__), "data", "imagenet_val_5000_robustbench.txt")
+ROBUSTBENCH_IDS = os.path.join(os.path.dirname(__file__), "data",
+                               "imagenet_val_5000_robustbench.txt")
 
 
 def test_set_settings(cfg) -> Dict[str, Any]:
@@ -82,7 +85,8 @@ def test_indices(cfg) -> Sequence[int]:
 
     source = indist_source(cfg, "test")
     if cfg.eval.image_ids:
-        indices: Sequence[int] = read_image_ids(cfg.eval.image_ids, source, cfg)
+        path = ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench" else cfg.eval.image_ids
+        indices: Sequence[int] = read_image_ids(path, source, cfg)
     else:
         indices = range(len(source))
     return indices[:cfg.eval.num_images] if cfg.eval.num_images else indices

@@ -28,10 +28,12 @@ STAGE2 = "experiments/quickstart/digits_stage2.yaml"
 TINY = ["batch_size=32", "max_steps=2", "indist_attack_clf.max_steps=1", "robust_eval_steps=1",
         "n_imgs_per_evaluation_log=null", "image_log.num_samples=10"]
 METRICS = ["accuracy", "robust_accuracy", "autoattack", "ece", "ood", "ood_sets",
-           "counterfactuals", "sample_grid", "fid"]
-COLUMNS = ["test_acc", "robust_test_acc", "autoattack_test_acc", "ece", "ood_auroc",
-           "ood/noise/auroc", "ood/svhn/adv_fpr95", "ood/mean/adv_auroc",
-           "counterfactual_confidence", "counterfactual_success", "fid_standin"]
+           "counterfactuals", "sample_grid", "fid", "inception_score", "precision_recall"]
+FRACTIONS = ["test_acc", "robust_test_acc", "autoattack_test_acc", "ece", "ood_auroc",
+             "ood/noise/auroc", "ood/svhn/adv_fpr95", "ood/mean/adv_auroc",
+             "counterfactual_confidence", "counterfactual_success", "precision_standin",
+             "recall_standin"]
+POSITIVE = ["fid_standin", "inception_score_standin"]  # stand-in features: *_standin keys
 
 
 def _env():
@@ -122,9 +124,9 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     assert f"dat-s2: checkpoint missing: expected {expected}" in result.output
     header, *groups = _read_csv(two / "table.csv")
     assert [g[:2] for g in groups] == [["AT", "1"], ["DAT", "2"]]
-    for column in COLUMNS:  # every metric has its value in the table
-        mean = groups[1][header.index(f"{column}_mean")]
-        assert mean != "" and 0.0 <= float(mean) <= 1.0 or column == "fid_standin", column
+    for column in FRACTIONS + POSITIVE:  # every metric has its value in the table
+        mean = float(groups[1][header.index(f"{column}_mean")])
+        assert 0.0 <= mean <= 1.0 if column in FRACTIONS else mean > 0, column
     markdown = (two / "table.md").read_text()
     assert "| AT † | 0 |" in markdown and "| DAT | 0, 1 |" in markdown
     assert f"- dat-s2: expected `{expected}`" in markdown
@@ -135,7 +137,7 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     killed = _kill_after(_table_cmd(table, ckpts, one), "dat-s0: autoattack done", 400)
     assert "at: fid done" in killed and "table written" not in killed
     rerun = run_command(_table_cmd(table, ckpts, one), timeout=400, env=_env()).assert_ok()
-    assert "[1/4] at: 9 of 9 metrics already computed" in rerun.output
+    assert "[1/4] at: 11 of 11 metrics already computed" in rerun.output
     done = [line for line in rerun.output.splitlines() if "[2/4] dat-s0:" in line][0]
     assert "metrics already computed; computing" in done and "accuracy," not in done
     assert "autoattack" not in done

@@ -5,14 +5,13 @@
     torchrun --nproc_per_node=N InNOutRobustnessMean0_cifar100/cifar10_robustness_test.py ...
 
 Reports clean accuracy, PGD robust accuracy with the config's `indist_attack_clf` threat model
-(`robust_eval_steps=S` for more steps) and, when `torchattacks` is installed, AutoAttack. The test
-set is sharded over the ranks; the numbers equal those of one process (AutoAttack: see
-rebm.eval.accuracy). A thin CLI over rebm.eval.
+(`robust_eval_steps=S` for more steps) and, with `--autoattack`, AutoAttack (pyautoattack,
+standard version). The test set is sharded over the ranks; the numbers equal those of one process.
+A thin CLI over rebm.eval.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -22,21 +21,19 @@ from typing import List, Optional
 from rebm import cli
 
 
-def run(cfg, runtime, calibration_only: bool) -> dict:
-    from rebm.config import eval_batch_size
-    from rebm.data.pipeline import build_eval_data
+def run(cfg, runtime, calibration_only: bool, autoattack: bool) -> dict:
     from rebm.distributed import print_line, setup_logging
-    from rebm.eval.calibration import evaluate_ece
-    from rebm.eval.evaluation import evaluate_model, load_eval_model
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.registry import standard_metrics
 
     setup_logging(runtime)
     model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
     if calibration_only:
-        loader = build_eval_data(cfg, runtime, eval_batch_size(cfg, runtime.world_size))
-        metrics = {"ece": evaluate_ece(model, loader, runtime)}
+        metrics = evaluate_model(model, cfg, runtime, EvalSpec(("ece",)))
+        metrics.pop("n_test")
     else:
-        autoattack = importlib.util.find_spec("torchattacks") is not None
-        metrics = evaluate_model(model, cfg, runtime, samples=False, autoattack=autoattack)
+        names = standard_metrics(cfg, samples=False, extra=["autoattack"] if autoattack else [])
+        metrics = evaluate_model(model, cfg, runtime, EvalSpec(names))
     metrics.update(ckpt_path=os.path.abspath(cfg.model.ckpt_path),
                    world_size=runtime.world_size)
     # NaN (an empty test set) is not JSON: report it as null.
@@ -51,9 +48,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("cifar10_robustness_test.py", __doc__.splitlines()[0])
     parser.add_argument("--calibration_only", action="store_true",
                         help="only the expected calibration error (20 equal-width bins)")
+    parser.add_argument("--autoattack", action="store_true",
+                        help="also AutoAttack accuracy (pyautoattack, standard version)")
     parser.epilog = __doc__.split("\n", 2)[2]  # usage lines (torchrun runs the script file)
     return cli.run_entry(parser, argv,
-                         lambda cfg, runtime, args: run(cfg, runtime, args.calibration_only))
+                         lambda cfg, runtime, args: run(cfg, runtime, args.calibration_only,
+                                                         args.autoattack))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from rebm.config import eval_batch_size, load_config
 from rebm.data import load_indist
 from rebm.distributed import Runtime
 from rebm.engine.build import get_optimizer
-from rebm.eval.evaluation import evaluate_model
+from rebm.eval.evaluation import EvalSpec, evaluate_model
+from rebm.eval.registry import standard_metrics
 from rebm.models import model_from_config
 
 
@@ -41,7 +42,7 @@ def main(argv):
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
     runtime = Runtime()
-    metrics = evaluate_model(model, cfg, runtime, samples=False)
+    metrics = evaluate_model(model, cfg, runtime, EvalSpec(standard_metrics(cfg, samples=False)))
     attack = cfg.indist_attack_clf
     metrics.update(eps=attack.eps, norm=attack.norm,
                    steps=cfg.robust_eval_steps or attack.max_steps,

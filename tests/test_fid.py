@@ -1,8 +1,9 @@
 """FID through pytorch-fid (rebm/eval/fid.py, fid_stats.py, sweep.py; docs/evaluation.md).
 
 The distance is always pytorch-fid's. The feature network is Inception where its weights are on
-disk; elsewhere `standin_features` below stands in for it, passed as an argument in-process and
-named by REBM_FID_FEATURES=tests.test_fid:standin_features in real subprocesses. The data is a
+disk; elsewhere `standin_features` below stands in for it, named by
+REBM_FID_FEATURES=tests.test_fid:standin_features (in-process and in real subprocesses; its
+values are stored under `fid_standin`, never as `fid`). The data is a
 tiny CIFAR-10 in the real on-disk format, the model a random WideResNet-10-1.
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rebm.config import load_config
+from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime
 from rebm.eval import fid
 from tests.fake_data import write_fake_cifar10
@@ -73,6 +75,12 @@ def _cfg(setup, *extra):
     return load_config(setup[1], [*setup[2], *extra])
 
 
+@pytest.fixture
+def standin(monkeypatch):
+    """The stand-in feature network for this process (REBM_FID_FEATURES)."""
+    monkeypatch.setenv(fid.FEATURES_ENV, STANDIN)
+
+
 def _standin_env():
     return base_env(1, {"REBM_FID_FEATURES": STANDIN, "PYTHONPATH": str(REPO)})
 
@@ -112,7 +120,7 @@ def test_sharded_moments_equal_numpy_statistics():
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
     # the chunks of every world size cover each index once, in the same chunks
     for world in (1, 2, 3):
-        shards = [fid.shard_chunks(37, 8, r, world) for r in range(world)]
+        shards = [eval_chunks(37, 8, r, world) for r in range(world)]
         chunks = sorted((c.start, c.stop) for shard in shards for c in shard)
         assert chunks == [(s, min(s + 8, 37)) for s in range(0, 37, 8)]
 
@@ -134,7 +142,8 @@ def stats_file(setup):
 
 
 @pytest.mark.timeout(120)
-def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file):
+def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file,
+                                                                         standin):
     from rebm.data import load_indist
     from rebm.eval.fid_stats import dataset_statistics
 
@@ -146,7 +155,7 @@ def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, s
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
     one_mu, one_sigma, n = dataset_statistics(cfg, Runtime(), "train", num_images=40,
-                                              batch_size=7, features=standin_features)
+                                              batch_size=7)
     assert n == 40
     np.testing.assert_allclose(one_mu, mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(one_sigma, sigma, rtol=0, atol=1e-12)
@@ -165,15 +174,18 @@ def _evaluate(setup, stats, nproc: int, run_dir):
 
 
 @pytest.mark.timeout(240)
-def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path):
+def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path, standin):
     one = _evaluate(setup, stats_file, 1, tmp_path / "w1")
     two = _evaluate(setup, stats_file, 2, tmp_path / "w2")
-    sweep = {int(k.split("/")[1]): v for k, v in one.items() if k.startswith("fid_sweep/")}
+    sweep = {int(k.split("/")[1]): v for k, v in one.items()
+             if k.startswith("fid_standin_sweep/")}
     assert sorted(sweep) == [1, 2, 3]
-    assert one["fid_best_steps"] == min(sweep, key=sweep.get)
-    assert np.isfinite(one["fid"]) and one["fid"] > 0
-    assert two["world_size"] == 2 and two["fid_best_steps"] == one["fid_best_steps"]
-    for key in ("fid", *(f"fid_sweep/{s}" for s in sweep)):
+    assert one["fid_standin_best_steps"] == min(sweep, key=sweep.get)
+    assert np.isfinite(one["fid_standin"]) and one["fid_standin"] > 0 and "fid" not in one
+    assert one["settings"]["fid"]["features"] == f"stand-in {STANDIN}"
+    assert two["world_size"] == 2
+    assert two["fid_standin_best_steps"] == one["fid_standin_best_steps"]
+    for key in ("fid_standin", *(f"fid_standin_sweep/{s}" for s in sweep)):
         assert two[key] == pytest.approx(one[key], rel=1e-9, abs=1e-9), key
     # keep_samples: every sample as a PNG; they are exactly what the FID was computed on
     for run_dir, metrics in ((tmp_path / "w1", one), (tmp_path / "w2", two)):
@@ -183,8 +195,8 @@ def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path):
 
         pngs = torch.stack([torch.from_numpy(np.array(Image.open(run_dir / "samples" / "eval" / f)))
                             for f in files]).permute(0, 3, 1, 2).float() / 255
-        again = fid.compute_fid(pngs, str(stats_file), "cpu", features=standin_features)
-        assert again == pytest.approx(metrics["fid"], rel=1e-9)
+        again = fid.compute_fid(pngs, str(stats_file), "cpu")
+        assert again == pytest.approx(metrics["fid_standin"], rel=1e-9)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,8 +212,8 @@ def test_sweep_candidates():
 
 
 @pytest.mark.timeout(60)
-def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
-    from rebm.eval.evaluation import sample_metrics
+def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin):
+    from rebm.eval.evaluation import EvalSpec, evaluate_model
     from rebm.eval.generation import generate_samples
     from rebm.eval.sweep import with_steps
 
@@ -215,12 +227,13 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
     # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).
     images, _ = generate_samples(model, with_steps(cfg, 4), runtime, num_samples=20,
                                  batch_size=8)
-    scorer = fid.FIDScorer(standin_features, (np.zeros(15), np.eye(15)), runtime, 8)
-    np.savez(ref, **dict(zip(("mu", "sigma"), scorer.statistics(images), strict=True)))
-    metrics = sample_metrics(model, cfg, runtime, 8, run_dir=str(tmp_path), step=7,
-                             features=standin_features)
-    sweep = {s: metrics[f"fid_sweep/{s}"] for s in (1, 2, 3, 4)}
-    assert metrics["fid_best_steps"] == 4
+    np.savez(ref, **dict(zip(("mu", "sigma"),
+                             fid.feature_statistics(standin_features(fid.to_8bit(images))),
+                             strict=True)))
+    spec = EvalSpec(("sample_grid", "keep_samples", "fid"), 8, str(tmp_path), step=7)
+    metrics = evaluate_model(model, cfg, runtime, spec)
+    sweep = {s: metrics[f"fid_standin_sweep/{s}"] for s in (1, 2, 3, 4)}
+    assert metrics["fid_standin_best_steps"] == 4
     assert sweep[4] == pytest.approx(0.0, abs=1e-6)
     assert min(sweep[s] for s in (1, 2, 3)) > 1e-3
     # the reported fid is of num_samples samples at the chosen step count
@@ -229,8 +242,8 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path):
     kept = tmp_path / "samples" / "step_00000007"
     assert sorted(os.listdir(kept)) == sorted(f"{i}.png" for i in range(30))
     assert (tmp_path / "samples" / "samples_step00000007.png").is_file()
-    assert metrics["fid"] == pytest.approx(
-        fid.compute_fid(final, str(ref), "cpu", features=standin_features), rel=1e-12)
+    assert metrics["fid_standin"] == pytest.approx(
+        fid.compute_fid(final, str(ref), "cpu", batch_size=8), rel=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,8 +400,9 @@ def test_real_inception_weights_when_present():
     torch.manual_seed(0)
     images = torch.rand(8, 3, 32, 32)
     features = fid.inception_features("cpu")
-    scorer = fid.FIDScorer(features, (np.zeros(2048), np.eye(2048)), Runtime(), 4)
-    mu, sigma = scorer.statistics(images)
+    sums = fid.MomentSums()
+    fid.FIDScorer(features, (np.zeros(2048), np.eye(2048)), Runtime(), 4).add(sums, images)
+    mu, sigma = sums.statistics(Runtime())
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048)
     assert fid.frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-3)
     assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4)(torch.rand(8, 3, 32, 32)) > 1.0

@@ -20,7 +20,8 @@ from sections.common import (
 
 def _eval_worker(opts: dict) -> None:
     from rebm.config import eval_batch_size
-    from rebm.eval.evaluation import evaluate_model
+    from rebm.eval.evaluation import EvalSpec, evaluate_model
+    from rebm.eval.registry import standard_metrics
     from rebm.models import model_from_config
 
     runtime = rd.setup_distributed(use_ddp=True, backend=opts["backend"], device=opts["device"])
@@ -30,6 +31,7 @@ def _eval_worker(opts: dict) -> None:
                           opts["device"])
         torch.manual_seed(cfg.rand_seed)
         model = model_from_config(cfg).to(runtime.device)
+        spec = EvalSpec(standard_metrics(cfg, samples=False))
         # independent: every rank evaluates the whole test set on its own (no sharding, no
         # collective inside), all starting together: how much the ranks slow each other down
         # on this machine's shared cores, caches and memory (the ceiling of any 2-rank split).
@@ -37,8 +39,8 @@ def _eval_worker(opts: dict) -> None:
         times = []
         for rep in range(opts["warmup"] + opts["reps"]):
             rd.barrier(runtime)
-            result, seconds = timed(lambda: evaluate_model(model, cfg, eval_runtime,
-                                                           samples=False), runtime.device)
+            result, seconds = timed(lambda: evaluate_model(model, cfg, eval_runtime, spec),
+                                    runtime.device)
             if rep >= opts["warmup"]:
                 times.append(seconds)
         per_rep = slowest_rank(runtime, times)

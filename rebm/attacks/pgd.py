@@ -2,7 +2,8 @@
 
 DAT uses it three ways: class-conditional logit ascent f_y(x) (negatives, sample generation),
 logsumexp ascent LSE_k f_k(x) (`logsumexp_sampling`), and untargeted cross-entropy ascent
-(adversarial training, robust evaluation).
+(adversarial training, robust evaluation). OOD evaluation also ascends the KL divergence of the
+softmax from the uniform distribution (raising the max-softmax of out-distribution images).
 
 Contract with callers:
 - Gradients are taken w.r.t. the input only (`torch.autograd.grad(loss, x)`): no parameter's
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-OBJECTIVES = ("logit", "lse", "ce")
+OBJECTIVES = ("logit", "lse", "ce", "uniform_kl")
 NORMS = ("L2", "Linf")
 _TINY = 1e-12  # a zero gradient gives a zero step instead of 0/0
 
@@ -37,6 +38,8 @@ def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Te
         return logits.gather(1, y[:, None]).sum()
     if objective == "lse":
         return torch.logsumexp(logits, dim=1).sum()
+    if objective == "uniform_kl":  # KL(U || softmax) = -log K - mean_k log p_k, per sample
+        return -(F.log_softmax(logits, dim=1).mean(dim=1) + math.log(logits.shape[1])).sum()
     return F.cross_entropy(logits, y, reduction="sum")
 
 
@@ -167,7 +170,7 @@ def pgd_attack(
     """`steps` steps of projected gradient ascent from `x`; returns a detached tensor.
 
     objective: "logit" ascends f_y(x) (needs y), "lse" ascends logsumexp_k f_k(x), "ce" ascends
-    CE(f(x), y) (needs y). Each step: x <- clamp(proj_eps(x + step), 0, 1), the step being
+    CE(f(x), y) (needs y), "uniform_kl" ascends KL(uniform || softmax f(x)). Each step: x <- clamp(proj_eps(x + step), 0, 1), the step being
     a*g/||g||_2 (L2) or a*sign(g) (Linf). eps = inf: only the [0, 1] clamp.
     random_start_keys: (B,) int64, one key per sample; the start point is drawn inside the
     eps-ball from that key alone (see `random_start`). steps == 0 returns x unchanged (a detached
@@ -178,7 +181,7 @@ def pgd_attack(
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if objective != "lse" and y is None:
+    if objective in ("logit", "ce") and y is None:
         raise ValueError(f"objective {objective!r} needs the labels y")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")

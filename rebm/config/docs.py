@@ -17,6 +17,7 @@ from rebm.config import (
     ModelConfig,
     TrainConfig,
 )
+from rebm.config.evaluation import EvalConfig
 
 SECTIONS = [
     ("", TrainConfig, "Top level"),
@@ -24,6 +25,7 @@ SECTIONS = [
     ("model.", ModelConfig, "`model.*`"),
     ("attack.", AttackConfig, "`attack.*` and `indist_attack_clf.*` (same fields)"),
     ("image_log.", ImageLogConfig, "`image_log.*`"),
+    ("eval.", EvalConfig, "`eval.*` (rebm/config/evaluation.py)"),
 ]
 FIELD_LINE = re.compile(r"^\s+(\w+):\s*[^=]+?(?:=\s*(.*?))?\s*(?:#\s*(.*))?$")
 

@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rebm.config.aliases import apply_aliases
 from rebm.config.errors import ConfigError
+from rebm.config.evaluation import validate_evaluation
 from rebm.config.frozen import freeze
 from rebm.config.legacy import check_refused
 from rebm.config.schema import (
@@ -197,6 +198,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
             f"'attack.max_steps' ({cfg.attack.max_steps})"
         )
     _validate_image_log(cfg, source)
+    validate_evaluation(cfg, source)
     if cfg.robust_eval_steps is not None and cfg.robust_eval_steps < 0:
         raise ConfigError(f"{source}: 'robust_eval_steps' must be >= 0 or null")
     for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from rebm.config.evaluation import EvalConfig
 from rebm.config.legacy import (
     LegacyAttackFields,
     LegacyDataFields,
@@ -138,6 +139,7 @@ class TrainConfig(LegacyTrainFields):
     )
     model: ModelConfig = field(default_factory=ModelConfig)
     image_log: ImageLogConfig = field(default_factory=ImageLogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # how models are evaluated (rebm/config/evaluation.py)
 
     # Optimisation
     optimizer: str = "sgd"  # sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)

@@ -391,14 +391,16 @@ class ShardSampler(Sampler):
 
 
 def build_eval_data(cfg: TrainConfig, runtime: Runtime, batch_size: int,
-                    split: str = "test") -> DataLoader:
+                    split: str = "test", indices: Optional[Sequence[int]] = None) -> DataLoader:
     """This rank's shard of the in-distribution `split`, un-augmented, as (x, y, index) batches
-    of up to `batch_size` (per rank)."""
+    of up to `batch_size` (per rank). `indices`: this rank's dataset indices, in order (the
+    evaluation chooses them); default rank, rank+W, ..."""
     dataset = _IndexedDataset(load_indist(cfg, split, "test"))
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ShardSampler(len(dataset), runtime.rank, runtime.world_size),
+        sampler=(ShardSampler(len(dataset), runtime.rank, runtime.world_size) if indices is None
+                 else list(indices)),
         drop_last=False,
         generator=_loader_generator(),
         **_loader_kwargs(cfg, runtime, persistent=True),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Tuple
+from typing import Iterable, List, Tuple
 
 import numpy as np
 
@@ -165,3 +165,11 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
     """Evaluation indices of a rank: rank, rank + W, ... — every index exactly once over ranks,
     no padding duplicates (unlike DistributedSampler, which pads to a multiple of W)."""
     return range(rank, n, world_size)
+
+
+def eval_chunks(n: int, chunk: int, rank: int, world_size: int) -> List[range]:
+    """Evaluation chunks of a rank: [k·chunk, (k+1)·chunk) ∩ [0, n) for k = rank, rank + W, ...
+    Every chunk holds the same positions on any world size, so work done per chunk (a batch of
+    attacks, of generated samples, of features) does not depend on the world size."""
+    starts = range(rank * chunk, n, world_size * chunk)
+    return [range(s, min(s + chunk, n)) for s in starts]

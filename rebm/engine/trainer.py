@@ -50,9 +50,10 @@ from rebm.engine.saving import (
     save_training_state,
 )
 from rebm.engine.tracking import Tracker, progress_bar
-from rebm.eval.evaluation import evaluate_model
+from rebm.eval.evaluation import EvalSpec, evaluate_model
 from rebm.eval.fid import require_fid_ready
 from rebm.eval.generation import check_seed_images
+from rebm.eval.registry import standard_metrics
 from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepResult
 
@@ -239,10 +240,9 @@ class Trainer:
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
         with patient_collectives(self.runtime, self.cfg, progress):
-            results = evaluate_model(self.parts.eval_model, self.cfg, self.runtime,
-                                     batch_size=self.plan.eval_batch_size,
-                                     run_dir=self.tracker.run_dir, step=step,
-                                     samples=self.parts.method.eval_samples)
+            spec = EvalSpec(standard_metrics(self.cfg, samples=self.parts.method.eval_samples),
+                            self.plan.eval_batch_size, self.tracker.run_dir, step)
+            results = evaluate_model(self.parts.eval_model, self.cfg, self.runtime, spec)
         progress.last_eval, progress.last_eval_step = results, step
         progress.eval_pending = False
         self.tracker.log(step, self.plan.images(step), self.epoch, results)

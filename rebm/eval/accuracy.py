@@ -1,24 +1,21 @@
-"""Clean and robust test accuracy, sharded over ranks.
+"""Clean and robust test accuracy (registered metrics "accuracy" and "robust_accuracy").
 
-Every rank evaluates its own shard (indices rank, rank+W, ... from `build_eval_data`, no padding
-duplicates); the correct counts and the number of images are summed over ranks with one
-all-reduce, so the result equals a single-process evaluation on any world size.
+Each rank counts the correct predictions of its test chunks; the counts are summed over ranks
+with one all-reduce per metric, so the result equals a single-process evaluation on any world
+size.
 
-The robust attack is PGD on the cross-entropy with the `indist_attack_clf` threat model. Its
-random start (when `random_start` is set) is keyed by the *dataset index* of each image, so an
-image gets the same start point whichever rank or batch it lands in.
-
-AutoAttack (optional): used when `torchattacks` is importable and asked for. Its internal
-randomness is not keyed per sample, so unlike PGD its result may differ slightly between world
-sizes; it is reported under its own key `autoattack_test_acc`.
+The robust attack is PGD on the cross-entropy with the `indist_attack_clf` threat model and
+`robust_eval_steps` steps when set. Its random start (when `random_start` is set) is keyed by the
+*dataset index* of each image, so an image gets the same start point whichever rank or batch it
+lands in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import math
-from typing import Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -26,12 +23,9 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.data.sampling import sample_keys
-from rebm.distributed import Runtime, all_reduce_sum
-from rebm.distributed.logs import progress
-from rebm.distributed.parallel import unwrap
-from rebm.errors import UserError
-
-LOGGER = logging.getLogger("rebm")
+from rebm.distributed import all_reduce_sum
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.test_set import describe_test_set, test_set_settings
 
 # The "epoch" slot of sample_keys separates the random streams of the evaluation attacks.
 ROBUST_EVAL_EPOCH = 0
@@ -55,71 +49,87 @@ def index_keys(seed: int, indices: Tensor, epoch: int = ROBUST_EVAL_EPOCH) -> Te
     return torch.from_numpy(sample_keys(seed, "eval", epoch, idx))
 
 
-class AutoAttackMissing(UserError, ImportError):
-    """--autoattack without its package."""
+def robust_eval_attack(cfg):
+    """The indist_attack_clf threat model, with `robust_eval_steps` PGD steps when set (robust
+    evaluation usually wants more steps than adversarial training uses)."""
+    if cfg.robust_eval_steps is None:
+        return cfg.indist_attack_clf
+    return dataclasses.replace(cfg.indist_attack_clf, max_steps=cfg.robust_eval_steps)
 
 
-def _autoattack(model: nn.Module, attack_cfg, num_classes: int, seed: int):
-    """torchattacks.AutoAttack for the threat model, or None when the package is missing."""
-    try:
-        import torchattacks  # optional dependency, not in pyproject
-    except ImportError:
-        raise AutoAttackMissing("AutoAttack was asked for (--autoattack) but the torchattacks "
-                                "package is not installed: pip install torchattacks") from None
-    return torchattacks.AutoAttack(model, norm=attack_cfg.norm, eps=attack_cfg.eps,
-                                   version="standard", n_classes=num_classes, seed=seed)
-
-
-def _ratio(num: float, den: float) -> float:
+def ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def evaluate_accuracy(
-    model: nn.Module,
-    loader,
-    runtime: Runtime,
-    attack_cfg=None,
-    robust: bool = True,
-    seed: int = 0,
-    autoattack: bool = False,
-    num_classes: Optional[int] = None,
-) -> Dict[str, float]:
-    """{"test_acc", "robust_test_acc" (when robust and attack_cfg), "n_test"} over all ranks.
+class CorrectCount(Metric):
+    """Base of accuracy metrics: counts correct predictions, one all-reduce at the end."""
 
-    model: the UNWRAPPED module (attacks must never run through DDP); it is put in eval mode for
-    the call. loader: this rank's shard, yielding (x, y, dataset_index). Every rank must call
-    this (it ends with one all-reduce), also a rank whose shard is empty.
-    """
-    model = unwrap(model)  # defensive: an attack through DDP could deadlock
-    robust = bool(robust and attack_cfg is not None)
-    aa = None
-    if autoattack and attack_cfg is not None:
-        aa = _autoattack(model, attack_cfg, num_classes or 10, seed)
-    device = runtime.device
-    # [clean correct, robust correct, autoattack correct, images]; int64 so sums are exact
-    counts = torch.zeros(4, dtype=torch.int64, device=device)
-    with eval_mode(model):
-        for x, y, index in progress(loader, runtime, "evaluation", total=len(loader)):
-            x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True)
-            with torch.no_grad():
-                counts[0] += (model(x).argmax(1) == y).sum()
-            if robust:
-                keys = index_keys(seed, index).to(device)
-                x_adv = pgd_from_config(model, x, attack_cfg, objective="ce", y=y,
-                                        random_start_keys=keys)
-                with torch.no_grad():
-                    counts[1] += (model(x_adv).argmax(1) == y).sum()
-            if aa is not None:
-                x_aa = aa(x, y)
-                with torch.no_grad():
-                    counts[2] += (model(x_aa).argmax(1) == y).sum()
-            counts[3] += y.shape[0]
-    # One collective, reached by every rank whatever its shard or options.
-    clean, robust_correct, aa_correct, n = all_reduce_sum(runtime, counts).tolist()
-    result = {"test_acc": _ratio(clean, n), "n_test": int(n)}
-    if robust:
-        result["robust_test_acc"] = _ratio(robust_correct, n)
-    if aa is not None:
-        result["autoattack_test_acc"] = _ratio(aa_correct, n)
-    return result
+    source = TEST_SET
+    key = ""
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=ctx.runtime.device)
+
+    def correct(self, batch: TestBatch) -> Tensor:
+        raise NotImplementedError
+
+    def update(self, batch: TestBatch) -> None:
+        self.counts[0] += self.correct(batch).sum()
+        self.counts[1] += batch.y.shape[0]
+
+    def finish(self) -> Dict[str, Any]:
+        correct, n = all_reduce_sum(self.ctx.runtime, self.counts).tolist()
+        return {self.key: ratio(correct, n)}
+
+
+class CleanAccuracy(CorrectCount):
+    name = "accuracy"
+    key = "test_acc"
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        return test_set_settings(cfg)
+
+    def correct(self, batch: TestBatch) -> Tensor:
+        return batch.logits().argmax(1) == batch.y
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        return [("clean accuracy", f"{results[cls.key]:.4f}",
+                 describe_test_set(settings, results.get("n_test")))]
+
+
+def attack_settings(attack) -> Dict[str, Any]:
+    return {"norm": attack.norm, "eps": attack.eps, "steps": attack.max_steps,
+            "step_size": attack.step_size, "random_start": attack.random_start}
+
+
+class RobustAccuracy(CorrectCount):
+    name = "robust_accuracy"
+    key = "robust_test_acc"
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        return {"attack": "PGD", "loss": "cross-entropy",
+                **attack_settings(robust_eval_attack(cfg)), "seed": cfg.rand_seed,
+                **test_set_settings(cfg)}
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.attack = robust_eval_attack(ctx.cfg)
+
+    def correct(self, batch: TestBatch) -> Tensor:
+        keys = index_keys(self.ctx.cfg.rand_seed, batch.index).to(batch.x.device)
+        x_adv = pgd_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
+                                random_start_keys=keys)
+        with torch.no_grad():
+            return batch.model(x_adv).argmax(1) == batch.y
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        start = ", random start" if settings["random_start"] else ""
+        return [("robust accuracy", f"{results[cls.key]:.4f}",
+                 f"PGD-{settings['steps']} {settings['norm']} eps {settings['eps']:g}, step "
+                 f"{settings['step_size']:g}{start}; "
+                 + describe_test_set(settings, results.get("n_test")))]

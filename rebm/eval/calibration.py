@@ -1,23 +1,28 @@
-"""Expected calibration error with equal-width confidence bins (20 by default), sharded.
+"""Expected calibration error with equal-width confidence bins (20), sharded (metric "ece").
 
 Bin b holds the predictions whose confidence (max softmax) lies in (b/B, (b+1)/B] (confidence 0
 goes to bin 0). Per bin we keep three sums — count, sum of confidences, number correct — which
 add up over ranks, so one all-reduce gives exactly the single-process ECE:
 
     ECE = Σ_b (n_b / N) · |acc_b − conf_b| = Σ_b |correct_b − Σconf_b| / N
+
+With a run directory, rank 0 also draws the reliability diagram of the same bins
+(<run_dir>/reliability.png; reliability_step<step>.png in training), with matplotlib.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from rebm.distributed import Runtime, all_reduce_sum
-from rebm.distributed.logs import progress
-from rebm.distributed.parallel import unwrap
-from rebm.eval.accuracy import eval_mode
+from rebm.distributed import all_reduce_sum
+from rebm.distributed.collectives import on_main
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.test_set import describe_test_set, test_set_settings
 
 N_BINS = 20
 
@@ -46,12 +51,74 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = N_BI
     return ece_from_bins(calibration_bins(probs, labels, n_bins))
 
 
-def evaluate_ece(model: nn.Module, loader, runtime: Runtime, n_bins: int = N_BINS) -> float:
-    """Clean-data ECE over all ranks' shards (every rank must call this: one all-reduce)."""
-    model = unwrap(model)
-    sums = torch.zeros(3, n_bins, dtype=torch.float64, device=runtime.device)
-    with eval_mode(model), torch.no_grad():
-        for x, y, _index in progress(loader, runtime, "calibration", total=len(loader)):
-            probs = model(x.to(runtime.device)).softmax(dim=1)
-            sums += calibration_bins(probs, y, n_bins)
-    return ece_from_bins(all_reduce_sum(runtime, sums))
+def diagram_path(run_dir: str, step: Optional[int]) -> str:
+    """<run_dir>/reliability.png, reliability_step<8-digit step>.png in training."""
+    name = "reliability.png" if step is None else f"reliability_step{step:08d}.png"
+    return os.path.join(run_dir, name)
+
+
+def reliability_diagram(sums: Tensor, ece: float, path: str) -> None:
+    """The reliability diagram of the bin sums as a PNG: accuracy per confidence bin against
+    the diagonal (perfect calibration), the gap shaded, and below it the share of images per
+    bin. Rank 0 only calls this."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    count, confidence, correct = (sums[i].numpy() for i in range(3))
+    bins = len(count)
+    left = [b / bins for b in range(bins)]
+    filled = count > 0
+    accuracy = [c / n if n else 0.0 for c, n in zip(correct, count, strict=True)]
+    mean_conf = [c / n if n else 0.0 for c, n in zip(confidence, count, strict=True)]
+    figure = Figure(figsize=(4.5, 5.5))
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    top.bar(left, accuracy, width=1 / bins, align="edge", edgecolor="black", label="accuracy")
+    top.bar(left, [c - a if f else 0 for c, a, f in zip(mean_conf, accuracy, filled, strict=True)],
+            bottom=accuracy, width=1 / bins, align="edge", color="red", alpha=0.3,
+            label="gap to confidence")
+    top.plot([0, 1], [0, 1], "k--", linewidth=1)
+    top.set(ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
+            title=f"ECE {ece:.4f} ({int(count.sum())} images, {bins} bins)")
+    top.legend(loc="upper left")
+    bottom.bar(left, count / max(count.sum(), 1), width=1 / bins, align="edge",
+               edgecolor="black")
+    bottom.set(xlabel="confidence (max softmax)", ylabel="share of images")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=100)
+
+
+class Calibration(Metric):
+    """Registered metric "ece": the clean predictions' expected calibration error."""
+
+    name = "ece"
+    source = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.sums = torch.zeros(3, N_BINS, dtype=torch.float64, device=ctx.runtime.device)
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        return {"bins": N_BINS, "binning": "equal-width", "confidence": "max softmax",
+                **test_set_settings(cfg)}
+
+    def update(self, batch: TestBatch) -> None:
+        self.sums += calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS)
+
+    def finish(self) -> Dict[str, Any]:
+        sums = all_reduce_sum(self.ctx.runtime, self.sums).cpu()
+        ece = ece_from_bins(sums)
+        spec = self.ctx.spec
+        if spec.run_dir is not None:
+            path = diagram_path(spec.run_dir, spec.step)
+            on_main(self.ctx.runtime, lambda: reliability_diagram(sums, ece, path),
+                    f"write {path}")
+        return {"ece": ece}
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        return [("calibration error (ECE)", f"{results['ece']:.4f}",
+                 f"{settings['bins']} equal-width bins of the max softmax; "
+                 + describe_test_set(settings, results.get("n_test")))]

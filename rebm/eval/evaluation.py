@@ -1,139 +1,80 @@
-"""The evaluation of a model, on every rank: `evaluate_model` (the training loop's periodic and
-final evaluation, and the `python -m rebm.eval.evaluate` entry's work).
+"""The evaluation of a model, on every rank: `evaluate_model(model, cfg, runtime, spec)` (the
+training loop's periodic and final evaluation, and the `python -m rebm.eval.evaluate` entry's
+work).
 
-The test set is sharded over the ranks and the numbers are those of a single process. Computes clean accuracy, robust accuracy (PGD with `indist_attack_clf`, when `robust_eval`) and
-ECE; optionally class-conditional samples (+ FID when `image_log.log_fid`, after the step sweep
-with `image_log.adaptive_steps`; every sample as a PNG with `keep_samples`), OOD-detection AUROC
-and AutoAttack (docs/evaluation.md). A missing FID weights or statistics file stops the run
-before any work, in one line.
+The spec (rebm/eval/metric.py) names the registered metrics (rebm/eval/registry.py). The test-set
+metrics share one pass over the test chunks (rebm/eval/test_set.py); the sample metrics share one
+generation pass (rebm/eval/samples.py), in memory that does not grow with the number of samples.
+The numbers are those of a single process on any world size. Entry points call `require_ready`
+first: what a metric needs and this machine lacks (a FID weights or statistics file, a package)
+stops them before any work, in one line.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any, Dict, Optional
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.config import eval_batch_size
-from rebm.data import build_eval_data
 from rebm.distributed import Runtime
-from rebm.distributed.collectives import on_main
 from rebm.distributed.parallel import unwrap
-from rebm.errors import UserError
-from rebm.eval.accuracy import evaluate_accuracy
-from rebm.eval.calibration import evaluate_ece
-from rebm.eval.fid import Features, fid_scorer, to_8bit
-from rebm.eval.generation import generate_samples, save_grid
-from rebm.eval.ood import build_ood_data, evaluate_ood
-from rebm.eval.sweep import sweep_steps, with_steps
+from rebm.eval.accuracy import eval_mode, robust_eval_attack
+from rebm.eval.metric import SAMPLES, TEST_SET, EvalContext, EvalError, EvalSpec
+from rebm.eval.registry import metric_classes, metric_problems, standard_metrics
+from rebm.eval.samples import run_sample_pass
+from rebm.eval.test_set import run_test_pass
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
 
-
-class EvalError(UserError, ValueError):
-    """The evaluation cannot start (no checkpoint, unreadable checkpoint); one line."""
-
-
-def robust_eval_attack(cfg):
-    """The indist_attack_clf threat model, with `robust_eval_steps` PGD steps when set (robust
-    evaluation usually wants more steps than adversarial training uses)."""
-    if cfg.robust_eval_steps is None:
-        return cfg.indist_attack_clf
-    return dataclasses.replace(cfg.indist_attack_clf, max_steps=cfg.robust_eval_steps)
+__all__ = ["EvalError", "EvalSpec", "evaluate_model", "load_eval_model", "require_ready",
+           "robust_eval_attack"]
 
 
-def evaluate_model(
-    model: nn.Module,
-    cfg,
-    runtime: Runtime,
-    batch_size: Optional[int] = None,
-    run_dir: Optional[str] = None,
-    step: Optional[int] = None,
-    loader=None,
-    samples: bool = True,
-    ece: bool = False,
-    ood: bool = False,
-    autoattack: bool = False,
-) -> Dict[str, Any]:
-    """Evaluate `model` (wrapped or not; the unwrapped module is used) on every rank.
+def evaluate_model(model: nn.Module, cfg, runtime: Runtime, spec: Optional[EvalSpec] = None,
+                   **legacy: Any) -> Dict[str, Any]:
+    """Evaluate `model` (wrapped or not; the unwrapped module is used, in eval mode for the
+    call) on every rank: the metrics of `spec`. Returns the same {key: value} dict on every rank:
+    "n_test" and each test-set metric's keys when any test-set metric runs, each sample metric's
+    keys when image_log.num_samples > 0. Every rank must call this with the same spec.
 
-    Returns the same dict on every rank: "test_acc", "n_test", "robust_test_acc" (when
-    cfg.robust_eval), "fid" (when samples are drawn, image_log.log_fid is set and FID can be
-    computed here; see `sample_metrics` for the sweep), "ece" / "ood_auroc" / "autoattack_test_acc" when asked for. With `samples`,
-    rank 0 saves a PNG grid into <run_dir>/samples/. Pass `loader` (from `build_eval_data`) to
-    reuse one across calls. `batch_size`: images per rank and batch (default: the batch plan's
-    evaluation batch, `rebm.config.eval_batch_size`). Every rank must call this with the same
-    arguments.
-    """
+    `legacy`: the keywords of the call before specs (batch_size, run_dir, step, samples, ece,
+    ood, autoattack), accepted until every caller passes a spec."""
+    spec = spec or spec_from_keywords(cfg, **legacy)
     model = unwrap(model)
-    batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
-    if loader is None:
-        loader = build_eval_data(cfg, runtime, batch_size)
-    metrics: Dict[str, Any] = evaluate_accuracy(
-        model, loader, runtime, robust_eval_attack(cfg), robust=cfg.robust_eval,
-        seed=cfg.rand_seed, autoattack=autoattack, num_classes=cfg.data.num_classes,
-    )
-    if ece:
-        metrics["ece"] = evaluate_ece(model, loader, runtime)
-    if ood:
-        ood_loader = build_ood_data(cfg, runtime, batch_size, num_samples=metrics["n_test"])
-        metrics.update(evaluate_ood(model, loader, ood_loader, runtime,
-                                    score="lse" if cfg.logsumexp else "max_softmax"))
-    if samples and cfg.image_log.num_samples > 0:
-        metrics.update(sample_metrics(model, cfg, runtime, batch_size, run_dir, step))
-    return metrics
+    batch_size = spec.batch_size or eval_batch_size(cfg, runtime.world_size)
+    ctx = EvalContext(model, cfg, runtime, spec, batch_size)
+    classes = metric_classes(spec.metrics)
+    results: Dict[str, Any] = {}
+    with eval_mode(model):
+        tests = [m(ctx) for m in classes if m.source == TEST_SET]
+        if tests:
+            results.update(run_test_pass(ctx, tests))
+        if cfg.image_log.num_samples > 0:
+            samples = [m(ctx) for m in classes if m.source == SAMPLES]
+            if samples:
+                results.update(run_sample_pass(ctx, samples))
+    return results
 
 
-def sample_metrics(model: nn.Module, cfg, runtime: Runtime, batch_size: int,
-                   run_dir: Optional[str] = None, step: Optional[int] = None,
-                   features: Optional[Features] = None) -> Dict[str, Any]:
-    """Class-conditional samples: the PNG grid (and every sample with `keep_samples`), and with
-    image_log.log_fid their "fid"; with image_log.adaptive_steps first the step sweep
-    ("fid_best_steps", "fid_sweep/<steps>"). `features`: a stand-in for Inception (tests).
-    Every rank must call this."""
-    metrics: Dict[str, Any] = {}
-    scorer = fid_scorer(cfg, runtime, batch_size, features) if cfg.image_log.log_fid else None
-    if scorer is not None and cfg.image_log.adaptive_steps:
-        best, fids = sweep_steps(model, cfg, runtime, scorer, batch_size)
-        metrics["fid_best_steps"] = best
-        metrics.update({f"fid_sweep/{s}": value for s, value in fids.items()})
-        cfg = with_steps(cfg, best)
-    images, _ = generate_samples(model, cfg, runtime, batch_size=batch_size)
-    if run_dir is not None:
-        on_main(runtime, lambda: _write_samples(images, run_dir, cfg, step),
-                f"write the samples into {run_dir}/samples")
-    if scorer is not None:
-        fid = scorer(images)
-        if fid is not None:
-            metrics["fid"] = fid
-    return metrics
+def require_ready(cfg, spec: EvalSpec) -> None:
+    """At the start of an entry point, before any work: one EvalError line naming what the
+    spec's metrics need and this machine lacks (`--check` prints the same as warnings)."""
+    problems = metric_problems(cfg, spec.metrics)
+    if problems:
+        raise EvalError("; ".join(problems))
 
 
-def _write_samples(images: Tensor, run_dir: str, cfg, step: Optional[int]) -> None:
-    path = save_grid(images, run_dir, cfg.data.num_classes, step)
-    LOGGER.info("samples saved to %s", path)
-    if cfg.keep_samples:
-        LOGGER.info("every sample saved to %s", save_sample_files(images, run_dir, step))
-
-
-def save_sample_files(images: Tensor, run_dir: str, step: Optional[int] = None) -> str:
-    """Sample i as <run_dir>/samples/step_<8-digit step>/<i>.png (samples/eval/ without a step),
-    8-bit like the images FID sees. Rank 0 only calls this; returns the folder."""
-    from PIL import Image
-
-    name = "eval" if step is None else f"step_{step:08d}"
-    folder = os.path.join(run_dir, "samples", name)
-    os.makedirs(folder, exist_ok=True)
-    pixels = to_8bit(images.detach().cpu()).mul(255).round().to(torch.uint8)
-    for index, image in enumerate(pixels.permute(0, 2, 3, 1).numpy()):
-        Image.fromarray(image).save(os.path.join(folder, f"{index}.png"))
-    return folder
+def spec_from_keywords(cfg, batch_size: Optional[int] = None, run_dir: Optional[str] = None,
+                       step: Optional[int] = None, samples: bool = True, ece: bool = False,
+                       ood: bool = False, autoattack: bool = False) -> EvalSpec:
+    """The spec of the keywords `evaluate_model` took before specs."""
+    extra = [name for name, on in (("ece", ece), ("ood", ood), ("autoattack", autoattack)) if on]
+    return EvalSpec(standard_metrics(cfg, samples, extra), batch_size, run_dir, step)
 
 
 def load_eval_model(cfg, runtime: Runtime) -> nn.Module:

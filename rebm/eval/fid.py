@@ -7,16 +7,18 @@
 - The distance is pytorch-fid's `calculate_frechet_distance`; the reference statistics are a
   pytorch-fid `.npz` with `mu` and `sigma` (`image_log.data_dir`, written by
   `python -m rebm.eval.fid_stats`).
-- Another feature network can stand in for Inception (tests, experiments): pass `features` (a
-  callable float [0, 1] images (N, 3, H, W) -> (N, D) features), or set the environment variable
-  `REBM_FID_FEATURES=module:function` naming such a callable; entry points and subprocesses then
-  use it for the samples and for `fid_stats` alike.
+- Another feature network can stand in for Inception (tests, experiments without the weights):
+  the environment variable `REBM_FID_FEATURES=module:function` names a callable float [0, 1]
+  images (N, 3, H, W) -> (N, D) features; every process then uses it for the samples and for
+  `fid_stats` alike (and for IS and precision/recall, rebm/eval/fidelity.py). Its results are
+  stored under `<key>_standin` (`standin_key`) and labelled as such.
 
 Samples are quantised to 8 bits before the features (as if written to and read from PNG files,
-which is what the original DAT code fed pytorch-fid). The features are computed sharded: fixed
-chunks of `batch_size` images, chunk k on rank k % W, so an image's features do not depend on
-the world size; the sums of the features and of their outer products are all-reduced, so every
-rank gets the same mu and sigma.
+which is what the original DAT code fed pytorch-fid). The features are computed sharded, chunk by
+chunk as the samples are generated (rebm/eval/fid_metric.py; chunk k on rank k % W, so an
+image's features do not depend on the world size); only float64 sums of the features and of
+their outer products are kept (`MomentSums`), and all-reduced, so every rank gets the same mu and
+sigma.
 
 `fid_problems(cfg)` lists what is missing (a `--check` warning each); `require_fid_ready(cfg)`
 raises one `FIDError` line at the start of a run. Inside an evaluation, a missing piece makes
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
 from rebm.distributed.logs import progress
 from rebm.errors import UserError
@@ -102,39 +105,49 @@ def to_8bit(images: Tensor) -> Tensor:
     return images.float().mul(255).add(0.5).clamp(0, 255).floor().div(255)
 
 
-def shard_chunks(n: int, chunk: int, rank: int, world_size: int) -> List[range]:
-    """Index chunks [k·chunk, (k+1)·chunk) of [0, n) with k % world_size == rank: every chunk
-    holds the same images on any world size."""
-    starts = range(rank * chunk, n, world_size * chunk)
-    return [range(s, min(s + chunk, n)) for s in starts]
+class MomentSums:
+    """Running float64 sums of feature rows (count, sum, sum of outer products): what FID keeps
+    of a set of images, whatever its size. `statistics` all-reduces them over the ranks."""
+
+    def __init__(self) -> None:
+        self.count, self.s1, self.s2 = 0, None, None
+
+    def add(self, feats: Tensor) -> None:
+        feats = feats.detach().flatten(1).double()
+        if self.s1 is None:
+            self.s1 = feats.new_zeros(feats.shape[1])
+            self.s2 = feats.new_zeros(feats.shape[1], feats.shape[1])
+        self.count += feats.shape[0]
+        self.s1 += feats.sum(0)
+        self.s2 += feats.T @ feats
+
+    def statistics(self, runtime: Runtime) -> Tuple[np.ndarray, np.ndarray]:
+        """(mu, sigma) of all ranks' rows together (unbiased covariance). Every rank must call
+        this, also one that added nothing; ValueError with fewer than 2 rows in all."""
+        have = 0 if self.s1 is None else self.s1.numel()
+        dims = int(all_reduce_max(runtime, torch.tensor([have], device=runtime.device))[0])
+        s1, s2 = self.s1, self.s2
+        if s1 is None:
+            s1 = torch.zeros(dims, dtype=torch.float64, device=runtime.device)
+            s2 = torch.zeros(dims, dims, dtype=torch.float64, device=runtime.device)
+        packed = torch.cat([s1.new_tensor([self.count]), s1, s2.flatten()])
+        packed = all_reduce_sum(runtime, packed).cpu().numpy()
+        n, s1_all, s2_all = packed[0], packed[1:dims + 1], packed[dims + 1:].reshape(dims, dims)
+        if n < 2:
+            raise ValueError(f"FID statistics need at least 2 images, got {int(n)}")
+        mu = s1_all / n
+        sigma = (s2_all - n * np.outer(mu, mu)) / (n - 1)
+        return mu, (sigma + sigma.T) / 2
 
 
 def moments_statistics(feature_batches: Iterable[Tensor], runtime: Runtime
                        ) -> Tuple[np.ndarray, np.ndarray]:
-    """(mu, sigma) of all ranks' features together: this rank's batches are summed in float64
-    (count, sum, sum of outer products), the sums all-reduced. Every rank must call this, with
-    any number of batches (also none)."""
-    count, s1, s2 = 0, None, None
+    """(mu, sigma) of all ranks' feature batches together (MomentSums). Every rank must call
+    this, with any number of batches (also none)."""
+    sums = MomentSums()
     for feats in feature_batches:
-        feats = feats.detach().flatten(1).double()
-        if s1 is None:
-            s1 = feats.new_zeros(feats.shape[1])
-            s2 = feats.new_zeros(feats.shape[1], feats.shape[1])
-        count += feats.shape[0]
-        s1 += feats.sum(0)
-        s2 += feats.T @ feats
-    dims = int(all_reduce_max(runtime, torch.tensor([0 if s1 is None else s1.numel()]))[0])
-    if s1 is None:
-        s1 = torch.zeros(dims, dtype=torch.float64, device=runtime.device)
-        s2 = torch.zeros(dims, dims, dtype=torch.float64, device=runtime.device)
-    packed = torch.cat([s1.new_tensor([count]), s1, s2.flatten()])
-    packed = all_reduce_sum(runtime, packed).cpu().numpy()
-    n, s1_all, s2_all = packed[0], packed[1:dims + 1], packed[dims + 1:].reshape(dims, dims)
-    if n < 2:
-        raise ValueError(f"FID statistics need at least 2 images, got {int(n)}")
-    mu = s1_all / n
-    sigma = (s2_all - n * np.outer(mu, mu)) / (n - 1)
-    return mu, (sigma + sigma.T) / 2
+        sums.add(feats)
+    return sums.statistics(runtime)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,28 +180,28 @@ def inception_weights_path(configured: Optional[str] = None) -> str:
 
 
 @contextmanager
-def _offline_loader(state_dict: dict):
-    """pytorch-fid's `fid_inception_v3` calls `load_state_dict_from_url(FID_WEIGHTS_URL)`; for
-    the duration of the construction it gets the local state dict instead (no network)."""
-    from pytorch_fid import inception
-
-    original = inception.load_state_dict_from_url
-    inception.load_state_dict_from_url = lambda *args, **kwargs: state_dict
+def offline_loader(module, state_dict: dict):
+    """`module` (pytorch-fid's or torch-fidelity's Inception module) builds its network with
+    `load_state_dict_from_url(URL)`; for the duration of the construction it gets the local
+    state dict instead (no network, no unpickling of arbitrary objects)."""
+    original = module.load_state_dict_from_url
+    module.load_state_dict_from_url = lambda *args, **kwargs: state_dict
     try:
         yield
     finally:
-        inception.load_state_dict_from_url = original
+        module.load_state_dict_from_url = original
 
 
 def inception_network(path: str) -> torch.nn.Module:
     """pytorch-fid's InceptionV3 (FID variant, pool3 block) with the weights of `path`, built
     once per process (on the CPU; move it with `.to`)."""
+    from pytorch_fid import inception
     from pytorch_fid.inception import InceptionV3
 
     if path not in _INCEPTION:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            with _offline_loader(state):
+            with offline_loader(inception, state):
                 net = InceptionV3([InceptionV3.BLOCK_INDEX_BY_DIM[INCEPTION_DIMS]])
         except Exception as err:  # unpickling, truncated file, wrong keys or shapes
             text = str(err).strip().splitlines()
@@ -257,6 +270,25 @@ def load_reference(path: Optional[str], dims: Optional[int] = None
     return mu, sigma
 
 
+def feature_problems(weights: Optional[str]) -> List[str]:
+    """The missing Inception weights file (none when REBM_FID_FEATURES names a stand-in)."""
+    if os.environ.get(FEATURES_ENV):
+        return []
+    path = weights or hub_weights_path()
+    return [] if os.path.isfile(path) else [missing_weights_message(weights)]
+
+
+def reference_problems(cfg) -> List[str]:
+    """What FID lacks here whenever it is asked for: the weights and the reference statistics."""
+    problems = feature_problems(cfg.image_log.inception_weights)
+    try:
+        load_reference(cfg.image_log.data_dir,
+                       None if os.environ.get(FEATURES_ENV) else INCEPTION_DIMS)
+    except FIDError as err:
+        problems.append(str(err))
+    return problems
+
+
 def fid_problems(cfg) -> List[str]:
     """One line per thing FID needs and this machine lacks, when the config computes FID
     (`image_log.log_fid` with samples): the Inception weights (unless REBM_FID_FEATURES names a
@@ -264,17 +296,7 @@ def fid_problems(cfg) -> List[str]:
     log = cfg.image_log
     if not log.log_fid or log.num_samples <= 0:
         return []
-    problems = []
-    stand_in = bool(os.environ.get(FEATURES_ENV))
-    if not stand_in:
-        path = log.inception_weights or hub_weights_path()
-        if not os.path.isfile(path):
-            problems.append(missing_weights_message(log.inception_weights))
-    try:
-        load_reference(log.data_dir, None if stand_in else INCEPTION_DIMS)
-    except FIDError as err:
-        problems.append(str(err))
-    return problems
+    return reference_problems(cfg)
 
 
 def require_fid_ready(cfg) -> None:
@@ -288,12 +310,24 @@ def require_fid_ready(cfg) -> None:
         feature_extractor("cpu", cfg.image_log.inception_weights)
 
 
+def feature_network_name() -> str:
+    """What computes the features: Inception, or the stand-in REBM_FID_FEATURES names."""
+    spec = os.environ.get(FEATURES_ENV)
+    return f"stand-in {spec}" if spec else "Inception-v3 pool3 (pytorch-fid)"
+
+
+def standin_key(key: str) -> str:
+    """The results key of a feature-network metric: `key`, or `key_standin` when a stand-in
+    computes the features (a stand-in FID is not an Inception FID, and is never stored as one)."""
+    return f"{key}_standin" if os.environ.get(FEATURES_ENV) else key
+
+
 # --------------------------------------------------------------------------------------------
 # FID of images
 # --------------------------------------------------------------------------------------------
 class FIDScorer:
-    """FID of image sets against one reference, on every rank (all ranks call it together with
-    the same images, as `generate_samples` returns them)."""
+    """The FID of sets of images against one reference, on every rank: feed the images' features
+    into a MomentSums (`add`), then `score` it (all ranks together)."""
 
     def __init__(self, features: Features, reference: Tuple[np.ndarray, np.ndarray],
                  runtime: Runtime, batch_size: int, label: str = "the reference"):
@@ -303,22 +337,20 @@ class FIDScorer:
         self.batch_size = batch_size
         self.label = label
 
-    def statistics(self, images: Tensor) -> Tuple[np.ndarray, np.ndarray]:
-        rt = self.runtime
-        chunks = shard_chunks(images.shape[0], self.batch_size, rt.rank, rt.world_size)
-
-        batches = (self.features(to_8bit(images[idx.start:idx.stop].to(rt.device)))
-                   for idx in progress(chunks, rt, "FID features", total=len(chunks)))
+    def add(self, sums: MomentSums, images: Tensor) -> None:
+        """The features of float [0, 1] images (rounded to 8 bits first) into `sums`."""
         with torch.no_grad():
-            return moments_statistics(batches, rt)
+            sums.add(self.features(to_8bit(images.to(self.runtime.device))))
 
-    def __call__(self, images: Tensor) -> Optional[float]:
-        """FID of `images` (float [0, 1]), or None with one warning when there are fewer than 2
-        images or the statistics do not match the reference (same answer on every rank)."""
-        if images.shape[0] < 2:
-            _warn_once(f"FID skipped: needs at least 2 samples, got {images.shape[0]}")
+    def score(self, sums: MomentSums) -> Optional[float]:
+        """FID of the images in every rank's `sums`, or None with one warning when there are
+        fewer than 2 or the statistics do not match the reference (same answer on every rank).
+        Every rank must call this."""
+        try:
+            mu, sigma = sums.statistics(self.runtime)
+        except ValueError as err:
+            _warn_once(f"FID skipped: {err}")
             return None
-        mu, sigma = self.statistics(images)
         try:
             return frechet_distance(mu, sigma, *self.reference)
         except ValueError as err:  # another feature size, imaginary sqrtm
@@ -326,16 +358,24 @@ class FIDScorer:
                        "`python -m rebm.eval.fid_stats`)")
             return None
 
+    def __call__(self, images: Tensor) -> Optional[float]:
+        """FID of `images` (float [0, 1], the same on every rank): chunk k of batch_size images
+        on rank k % W, as evaluation does."""
+        rt, sums = self.runtime, MomentSums()
+        chunks = eval_chunks(images.shape[0], self.batch_size, rt.rank, rt.world_size)
+        for chunk in progress(chunks, rt, "FID features", total=len(chunks)):
+            self.add(sums, images[chunk.start:chunk.stop])
+        return self.score(sums)
+
 
 def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int = 100,
-                features: Optional[Features] = None,
                 inception_weights: Optional[str] = None) -> Optional[FIDScorer]:
     """A scorer against the statistics at `ref_stats_path`, or None on every rank (one warning)
     when any rank lacks the statistics or the feature network. Every rank must call this."""
     problem = None
     try:
         reference = load_reference(ref_stats_path)
-        features = features or feature_extractor(runtime.device, inception_weights)
+        features = feature_extractor(runtime.device, inception_weights)
     except FIDError as err:
         problem = str(err)
     if consensus(runtime, skip=problem is not None)["skip"]:
@@ -344,19 +384,18 @@ def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int
     return FIDScorer(features, reference, runtime, batch_size, str(ref_stats_path))
 
 
-def fid_scorer(cfg, runtime: Runtime, batch_size: int,
-               features: Optional[Features] = None) -> Optional[FIDScorer]:
+def fid_scorer(cfg, runtime: Runtime, batch_size: int) -> Optional[FIDScorer]:
     """`prepare_fid` with the config's statistics (image_log.data_dir) and weights."""
-    return prepare_fid(cfg.image_log.data_dir, runtime, batch_size, features,
+    return prepare_fid(cfg.image_log.data_dir, runtime, batch_size,
                        cfg.image_log.inception_weights)
 
 
 def compute_fid(images: Tensor, ref_stats_path: Optional[str], device, batch_size: int = 100,
-                runtime: Optional[Runtime] = None, features: Optional[Features] = None,
+                runtime: Optional[Runtime] = None,
                 inception_weights: Optional[str] = None) -> Optional[float]:
     """FID of `images` (float [0, 1], N x 3 x H x W, the same on every rank) against the
     statistics at `ref_stats_path`, or None when it cannot be computed (reason logged once).
     Without `runtime`, a single process on `device`."""
     runtime = runtime or Runtime(device=torch.device(device))
-    scorer = prepare_fid(ref_stats_path, runtime, batch_size, features, inception_weights)
+    scorer = prepare_fid(ref_stats_path, runtime, batch_size, inception_weights)
     return None if scorer is None else scorer(images)

@@ -27,25 +27,23 @@ from rebm import cli
 from rebm.config import eval_batch_size
 from rebm.data import load_indist
 from rebm.data.pipeline import loader_workers
+from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, print_line, setup_logging
 from rebm.distributed.collectives import on_main
 from rebm.eval.fid import (
     FEATURES_ENV,
     INCEPTION_WEIGHTS_FILE,
-    Features,
     FIDError,
     feature_extractor,
     hub_weights_path,
     moments_statistics,
-    shard_chunks,
 )
 
 LOGGER = logging.getLogger("rebm")
 
 
 def dataset_statistics(cfg, runtime: Runtime, split: str = "train",
-                       num_images: Optional[int] = None, batch_size: Optional[int] = None,
-                       features: Optional[Features] = None):
+                       num_images: Optional[int] = None, batch_size: Optional[int] = None):
     """(mu, sigma, n) of the features of the first `num_images` images of the in-distribution
     `split`, the same on every rank. Chunks of `batch_size` images are spread over the ranks
     (chunk k on rank k % W). Every rank must call this."""
@@ -55,8 +53,8 @@ def dataset_statistics(cfg, runtime: Runtime, split: str = "train",
         raise FIDError(f"FID statistics need at least 2 images; the {split} split of "
                        f"{cfg.data.indist_dataset} gives {n}")
     batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
-    features = features or feature_extractor(runtime.device, cfg.image_log.inception_weights)
-    mine = [i for chunk in shard_chunks(n, batch_size, runtime.rank, runtime.world_size)
+    features = feature_extractor(runtime.device, cfg.image_log.inception_weights)
+    mine = [i for chunk in eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
             for i in chunk]
     loader = DataLoader(dataset, batch_size=batch_size, sampler=mine, drop_last=False,
                         num_workers=loader_workers(cfg, runtime))
@@ -79,9 +77,8 @@ def save_statistics(path: str, mu: np.ndarray, sigma: np.ndarray) -> None:
 def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     setup_logging(runtime)
     out = args.out if args.out.endswith(".npz") else args.out + ".npz"
-    features = feature_extractor(runtime.device, cfg.image_log.inception_weights)  # fail first
-    mu, sigma, n = dataset_statistics(cfg, runtime, args.split, args.num_images,
-                                      features=features)
+    feature_extractor(runtime.device, cfg.image_log.inception_weights)  # fail first
+    mu, sigma, n = dataset_statistics(cfg, runtime, args.split, args.num_images)
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
                "dims": int(mu.shape[0]), "world_size": runtime.world_size}
 

@@ -16,15 +16,18 @@ torchvision's default rule for k, reflect padding); `adaptive_blur` first scales
 data.image_size / 32 and rounds it to the nearest odd size. The blur is a pure function of each
 image, so seeds stay a function of the sample index alone.
 
-The samples are sharded over ranks by index (i = rank, rank+W, ...) and all-gathered, so every
-rank holds the full, index-ordered set (rank 0 saves it; FID needs it) and the result does not
-depend on the world size.
+Evaluation generates the samples in chunks of one evaluation batch, chunk k (samples
+[k·B, (k+1)·B)) on rank k % W, and hands each chunk to the metrics (rebm/eval/samples.py): a
+sample's seed, label and batch neighbours depend on its index only, so the samples are the same
+on any world size, and no rank ever holds all of them.
+
+With `eval.unconditional_samples` the ascent is on logsumexp_k f_k(x) (the energy) instead of
+f_y(x): samples of the unconditional model (their labels only lay out the grid).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Optional, Tuple
 
@@ -35,12 +38,13 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
-from rebm.data.sampling import sample_keys
-from rebm.distributed import Runtime, all_gather_cat
+from rebm.data.sampling import eval_chunks, sample_keys
+from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.accuracy import eval_mode
+from rebm.eval.metric import SampleChunk
 
 LOGGER = logging.getLogger("rebm")
 
@@ -221,10 +225,11 @@ def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
 def gather_by_index(runtime: Runtime, values: Tensor, indices: Tensor, total: int) -> Tensor:
     """All-gather per-rank rows and put row j at position indices[j] (every rank gets all).
 
-    all_gather needs equal shapes: each rank pads to the largest shard ceil(total / W) with
-    index -1, and padded rows are dropped after the gather.
+    all_gather needs equal shapes: each rank pads to the largest rank's row count with index
+    -1, and padded rows are dropped after the gather. For small sets (the grid, feature rows).
     """
-    pad = math.ceil(total / runtime.world_size) - values.shape[0]
+    longest = int(all_reduce_max(runtime, torch.tensor([values.shape[0]], device=values.device)))
+    pad = longest - values.shape[0]
     values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
     indices = torch.cat([indices, indices.new_full((pad,), -1)])
     all_values = all_gather_cat(runtime, values)
@@ -235,6 +240,30 @@ def gather_by_index(runtime: Runtime, values: Tensor, indices: Tensor, total: in
     return out
 
 
+class SampleGenerator:
+    """Sample i for any index i: seed image i, label i % num_classes, and `num_steps` PGD steps
+    ascending f_y (conditional) or logsumexp_k f_k (`eval.unconditional_samples`)."""
+
+    def __init__(self, model: nn.Module, cfg, runtime: Runtime, num_steps: Optional[int] = None):
+        self.model = unwrap(model)  # defensive: never a rank-local forward through DDP
+        self.cfg, self.runtime = cfg, runtime
+        log = cfg.image_log
+        self.num_steps = log.num_steps if num_steps is None else num_steps
+        self.objective = "lse" if cfg.eval.unconditional_samples else "logit"
+        self.seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
+                                blur_kernel_size=blur_kernel_size(cfg))
+
+    def __call__(self, indices: Tensor) -> SampleChunk:
+        """The samples of `indices` (cpu int64) as a SampleChunk; the model must be in eval mode."""
+        log, device = self.cfg.image_log, self.runtime.device
+        x = self.seeds(indices).to(device)
+        labels = balanced_labels(indices, self.cfg.data.num_classes)
+        images = pgd_attack(self.model, x, steps=self.num_steps, step_size=log.step_size,
+                            eps=log.eps, norm=log.norm, objective=self.objective,
+                            y=labels.to(device))
+        return SampleChunk(indices, labels, images.detach())
+
+
 def generate_samples(
     model: nn.Module,
     cfg,
@@ -242,30 +271,24 @@ def generate_samples(
     num_samples: Optional[int] = None,
     batch_size: int = 128,
 ) -> Tuple[Tensor, Tensor]:
-    """(images (N, 3, S, S) float [0, 1], labels (N,)) on every rank, index-ordered.
-
-    model: the unwrapped module (eval mode for the call). Every rank must call this: it ends
-    with all-gathers.
-    """
-    model = unwrap(model)  # defensive: never a rank-local forward through DDP
-    log = cfg.image_log
-    n = log.num_samples if num_samples is None else num_samples
-    seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
-                       blur_kernel_size=blur_kernel_size(cfg))
-    local = torch.arange(runtime.rank, n, runtime.world_size, dtype=torch.int64)
-    chunks = []
-    with eval_mode(model):
-        starts = range(0, len(local), batch_size)
-        for start in progress(starts, runtime, "samples", total=len(starts)):
-            idx = local[start:start + batch_size]
-            x = seeds(idx).to(runtime.device)
-            y = balanced_labels(idx, cfg.data.num_classes).to(runtime.device)
-            chunks.append(pgd_attack(model, x, steps=log.num_steps, step_size=log.step_size,
-                                     eps=log.eps, norm=log.norm, objective="logit", y=y))
+    """(images (N, 3, S, S) float [0, 1], labels (N,)) on every rank, index-ordered: all samples
+    in memory, for small sets (parity checks, tests). Evaluation streams them instead
+    (rebm/eval/samples.py). Generated in the same chunks as evaluation (chunk k of `batch_size`
+    samples on rank k % W). Every rank must call this: it ends with all-gathers."""
+    n = cfg.image_log.num_samples if num_samples is None else num_samples
+    generate = SampleGenerator(model, cfg, runtime)
     size = cfg.data.image_size
-    mine = torch.cat(chunks) if chunks else torch.zeros(0, 3, size, size, device=runtime.device)
-    images = gather_by_index(runtime, mine, local.to(runtime.device), n)
-    return images, balanced_labels(torch.arange(n), cfg.data.num_classes)
+    images, indices = [], []
+    with eval_mode(generate.model):
+        chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
+        for chunk in progress(chunks, runtime, "samples", total=len(chunks)):
+            idx = torch.arange(chunk.start, chunk.stop, dtype=torch.int64)
+            images.append(generate(idx).images)
+            indices.append(idx)
+    mine = torch.cat(images) if images else torch.zeros(0, 3, size, size, device=runtime.device)
+    local = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64)
+    all_images = gather_by_index(runtime, mine, local.to(runtime.device), n)
+    return all_images, balanced_labels(torch.arange(n), cfg.data.num_classes)
 
 
 def save_grid(images: Tensor, run_dir: str, num_classes: int, step: Optional[int] = None) -> str:

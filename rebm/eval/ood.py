@@ -1,51 +1,236 @@
-"""OOD-detection AUROC: in-distribution test images (positives) vs out-distribution images
-(negatives), scored by max-softmax or by logsumexp of the logits.
+"""OOD detection: in-distribution test images (positives) against out-distribution images
+(negatives), scored by the max-softmax probability ("msp") or by logsumexp of the logits
+("lse"); AUROC and FPR at 95 % TPR, on clean and on adversarially moved OOD images.
 
-Sharded like accuracy: each rank scores its shard; the scores are all-gathered (padded to the
-largest shard, padding dropped) so every rank computes the AUROC on the full sets — AUROC is not
-a sum, but it does not depend on the order of the scores, so the result is the single-process one.
+Adversarial OOD: each OOD image is first moved by PGD to *raise* its score, as the original
+evaluation did: "lse" ascends logsumexp, "msp" ascends KL(uniform || softmax), which pushes the
+softmax away from uniform and so raises its maximum. L2 steps, no random start; the original's
+budgets by image size (`original_ood_attack`). In-distribution images are not attacked.
 
-Adversarial OOD (optional): the OOD inputs are first moved by PGD to *raise* their score —
-"lse" ascends logsumexp, "max_softmax" ascends the logit of the class predicted on the clean
-input (a close, cheaper surrogate of the max-softmax). Random starts are keyed by dataset index.
+Two entry points:
+- metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
+  shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` images each).
+  OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank
+  k % W, and the scores are gathered by position, so every number is the same on any number of
+  processes (bit for bit at the same number of threads per process).
+- `evaluate_ood` (the training loop's `--ood`): the configured out-distribution against a test
+  loader, scores all-gathered (order does not matter for AUROC).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from rebm.attacks.pgd import pgd_from_config
-from rebm.data.sampling import eval_shard
+from rebm.attacks.pgd import pgd_attack, pgd_from_config
+from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
+from rebm.data.pipeline import loader_workers
+from rebm.data.sampling import eval_chunks, eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode, index_keys
 from rebm.eval.auc import binary_auc
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.test_set import test_set_settings
 
-SCORES = ("max_softmax", "lse")
+SCORES = ("msp", "lse")
+SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
 OOD_ATTACK_EPOCH = 1  # key stream of the OOD attack, distinct from the robust-accuracy attack
+LARGE_IMAGE_SIZE = 128  # from here on the ImageNet budget (224 and 256 px models)
+TPR_PERCENT = 95
+
+
+@dataclass(frozen=True)
+class OODAttack:
+    """An L2 PGD budget: radius, number of steps, step length."""
+
+    eps: float
+    steps: int
+    step_size: float
+
+
+def original_ood_attack(image_size: int) -> OODAttack:
+    """The original's adversarial-OOD budget: L2 3.0 in 10 steps of 1.0 for ImageNet-size
+    images, L2 1.0 in 20 steps of 0.1 for 32 px ones."""
+    if image_size >= LARGE_IMAGE_SIZE:
+        return OODAttack(eps=3.0, steps=10, step_size=1.0)
+    return OODAttack(eps=1.0, steps=20, step_size=0.1)
+
+
+def canonical_score(score: str) -> str:
+    score = SCORE_ALIASES.get(score, score)
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return score
 
 
 def ood_score(logits: Tensor, score: str) -> Tensor:
-    if score == "max_softmax":
+    """Per-image score in float64 (higher = more in-distribution)."""
+    logits = logits.double()
+    if canonical_score(score) == "msp":
         return logits.softmax(dim=1).max(dim=1).values
-    if score == "lse":
-        return torch.logsumexp(logits, dim=1)
-    raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return torch.logsumexp(logits, dim=1)
 
 
+def attack_objective(score: str) -> str:
+    """The PGD objective that raises `score` (see the module docstring)."""
+    return "uniform_kl" if canonical_score(score) == "msp" else "lse"
+
+
+def fpr_at_tpr(pos_scores: Tensor, neg_scores: Tensor, tpr_percent: int = TPR_PERCENT) -> float:
+    """False-positive rate at the first ROC point (thresholds descending) whose true-positive
+    rate reaches tpr_percent %: the threshold t is the k-th largest positive score,
+    k = ceil(tpr_percent / 100 * n_pos), and the FPR is the fraction of negatives >= t. Exact
+    with ties (an image scoring exactly t counts as positive, as in scikit-learn's roc_curve)."""
+    pos = pos_scores.detach().flatten().double()
+    neg = neg_scores.detach().flatten().double()
+    if pos.numel() == 0 or neg.numel() == 0:
+        raise ValueError("fpr_at_tpr needs at least one positive and one negative score")
+    k = (tpr_percent * pos.numel() + 99) // 100  # ceil in integers: no float rounding
+    threshold = torch.sort(pos, descending=True).values[k - 1]
+    return float((neg >= threshold).sum()) / neg.numel()
+
+
+# --------------------------------------------------------------------------------------------
+# Fixed-chunk scoring (the OOD table)
+# --------------------------------------------------------------------------------------------
+class _Chunks(Dataset):
+    """Item j = (images, positions) of this rank's j-th chunk; `read(positions)` gives the
+    float [0, 1] images of those positions."""
+
+    def __init__(self, read: Callable[[np.ndarray], Tensor], chunks: List[range]):
+        self.read = read
+        self.chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, j: int):
+        positions = np.arange(self.chunks[j].start, self.chunks[j].stop, dtype=np.int64)
+        return self.read(positions), torch.from_numpy(positions)
+
+
+def chunk_loader(read: Callable[[np.ndarray], Tensor], n: int, batch_size: int,
+                 runtime: Runtime, num_workers: int = 0) -> DataLoader:
+    """This rank's chunks [k·B, (k+1)·B) of positions [0, n), k ≡ rank (mod W): the same
+    batches on any world size (rebm.data.sampling.eval_chunks)."""
+    chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
+    return DataLoader(_Chunks(read, chunks), batch_size=None, num_workers=num_workers,
+                      persistent_workers=False)
+
+
+def chunk_scores(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime, score: str,
+                 attack: Optional[OODAttack] = None, label: str = "OOD scores") -> Tensor:
+    """(n,) float64 scores by position, on every rank (all-gathered). With `attack`, each
+    batch is first moved by PGD to raise the score. Every rank must call this."""
+    values, positions = [], []
+    for images, pos in progress(loader, runtime, label, total=len(loader)):
+        x = images.to(runtime.device)
+        if attack is not None:
+            x = pgd_attack(model, x, steps=attack.steps, step_size=attack.step_size,
+                           eps=attack.eps, norm="L2", objective=attack_objective(score))
+        with torch.no_grad():
+            values.append(ood_score(model(x), score))
+        positions.append(pos.to(runtime.device))
+    empty = torch.zeros(0, dtype=torch.float64, device=runtime.device)
+    mine = torch.cat(values) if values else empty
+    where = torch.cat(positions) if positions else empty.long()
+    return gather_by_position(runtime, mine, where, n)
+
+
+def gather_by_position(runtime: Runtime, values: Tensor, positions: Tensor, n: int) -> Tensor:
+    """Every rank's rows (k, ...) put at their positions of [0, n), on every rank: padded to
+    the longest rank's count for the all-gather, padding (position -1) dropped."""
+    longest = int(all_reduce_max(runtime, torch.tensor([values.shape[0]],
+                                                       device=values.device)))
+    pad = longest - values.shape[0]
+    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
+    positions = torch.cat([positions, positions.new_full((pad,), -1)])
+    all_values = all_gather_cat(runtime, values)
+    all_positions = all_gather_cat(runtime, positions)
+    keep = all_positions >= 0
+    out = values.new_zeros((n, *values.shape[1:]))
+    out[all_positions[keep]] = all_values[keep]
+    return out
+
+
+def detection_metrics(in_scores: Tensor, ood_scores: Tensor, prefix: str) -> Dict[str, float]:
+    """{prefix + "auroc", prefix + "fpr95"} of in- vs out-distribution scores."""
+    return {f"{prefix}auroc": float(binary_auc(in_scores, ood_scores)),
+            f"{prefix}fpr{TPR_PERCENT}": fpr_at_tpr(in_scores, ood_scores)}
+
+
+@dataclass(frozen=True)
+class OODSettings:
+    """What `evaluate_ood_sets` computes (the `eval.ood_*` config fields)."""
+
+    datasets: Sequence[str]
+    num_samples: int = 1024
+    score: str = "msp"
+    adversarial: bool = True
+    attack: Optional[OODAttack] = None  # None: original_ood_attack(image size)
+    roots: Optional[Dict[str, str]] = None
+
+
+def ood_settings(cfg) -> OODSettings:
+    """The `eval.ood_*` fields; attack budget fields left null take the original's."""
+    ev, default = cfg.eval, original_ood_attack(cfg.data.image_size)
+    attack = OODAttack(
+        eps=default.eps if ev.ood_attack_eps is None else ev.ood_attack_eps,
+        steps=default.steps if ev.ood_attack_steps is None else ev.ood_attack_steps,
+        step_size=(default.step_size if ev.ood_attack_step_size is None
+                   else ev.ood_attack_step_size))
+    return OODSettings(tuple(ev.ood_datasets), ev.ood_num_samples, ev.ood_score,
+                       ev.ood_adversarial, attack, dict(ev.ood_roots))
+
+
+def evaluate_ood_sets(model: nn.Module, in_scores: Tensor, settings: OODSettings,
+                      runtime: Runtime, *, image_size: int, seed: int, batch_size: int,
+                      num_workers: int = 0) -> Dict[str, float]:
+    """{"ood/<set>/auroc", "ood/<set>/fpr95", and with settings.adversarial "ood/<set>/adv_auroc",
+    "ood/<set>/adv_fpr95"} for every set of settings.datasets, plus their means over the sets
+    ("ood/mean/..."). `in_scores`: the in-distribution test scores (all ranks'); the OOD sets
+    are read at `image_size`. Every rank must call this."""
+    model = unwrap(model)
+    score = canonical_score(settings.score)
+    attack = settings.attack or original_ood_attack(image_size)
+    metrics: Dict[str, float] = {}
+    with eval_mode(model):
+        for spec in settings.datasets:
+            ood = load_ood_set(spec, image_size, seed, settings.num_samples, settings.roots)
+            loader = chunk_loader(ood.images, len(ood), batch_size, runtime, num_workers)
+            clean = chunk_scores(model, loader, len(ood), runtime, score,
+                                 label=f"OOD: {ood.name}")
+            metrics.update(detection_metrics(in_scores, clean, f"ood/{ood.name}/"))
+            if settings.adversarial:
+                adv = chunk_scores(model, loader, len(ood), runtime, score, attack,
+                                   label=f"OOD: {ood.name} (attacked)")
+                metrics.update(detection_metrics(in_scores, adv, f"ood/{ood.name}/adv_"))
+    return {**metrics, **_means(metrics)}
+
+
+def _means(metrics: Dict[str, float]) -> Dict[str, float]:
+    """"ood/mean/<metric>": the mean of "ood/<set>/<metric>" over the sets."""
+    by_metric: Dict[str, List[float]] = {}
+    for key, value in metrics.items():
+        by_metric.setdefault(key.rsplit("/", 1)[1], []).append(value)
+    return {f"ood/mean/{name}": float(np.mean(values)) for name, values in by_metric.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The training loop's OOD AUROC (`--ood`): the configured out-distribution
+# --------------------------------------------------------------------------------------------
 def _attack_ood(model: nn.Module, x: Tensor, index: Tensor, attack_cfg, score: str,
                 seed: int) -> Tensor:
     keys = index_keys(seed, index, epoch=OOD_ATTACK_EPOCH).to(x.device)
-    if score == "lse":
-        return pgd_from_config(model, x, attack_cfg, objective="lse", random_start_keys=keys)
-    with torch.no_grad():
-        target = model(x).argmax(dim=1)
-    return pgd_from_config(model, x, attack_cfg, objective="logit", y=target,
+    return pgd_from_config(model, x, attack_cfg, objective=attack_objective(score),
                            random_start_keys=keys)
 
 
@@ -57,7 +242,7 @@ def _local_scores(model: nn.Module, loader, runtime: Runtime, score: str,
         if attack_cfg is not None:
             x = _attack_ood(model, x, index, attack_cfg, score, seed)
         with torch.no_grad():
-            scores.append(ood_score(model(x), score).double())
+            scores.append(ood_score(model(x), score))
     return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64,
                                                         device=runtime.device)
 
@@ -78,7 +263,7 @@ def evaluate_ood(
     in_loader,
     ood_loader,
     runtime: Runtime,
-    score: str = "max_softmax",
+    score: str = "msp",
     attack_cfg=None,
     seed: int = 0,
 ) -> Dict[str, float]:
@@ -86,8 +271,7 @@ def evaluate_ood(
 
     Loaders yield this rank's shard as (x, y, dataset_index) batches. Every rank must call this.
     """
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    score = canonical_score(score)
     model = unwrap(model)
     with eval_mode(model):
         pos = gather_scores(runtime, _local_scores(model, in_loader, runtime, score))
@@ -102,9 +286,6 @@ def evaluate_ood(
     return result
 
 
-# --------------------------------------------------------------------------------------------
-# The out-distribution evaluation set
-# --------------------------------------------------------------------------------------------
 class _FirstN(Dataset):
     """The first n items of a dataset as (x, y, index)."""
 
@@ -133,3 +314,72 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     items = _FirstN(dataset, num_samples)
     return DataLoader(items, batch_size=batch_size,
                       sampler=list(eval_shard(len(items), runtime.rank, runtime.world_size)))
+
+
+
+# --------------------------------------------------------------------------------------------
+# The registered metric "ood_sets"
+# --------------------------------------------------------------------------------------------
+class OODSets(Metric):
+    """OOD detection against `eval.ood_datasets`: AUROC and FPR at 95 % TPR per set, clean and
+    adversarial (the module docstring)."""
+
+    name = "ood_sets"
+    source = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.ood = ood_settings(ctx.cfg)
+        self.scores: List[Tensor] = []
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        ood = ood_settings(cfg)
+        roots = {**DEFAULT_ROOTS, **ood.roots}
+        attack = ood.attack
+        return {"datasets": list(ood.datasets), "num_samples": ood.num_samples,
+                "roots": {d: roots[d] for d in ood.datasets if d in roots},
+                "score": canonical_score(ood.score), "subset_seed": cfg.rand_seed,
+                "image_size": cfg.data.image_size,
+                "attack": ({"norm": "L2", "eps": attack.eps, "steps": attack.steps,
+                            "step_size": attack.step_size, "objective": attack_objective(
+                                ood.score), "random_start": False}
+                           if ood.adversarial else None),
+                **test_set_settings(cfg)}
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        roots = {**DEFAULT_ROOTS, **cfg.eval.ood_roots}
+        return [f"OOD set '{d}': eval.ood_roots.{d} '{roots[d]}' does not exist"
+                for d in cfg.eval.ood_datasets if d in roots and not os.path.exists(roots[d])]
+
+    def update(self, batch: TestBatch) -> None:
+        self.scores.append(ood_score(batch.logits(), self.ood.score))
+
+    def finish(self) -> Dict[str, Any]:
+        ctx, rt = self.ctx, self.ctx.runtime
+        local = (torch.cat(self.scores) if self.scores
+                 else torch.zeros(0, dtype=torch.float64, device=rt.device))
+        return evaluate_ood_sets(ctx.model, gather_scores(rt, local), self.ood, rt,
+                                 image_size=ctx.cfg.data.image_size, seed=ctx.cfg.rand_seed,
+                                 batch_size=ctx.batch_size,
+                                 num_workers=loader_workers(ctx.cfg, rt))
+
+    @classmethod
+    def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]
+                 ) -> List[Tuple[str, str, str]]:
+        rows = []
+        attack = settings["attack"]
+        how = f"{settings['num_samples']} images, score {settings['score']}" + (
+            f", attack L2 {attack['eps']:g} in {attack['steps']} steps of {attack['step_size']:g}"
+            if attack else "")
+        for name in [*(ood_set_name(n) for n in settings["datasets"]), "mean"]:
+            key = f"ood/{name}/"
+            if f"{key}auroc" not in results:
+                continue
+            value = f"AUROC {results[key + 'auroc']:.4f}, FPR95 {results[key + 'fpr95']:.4f}"
+            if f"{key}adv_auroc" in results:
+                value += (f"; attacked {results[key + 'adv_auroc']:.4f}, "
+                          f"{results[key + 'adv_fpr95']:.4f}")
+            rows.append((f"OOD {name}", value, how))
+        return rows

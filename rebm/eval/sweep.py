@@ -15,11 +15,10 @@ import logging
 import math
 from typing import Dict, List, Tuple
 
-from torch import nn
-
-from rebm.distributed import Runtime, broadcast_object
-from rebm.eval.fid import FIDScorer
-from rebm.eval.generation import generate_samples
+from rebm.distributed import broadcast_object
+from rebm.eval.fid import FIDScorer, MomentSums
+from rebm.eval.metric import EvalContext
+from rebm.eval.samples import stream_samples
 
 LOGGER = logging.getLogger("rebm")
 
@@ -39,23 +38,32 @@ def with_steps(cfg, steps: int):
     return dataclasses.replace(cfg, image_log=dataclasses.replace(cfg.image_log, num_steps=steps))
 
 
-def sweep_steps(model: nn.Module, cfg, runtime: Runtime, scorer: FIDScorer, batch_size: int
-                ) -> Tuple[int, Dict[int, float]]:
+class _FeatureSums:
+    """Feeds the generated chunks' features into one MomentSums (a sweep candidate)."""
+
+    def __init__(self, scorer: FIDScorer):
+        self.scorer, self.sums = scorer, MomentSums()
+
+    def update(self, chunk) -> None:
+        self.scorer.add(self.sums, chunk.images)
+
+
+def sweep_steps(ctx: EvalContext, scorer: FIDScorer) -> Tuple[int, Dict[int, float]]:
     """(best step count, {step count: FID of its sweep samples}). A candidate whose FID cannot
     be computed counts as +inf; when none can, the configured num_steps stays. Every rank must
     call this."""
-    log = cfg.image_log
+    log = ctx.cfg.image_log
     candidates = sweep_candidates(log)
     LOGGER.info("FID step sweep: steps %s, %d samples each", candidates, log.sweep_num_samples)
     fids: Dict[int, float] = {}
     for steps in candidates:
-        images, _ = generate_samples(model, with_steps(cfg, steps), runtime,
-                                     num_samples=log.sweep_num_samples, batch_size=batch_size)
-        value = scorer(images)
+        sink = _FeatureSums(scorer)
+        stream_samples(ctx, [sink], log.sweep_num_samples, steps, what=f"sweep {steps} steps")
+        value = scorer.score(sink.sums)
         fids[steps] = math.inf if value is None else value
         LOGGER.info("FID step sweep: %d steps -> FID %.4f", steps, fids[steps])
     finite = {s: v for s, v in fids.items() if math.isfinite(v)}
     best = min(finite, key=lambda s: (finite[s], s)) if finite else log.num_steps
-    best = broadcast_object(runtime, best)
+    best = broadcast_object(ctx.runtime, best)
     LOGGER.info("FID step sweep: best %d steps", best)
     return best, fids

@@ -1,0 +1,50 @@
+"""The `eval.*` section: how a model is evaluated (docs/evaluation.md). None of it changes what a
+run trains (`eval` is one of identity.RUN_KEYS), so a run can be re-evaluated differently.
+
+Validated by `validate_evaluation` (called from loading.validate): metric names are checked
+against the evaluation registry when it is evaluated, not here (rebm.config sits below
+rebm.eval).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from rebm.config.evaluation_ood import OODCounterfactualFields, validate_ood_counterfactuals
+
+PR_REFERENCE_SPLITS = ("train", "test")
+
+
+@dataclass
+class EvalConfig(OODCounterfactualFields):
+    """Evaluation of a model: which test images, which extra metrics, how samples are drawn."""
+
+    metrics: List[str] = field(default_factory=list)  # metrics added to every evaluation (training's and rebm.eval.evaluate's), names of rebm.eval.registry, e.g. [inception_score, precision_recall]
+    image_ids: Optional[str] = None  # file of test images to evaluate on, one per line: a 0-based index or a path relative to the split folder (ImageNet: wnid/ILSVRC2012_val_….JPEG); robustbench: RobustBench's 5000 ImageNet val images; null: the whole split
+    num_images: Optional[int] = None  # evaluate on the first N test images (of image_ids when set); null: all
+    unconditional_samples: bool = False  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS)
+    grid_num_samples: int = 100  # samples shown in the PNG grid (the first ones)
+    pr_reference_split: str = "train"  # precision/recall: in-distribution split of the real images
+    pr_num_real: Optional[int] = None  # precision/recall: real images (the first N of the split); null: as many as samples
+
+
+def validate_evaluation(cfg, source: str = "config") -> None:
+    """Ranges of the `eval.*` fields; raises ConfigError naming the key."""
+    from rebm.config.loading import ConfigError  # loading imports the schema, which imports this
+
+    ev: EvalConfig = cfg.eval
+    if ev.pr_reference_split not in PR_REFERENCE_SPLITS:
+        raise ConfigError(f"{source}: 'eval.pr_reference_split: {ev.pr_reference_split}' is "
+                              f"not valid; use one of {', '.join(PR_REFERENCE_SPLITS)}")
+    for key in ("num_images", "pr_num_real"):
+        value = getattr(ev, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{source}: 'eval.{key}' must be a positive integer or null, "
+                                  f"got {value}")
+    if ev.grid_num_samples < 0:
+        raise ConfigError(f"{source}: 'eval.grid_num_samples' must be >= 0, "
+                              f"got {ev.grid_num_samples}")
+    if not all(isinstance(name, str) and name for name in ev.metrics):
+        raise ConfigError(f"{source}: 'eval.metrics' must be a list of metric names")
+    validate_ood_counterfactuals(ev, source)

@@ -1,0 +1,56 @@
+"""The `eval.*` fields of OOD detection against named sets (metric `ood_sets`) and of
+counterfactual explanations (metric `counterfactuals`); a base of `EvalConfig`
+(rebm/config/evaluation.py), so they sit in the `eval` section. docs/evaluation.md explains them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from rebm.config.legacy import Frozen
+
+OOD_SCORES = ("msp", "lse")
+OOD_SET_NAMES = ("noise", "svhn", "cifar10", "cifar100", "tinyimages", "OpenImageO", "ImageNet")
+
+
+@dataclass
+class OODCounterfactualFields(Frozen):
+    ood_datasets: List[str] = field(default_factory=lambda: ["noise"])  # ood_sets: out-distribution sets: noise, svhn, cifar10, cifar100, tinyimages, OpenImageO, ImageNet, or the path of an image folder
+    ood_roots: Dict[str, str] = field(default_factory=dict)  # ood_sets: where a named set lives, e.g. {svhn: /data/SVHN}; unset names: data/SVHN, data/CIFAR10, data/CIFAR100, data/tiny_images.bin, data/OpenImage-O-large/val, data/ImageNet
+    ood_num_samples: int = 1024  # ood_sets: images of each set (a fixed subset chosen by rand_seed); the original's 1024
+    ood_score: str = "msp"  # ood_sets: msp (max softmax probability, the original's default) or lse (logsumexp of the logits)
+    ood_adversarial: bool = True  # ood_sets: also AUROC / FPR of OOD images moved by L2 PGD to raise the score
+    ood_attack_eps: Optional[float] = None  # ood_sets: L2 radius of that attack; null: the original's, 1.0 below 128 px, 3.0 from 128 px
+    ood_attack_steps: Optional[int] = None  # ood_sets: its PGD steps; null: 20 below 128 px, 10 from 128 px
+    ood_attack_step_size: Optional[float] = None  # ood_sets: its step length; null: 0.1 below 128 px, 1.0 from 128 px
+    counterfactual_num_images: int = 10  # counterfactuals: the first N test images are explained
+    counterfactual_num_targets: Optional[int] = None  # counterfactuals: target classes per image (y+1, y+2, ... mod K); null: every other class
+    counterfactual_steps: Optional[int] = None  # counterfactuals: PGD steps toward the target; null: image_log.num_steps
+    counterfactual_step_size: Optional[float] = None  # counterfactuals: step length; null: image_log.step_size
+    counterfactual_eps: Optional[float] = None  # counterfactuals: radius around the test image; null: image_log.eps
+    counterfactual_fid_stats: Optional[str] = None  # counterfactuals: per-class FID statistics, a path with {label} (python -m rebm.eval.counterfactuals CONFIG --class-stats PATH); null: no FID
+
+
+def validate_ood_counterfactuals(ev, source: str) -> None:
+    """Ranges of these fields; raises ConfigError naming the key."""
+    from rebm.config.loading import ConfigError
+
+    if ev.ood_score not in OOD_SCORES:
+        raise ConfigError(f"{source}: 'eval.ood_score: {ev.ood_score}' is not valid; use one of "
+                          f"{', '.join(OOD_SCORES)}")
+    unknown = [k for k in ev.ood_roots if k not in OOD_SET_NAMES]
+    if unknown:
+        raise ConfigError(f"{source}: 'eval.ood_roots.{unknown[0]}' is not a named OOD set; "
+                          f"use one of {', '.join(OOD_SET_NAMES[1:])}")
+    positive = ("ood_num_samples", "counterfactual_num_images", "counterfactual_num_targets",
+                "ood_attack_eps", "ood_attack_steps", "ood_attack_step_size",
+                "counterfactual_steps", "counterfactual_step_size", "counterfactual_eps")
+    for key in positive:
+        value = getattr(ev, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{source}: 'eval.{key}' must be positive, got {value}")
+    stats = ev.counterfactual_fid_stats
+    if stats is not None and "{label}" not in stats:
+        raise ConfigError(f"{source}: 'eval.counterfactual_fid_stats' must contain {{label}} "
+                          f"(one file per class), got '{stats}'")

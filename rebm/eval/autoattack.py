@@ -1,0 +1,83 @@
+"""AutoAttack accuracy (registered metric "autoattack"), through the authors' implementation
+(`pyautoattack` on PyPI, MIT; a dependency of rebm).
+
+The standard version (APGD-CE, APGD-T, FAB-T, Square; 1 restart, 100 iterations, 5000 queries)
+under the `indist_attack_clf` norm (L2 or Linf) and eps, seeded with `rand_seed`. The library is
+run on each test chunk (one evaluation batch, chunk k on rank k % W) as
+`AutoAttack(...).run_standard_evaluation(x, y, batch_size=len(x))`: it reseeds its random numbers
+per call, so a chunk's result does not depend on the world size, and equals the library called on
+that chunk directly. The torch RNG the library reseeds is restored afterwards (training's own
+random stream is untouched). The value is the fraction of test images still classified correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from rebm.eval.accuracy import CorrectCount
+from rebm.eval.metric import EvalContext, TestBatch
+from rebm.eval.test_set import describe_test_set, test_set_settings
+
+VERSION = "standard"
+NORMS = ("L2", "Linf")
+LOGGER = logging.getLogger("rebm")
+
+
+def library_version() -> str:
+    try:
+        import pyautoattack
+    except ImportError:
+        return "missing"
+    return pyautoattack.__version__
+
+
+class AutoAttackAccuracy(CorrectCount):
+    name = "autoattack"
+    key = "autoattack_test_acc"
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        attack = cfg.indist_attack_clf
+        return {"library": f"pyautoattack {library_version()}", "version": VERSION,
+                "norm": attack.norm, "eps": attack.eps, "seed": cfg.rand_seed,
+                **test_set_settings(cfg)}
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        attack, found = cfg.indist_attack_clf, []
+        if library_version() == "missing":
+            found.append("AutoAttack needs the pyautoattack package (a dependency of rebm): "
+                         "pip install pyautoattack")
+        if attack.norm not in NORMS or not math.isfinite(attack.eps):
+            found.append(f"AutoAttack needs an L2 or Linf threat model with a finite eps; "
+                         f"indist_attack_clf is {attack.norm} eps {attack.eps}")
+        return found
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        from pyautoattack import AutoAttack
+
+        attack = ctx.cfg.indist_attack_clf
+        self.attack = AutoAttack(ctx.model, norm=attack.norm, eps=attack.eps,
+                                 seed=ctx.cfg.rand_seed, version=VERSION,
+                                 device=ctx.runtime.device)
+        self.attack.logger.setLevel(logging.WARNING)  # its per-attack progress is debug chatter
+
+    def correct(self, batch: TestBatch) -> Tensor:
+        devices = [batch.x.device] if batch.x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            _, y_adv = self.attack.run_standard_evaluation(batch.x, batch.y,
+                                                           batch_size=batch.x.shape[0])
+        return y_adv.to(batch.y.device) == batch.y
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        return [("AutoAttack accuracy", f"{results[cls.key]:.4f}",
+                 f"{settings['library']} {settings['version']}, {settings['norm']} eps "
+                 f"{settings['eps']:g}, seed {settings['seed']}; "
+                 + describe_test_set(settings, results.get("n_test")))]

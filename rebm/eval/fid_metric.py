@@ -1,0 +1,84 @@
+"""FID of the generated samples (registered metric "fid"; the pieces are in fid.py and sweep.py).
+
+Each generated chunk's features (pytorch-fid's Inception pool3 of the 8-bit samples, or the
+REBM_FID_FEATURES stand-in) go into float64 sums; `finish` all-reduces them and computes the
+Fréchet distance to `image_log.data_dir`. With `image_log.adaptive_steps` the step sweep runs
+first (its own generation passes, same chunks) and fixes the main pass's step count. A missing
+weights or statistics file stops the evaluation before any work (`problems`); a rank that cannot
+compute FID mid-run makes every rank skip it with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from rebm.eval.fid import (
+    MomentSums,
+    feature_network_name,
+    fid_scorer,
+    reference_problems,
+    standin_key,
+)
+from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
+from rebm.eval.samples import describe_samples, sample_settings
+from rebm.eval.sweep import sweep_candidates, sweep_steps
+
+
+class FID(Metric):
+    name = "fid"
+    source = SAMPLES
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        log = cfg.image_log
+        sweep = ({"candidates": sweep_candidates(log), "sweep_num_samples": log.sweep_num_samples}
+                 if log.adaptive_steps else None)
+        return {"features": feature_network_name(), "reference": log.data_dir,
+                "inception_weights": log.inception_weights, "quantized": "8 bit",
+                "adaptive_steps": sweep, **sample_settings(cfg)}
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        return reference_problems(cfg) if cfg.image_log.num_samples > 0 else []
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.key = standin_key("fid")
+        self.scorer = fid_scorer(ctx.cfg, ctx.runtime, ctx.batch_size)
+        self.sums = MomentSums()
+        self.best: Optional[int] = None
+        self.sweep: Dict[int, float] = {}
+        if self.scorer is not None and ctx.cfg.image_log.adaptive_steps:
+            self.best, self.sweep = sweep_steps(ctx, self.scorer)
+
+    def generation_steps(self) -> Optional[int]:
+        return self.best
+
+    def update(self, chunk: SampleChunk) -> None:
+        if self.scorer is not None:
+            self.scorer.add(self.sums, chunk.images)
+
+    def finish(self) -> Dict[str, Any]:
+        if self.scorer is None:
+            return {}
+        results: Dict[str, Any] = {}
+        if self.best is not None:
+            results[f"{self.key}_best_steps"] = self.best
+            results.update({f"{self.key}_sweep/{s}": v for s, v in self.sweep.items()})
+        value = self.scorer.score(self.sums)
+        if value is not None:
+            results[self.key] = value
+        return results
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        standin = settings["features"].startswith("stand-in")
+        key = "fid_standin" if standin else "fid"
+        if key not in results:
+            return []
+        label = "FID, STAND-IN features (not Inception)" if standin else "FID"
+        reference = os.path.basename(settings["reference"] or "")
+        return [(label, f"{results[key]:.4f}",
+                 describe_samples(settings, results.get(f"{key}_best_steps"))
+                 + f"; vs {reference}; {settings['features']}")]

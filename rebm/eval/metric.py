@@ -1,0 +1,153 @@
+"""What every evaluation metric is made of: the evaluation spec, the metric base class, and the
+two kinds of input a metric is fed (docs/evaluation.md, "Adding a metric").
+
+Adding a metric is one module plus one registration:
+
+1. In a module of its own under rebm/eval/, subclass `Metric`:
+   - `name`: the registry name (what `--metrics` / `eval.metrics` / `EvalSpec.metrics` say);
+   - `source`: `TEST_SET` (fed every `TestBatch` of this rank's shard of the test set, in one
+     pass shared by all such metrics) or `SAMPLES` (fed every `SampleChunk` of this rank's
+     generated samples, in one generation pass shared by all such metrics);
+   - `settings(cfg)`: a JSON-able dict of everything that decides the value (attack, number of
+     images, feature network, ...). It is written to eval.json next to the value and can serve
+     as a cache key, so it must depend on the config (and environment) only;
+   - `__init__(ctx)`, `update(batch_or_chunk)`: keep only what the value needs (counts, feature
+     sums, feature rows), never the images;
+   - `finish()`: combine the ranks (every rank calls it; collectives go here) and return the
+     same {key: value} dict on every rank;
+   - `describe(results, settings)`: the console table's rows for it.
+2. Add the class to `METRICS` in rebm/eval/registry.py.
+
+Every rank builds the same metrics in the same order and feeds them its own shard, so a metric's
+collectives line up on all ranks. Results must not depend on the world size: test images are
+sharded by dataset index, samples by index chunk (rebm/eval/samples.py), and per-rank state is
+combined by sums or by index-ordered gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from rebm.distributed import Runtime
+from rebm.errors import UserError
+
+TEST_SET = "test set"
+SAMPLES = "samples"
+
+
+class EvalError(UserError, ValueError):
+    """The evaluation cannot start (no checkpoint, an unknown metric, a bad ids file); one line."""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """One evaluation: which metrics (registry names, any order; they run in registry order),
+    the images per rank and batch (None: `rebm.config.eval_batch_size`), the folder for files
+    (sample grid, PNGs, npz, diagrams; None: no files) and the training step (names the files;
+    None: an evaluation of a checkpoint). `rebm.eval.registry.standard_metrics` gives the usual
+    metric lists."""
+
+    metrics: Tuple[str, ...]
+    batch_size: Optional[int] = None
+    run_dir: Optional[str] = None
+    step: Optional[int] = None
+
+
+@dataclass
+class EvalContext:
+    """What a metric instance gets: the unwrapped model (in eval mode while the evaluation
+    runs), the config, this rank's runtime, the spec and the resolved batch size. `shared`
+    builds a resource once per evaluation for every metric that asks (a feature network)."""
+
+    model: nn.Module
+    cfg: Any
+    runtime: Runtime
+    spec: EvalSpec
+    batch_size: int
+    resources: Dict[str, Any] = field(default_factory=dict)
+
+    def shared(self, key: str, build: Callable[[], Any]) -> Any:
+        if key not in self.resources:
+            self.resources[key] = build()
+        return self.resources[key]
+
+
+class TestBatch:
+    """One batch of this rank's test shard: images x (on the device), labels y, dataset indices
+    (cpu). `logits()` is the clean forward, computed once for all metrics that need it."""
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, index: Tensor):
+        self.model, self.x, self.y, self.index = model, x, y, index
+        self._logits: Optional[Tensor] = None
+
+    def logits(self) -> Tensor:
+        if self._logits is None:
+            with torch.no_grad():
+                self._logits = self.model(self.x)
+        return self._logits
+
+
+class SampleChunk:
+    """One chunk of this rank's generated samples: sample indices (cpu int64), labels, images
+    (float [0, 1], on the device). `pixels()` are the 8-bit values a PNG of the sample holds
+    (uint8 NCHW); `cached(key, compute)` computes a value (e.g. one feature network's features)
+    once per chunk for every metric that asks."""
+
+    def __init__(self, indices: Tensor, labels: Tensor, images: Tensor):
+        self.indices, self.labels, self.images = indices, labels, images
+        self._cache: Dict[str, Any] = {}
+
+    def pixels(self) -> Tensor:
+        return self.cached("pixels", lambda: to_pixels(self.images))
+
+    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+
+def to_pixels(images: Tensor) -> Tensor:
+    """float [0, 1] images as the uint8 values torchvision's save_image writes to a PNG."""
+    return images.detach().float().mul(255).add(0.5).clamp(0, 255).to(torch.uint8)
+
+
+class Metric:
+    """Base of every registered metric (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    source: ClassVar[str] = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        self.ctx = ctx
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        """Everything that decides the value, JSON-able (eval.json, cache keys)."""
+        return {}
+
+    @classmethod
+    def problems(cls, cfg) -> List[str]:
+        """What this machine lacks for the metric (files, packages), one line each; checked
+        before any work (`--check` prints them as warnings)."""
+        return []
+
+    def generation_steps(self) -> Optional[int]:
+        """SAMPLES metrics: a PGD step count chosen before the generation pass (FID's adaptive
+        sweep), else None (image_log.num_steps)."""
+        return None
+
+    def update(self, item) -> None:
+        """Take one TestBatch (TEST_SET) or SampleChunk (SAMPLES) of this rank."""
+
+    def finish(self) -> Dict[str, Any]:
+        """Every rank: combine the ranks, return {key: value} (the same on every rank)."""
+        return {}
+
+    @classmethod
+    def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+        """Console rows (label, value, settings text) for this metric's results."""
+        return []

@@ -1,0 +1,65 @@
+"""OOD-detection AUROC against `data.outdist_dataset` (registered metric "ood"), on the test pass.
+
+In-distribution scores come from the shared test pass (the clean logits of each batch); the
+out-distribution's first `n_test` images are scored in `finish` (rebm/eval/ood.py: the loader,
+the scores, the padded gather). The score is logsumexp of the logits for energy models
+(`logsumexp: true`), else the max softmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from rebm.distributed import all_reduce_sum
+from rebm.distributed.logs import progress
+from rebm.eval.auc import binary_auc
+from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.ood import build_ood_data, gather_scores, ood_score
+from rebm.eval.test_set import describe_test_set, test_set_settings
+
+
+def score_name(cfg) -> str:
+    return "lse" if cfg.logsumexp else "max_softmax"
+
+
+class OODDetection(Metric):
+    name = "ood"
+    source = TEST_SET
+
+    def __init__(self, ctx: EvalContext):
+        super().__init__(ctx)
+        self.score = score_name(ctx.cfg)
+        self.scores: List[torch.Tensor] = []
+
+    @classmethod
+    def settings(cls, cfg) -> Dict[str, Any]:
+        return {"out_distribution": cfg.data.outdist_dataset, "out_dir": cfg.data.outdist_std_dir,
+                "score": score_name(cfg), "ood_images": "as many as test images",
+                **test_set_settings(cfg)}
+
+    def update(self, batch: TestBatch) -> None:
+        self.scores.append(ood_score(batch.logits(), self.score).double())
+
+    def _local(self, scores: List[torch.Tensor]) -> torch.Tensor:
+        device = self.ctx.runtime.device
+        return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64, device=device)
+
+    def finish(self) -> Dict[str, Any]:
+        ctx, rt = self.ctx, self.ctx.runtime
+        positives = self._local(self.scores)
+        n_test = int(all_reduce_sum(rt, torch.tensor([positives.shape[0]]))[0])
+        loader = build_ood_data(ctx.cfg, rt, ctx.batch_size, num_samples=n_test)
+        negatives = []
+        with torch.no_grad():
+            for batch in progress(loader, rt, "OOD scores", total=len(loader)):
+                negatives.append(ood_score(ctx.model(batch[0].to(rt.device)), self.score).double())
+        pos, neg = gather_scores(rt, positives), gather_scores(rt, self._local(negatives))
+        return {"ood_auroc": float(binary_auc(pos, neg)), "n_ood": int(neg.shape[0])}
+
+    @classmethod
+    def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
+        return [("OOD AUROC", f"{results['ood_auroc']:.4f}",
+                 f"vs {settings['out_distribution']} ({results.get('n_ood')} images), score "
+                 f"{settings['score']}; " + describe_test_set(settings, results.get("n_test")))]

@@ -1,0 +1,75 @@
+"""The list of evaluation metrics, and the metric lists the entry points use.
+
+To add a metric: write its module (a `Metric` subclass; see rebm/eval/metric.py for what it
+defines) and add the class to `METRICS` below. Its name then works everywhere: in
+`EvalSpec(metrics=...)`, in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
+config (added to every evaluation, training's included); its settings go to eval.json and its
+rows to the console table. Metrics run, and are reported, in the order of `METRICS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple, Type
+
+from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
+from rebm.eval.autoattack import AutoAttackAccuracy
+from rebm.eval.calibration import Calibration
+from rebm.eval.counterfactuals import Counterfactuals
+from rebm.eval.fid_metric import FID
+from rebm.eval.inception_score import InceptionScore
+from rebm.eval.metric import EvalError, Metric
+from rebm.eval.ood import OODSets
+from rebm.eval.ood_metric import OODDetection
+from rebm.eval.precision_recall import PrecisionRecall
+from rebm.eval.sample_files import KeepSamples, SampleGrid, SamplesNpz
+
+METRICS: Tuple[Type[Metric], ...] = (
+    CleanAccuracy,
+    RobustAccuracy,
+    AutoAttackAccuracy,
+    Calibration,
+    OODDetection,
+    OODSets,
+    Counterfactuals,
+    SampleGrid,
+    KeepSamples,
+    SamplesNpz,
+    FID,
+    InceptionScore,
+    PrecisionRecall,
+)
+
+
+def metric_names() -> List[str]:
+    return [m.name for m in METRICS]
+
+
+def metric_classes(names: Sequence[str]) -> List[Type[Metric]]:
+    """The classes of `names`, in registry order; EvalError (one line) on an unknown name."""
+    unknown = [n for n in names if n not in metric_names()]
+    if unknown:
+        raise EvalError(f"unknown metric '{unknown[0]}'; the metrics are "
+                        f"{', '.join(metric_names())}")
+    return [m for m in METRICS if m.name in names]
+
+
+def standard_metrics(cfg, samples: bool, extra: Sequence[str] = ()) -> Tuple[str, ...]:
+    """The usual metrics of an evaluation: clean accuracy, robust accuracy (`robust_eval`), with
+    `samples` the sample grid, FID (`image_log.log_fid`) and every sample as PNG
+    (`keep_samples`), then `eval.metrics` and `extra`, without repeats."""
+    names = ["accuracy"] + (["robust_accuracy"] if cfg.robust_eval else [])
+    if samples and cfg.image_log.num_samples > 0:
+        names.append("sample_grid")
+        names += ["fid"] if cfg.image_log.log_fid else []
+        names += ["keep_samples"] if cfg.keep_samples else []
+    return tuple(dict.fromkeys([*names, *cfg.eval.metrics, *extra]))
+
+
+def metric_settings(cfg, names: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """{metric name: its settings} for eval.json (and cache keys), in registry order."""
+    return {m.name: m.settings(cfg) for m in metric_classes(names)}
+
+
+def metric_problems(cfg, names: Sequence[str]) -> List[str]:
+    """What this machine lacks for the metrics, one line each."""
+    return [p for m in metric_classes(names) for p in m.problems(cfg)]

@@ -1,0 +1,67 @@
+"""The one generation pass that every sample metric shares, in bounded memory.
+
+Each rank generates its chunks of samples (chunk k = samples [k·B, (k+1)·B), on rank k % W; B is
+the evaluation batch), hands every chunk to every sample metric (which computes its features on
+the spot and keeps only what its value needs: feature sums, feature rows, the grid's first
+images) and drops it. Memory per rank is one chunk plus the metrics' running state, whatever
+`image_log.num_samples` is; no rank ever holds every sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from rebm.data.sampling import eval_chunks
+from rebm.distributed.logs import progress
+from rebm.eval.metric import EvalContext, EvalError, Metric
+
+
+def stream_samples(ctx: EvalContext, sinks: Sequence[Any], num_samples: int,
+                   num_steps: Optional[int] = None, what: str = "samples") -> None:
+    """Generate samples 0..num_samples-1 chunk by chunk (this rank's chunks) and feed each chunk
+    to every sink (anything with `update(SampleChunk)`). `num_steps`: PGD steps (default image_log.num_steps). No collective inside:
+    the sinks' `finish` combines the ranks."""
+    from rebm.eval.generation import SampleGenerator
+
+    rt = ctx.runtime
+    generate = SampleGenerator(ctx.model, ctx.cfg, rt, num_steps)
+    chunks = eval_chunks(num_samples, ctx.batch_size, rt.rank, rt.world_size)
+    for chunk in progress(chunks, rt, what, total=len(chunks)):
+        samples = generate(torch.arange(chunk.start, chunk.stop, dtype=torch.int64))
+        for sink in sinks:
+            sink.update(samples)
+        del samples  # the chunk's images go before the next chunk is generated
+
+
+def run_sample_pass(ctx: EvalContext, metrics: List[Metric]) -> Dict[str, Any]:
+    """The generation pass for the sample metrics, then their results (every rank calls this).
+    A metric may fix the number of PGD steps first (FID's adaptive sweep)."""
+    chosen = [s for s in (m.generation_steps() for m in metrics) if s is not None]
+    if len(set(chosen)) > 1:
+        raise EvalError(f"sample metrics chose different step counts {sorted(set(chosen))}")
+    stream_samples(ctx, metrics, ctx.cfg.image_log.num_samples, chosen[0] if chosen else None)
+    results: Dict[str, Any] = {}
+    for metric in metrics:
+        results.update(metric.finish())
+    return results
+
+
+def sample_settings(cfg) -> Dict[str, Any]:
+    """How the samples are drawn (part of every sample metric's settings)."""
+    log = cfg.image_log
+    return {"num_samples": log.num_samples, "conditional": not cfg.eval.unconditional_samples,
+            "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
+            "norm": log.norm, "seed_images": log.seed_images,
+            "blur_kernel_size": log.blur_kernel_size, "adaptive_blur": log.adaptive_blur,
+            "seed": cfg.rand_seed}
+
+
+def describe_samples(settings: Dict[str, Any], steps: Any = None) -> str:
+    """'500 conditional samples, 40 PGD steps (L2, step 1, eps inf) from noise'."""
+    kind = "conditional" if settings["conditional"] else "unconditional"
+    steps = settings["num_steps"] if steps is None else steps
+    return (f"{settings['num_samples']} {kind} samples, {steps} PGD steps ({settings['norm']}, "
+            f"step {settings['step_size']:g}, eps {settings['eps']:g}) from "
+            f"{settings['seed_images']}")

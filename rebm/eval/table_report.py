@@ -1,0 +1,110 @@
+"""table.md and table.csv of a paper table: one line per seed group, mean ± std over its rows.
+
+The standard deviation is the sample standard deviation (ddof = 1) over the rows of a group
+that have the value; a group of one row shows its value alone. Columns are the table's
+`columns` (result key -> header) or, without them, every numeric result key except counts
+(`n_*`) and sweep details, in the order the metrics report them.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from rebm.eval.table_spec import RowSpec, TableSpec
+
+Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
+
+
+def default_columns(values: Values, rows: Sequence[RowSpec]) -> Dict[str, str]:
+    columns: Dict[str, str] = {}
+    for row in rows:
+        for key, value in values.get(row.name, {}).items():
+            if key.startswith("n_") or "sweep" in key or "best_steps" in key:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                columns.setdefault(key, key)
+    return columns
+
+
+def group_stats(values: Values, rows: Sequence[RowSpec], key: str
+                ) -> Tuple[Optional[float], Optional[float], int]:
+    """(mean, sample std or None, number of values) of `key` over `rows`."""
+    found = [float(values[r.name][key]) for r in rows
+             if isinstance(values.get(r.name, {}).get(key), (int, float))]
+    if not found:
+        return None, None, 0
+    std = float(np.std(found, ddof=1)) if len(found) > 1 else None
+    return float(np.mean(found)), std, len(found)
+
+
+def cell(mean: Optional[float], std: Optional[float]) -> str:
+    """'0.8512 ± 0.0031', '12.35 ± 0.41' (2 decimals from 10 on), '–' without a value."""
+    if mean is None:
+        return "–"
+    if not math.isfinite(mean):
+        return str(mean)
+    digits = 2 if abs(mean) >= 10 else 4
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def groups_of(rows: Sequence[RowSpec]) -> Dict[str, List[RowSpec]]:
+    groups: Dict[str, List[RowSpec]] = {}
+    for row in rows:
+        groups.setdefault(row.group, []).append(row)
+    return groups
+
+
+def write_report(spec: TableSpec, values: Values, missing: Dict[str, str], out_dir: str
+                 ) -> Tuple[str, str]:
+    """Write <out_dir>/table.md and table.csv; returns their paths. `missing`: row name ->
+    the checkpoint path that was not there."""
+    present = [r for r in spec.rows if r.name in values]
+    columns = spec.columns or default_columns(values, present)
+    groups = groups_of(present)
+    os.makedirs(out_dir, exist_ok=True)
+    md_path, csv_path = os.path.join(out_dir, "table.md"), os.path.join(out_dir, "table.csv")
+    with open(csv_path + ".tmp", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["group", "rows"] + [f"{k}_{s}" for k in columns for s in ("mean", "std")])
+        for group, rows in groups.items():
+            line: List[object] = [group, len(rows)]
+            for key in columns:
+                mean, std, _ = group_stats(values, rows, key)
+                line += ["" if mean is None else repr(mean), "" if std is None else repr(std)]
+            writer.writerow(line)
+    os.replace(csv_path + ".tmp", csv_path)
+    with open(md_path + ".tmp", "w") as fh:
+        fh.write(_markdown(spec, values, missing, columns, groups))
+    os.replace(md_path + ".tmp", md_path)
+    return md_path, csv_path
+
+
+def _markdown(spec: TableSpec, values: Values, missing: Dict[str, str], columns: Dict[str, str],
+              groups: Dict[str, List[RowSpec]]) -> str:
+    lines = [f"# {spec.title}", "", f"Table file: `{spec.path}`. Cells are mean ± sample "
+             "standard deviation (ddof = 1) over the rows (seeds) of a group; one row: its "
+             "value. † evaluation-only row (a published baseline checkpoint).", ""]
+    lines.append("| model | seeds | " + " | ".join(columns.values()) + " |")
+    lines.append("|---|---|" + "---|" * len(columns))
+    for group, rows in groups.items():
+        mark = " †" if all(r.baseline for r in rows) else ""
+        cells = [cell(*group_stats(values, rows, key)[:2]) for key in columns]
+        seeds = ", ".join(str(r.seed) for r in rows if r.seed is not None) or str(len(rows))
+        lines.append(f"| {group}{mark} | {seeds} | " + " | ".join(cells) + " |")
+    lines += ["", "## Rows", "", "| row | group | seed | " + " | ".join(columns.values()) + " |",
+              "|---|---|---|" + "---|" * len(columns)]
+    for rows in groups.values():
+        for row in rows:
+            cells = [cell(values[row.name].get(key), None) if isinstance(
+                values[row.name].get(key), (int, float)) else "–" for key in columns]
+            lines.append(f"| {row.name} | {row.group} | "
+                         f"{'' if row.seed is None else row.seed} | " + " | ".join(cells) + " |")
+    if missing:
+        lines += ["", "## Missing checkpoints", ""]
+        lines += [f"- {name}: expected `{path}`" for name, path in missing.items()]
+    return "\n".join(lines) + "\n"

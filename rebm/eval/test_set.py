@@ -1,0 +1,117 @@
+"""The test images an evaluation uses, and the one pass over them that every test-set metric shares.
+
+The images are the in-distribution test split, or the subset `eval.image_ids` names (one id a
+line: a 0-based index, or a path relative to the split folder such as RobustBench's
+`n01440764/ILSVRC2012_val_00000293.JPEG`; `robustbench` names the shipped list of the 5000
+ImageNet validation images RobustBench uses, rebm/eval/data/), cut to the first
+`eval.num_images`. They are split
+into chunks of one evaluation batch, chunk k on rank k % W (`rebm.data.sampling.eval_chunks`): a
+batch holds the same images on any world size, so per-batch attacks (AutoAttack draws its random
+numbers per batch) give the same results on 1, 2 or 3 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from rebm.data.sampling import eval_chunks
+from rebm.distributed import all_reduce_sum
+from rebm.distributed.logs import progress
+from rebm.eval.metric import EvalContext, EvalError, Metric, TestBatch
+
+ROBUSTBENCH_IDS = os.path.join(os.path.dirname(__file__), "data",
+                               "imagenet_val_5000_robustbench.txt")
+
+
+def test_set_settings(cfg) -> Dict[str, Any]:
+    """Which test images a test-set metric ran on (part of every such metric's settings)."""
+    return {"dataset": cfg.data.indist_dataset, "split": "test", "image_ids": cfg.eval.image_ids,
+            "num_images": cfg.eval.num_images}
+
+
+def describe_test_set(settings: Dict[str, Any], n_test: Any) -> str:
+    """'100 test images', '1000 test images (first 1000 of ids.txt)'."""
+    text = f"{n_test} test images" if n_test is not None else "test images"
+    parts = []
+    if settings.get("num_images"):
+        parts.append(f"first {settings['num_images']}")
+    if settings.get("image_ids"):
+        parts.append(f"{'of' if parts else 'ids from'} {os.path.basename(settings['image_ids'])}")
+    return text + (f" ({' '.join(parts)})" if parts else "")
+
+
+def _relative_paths(source, cfg) -> List[str]:
+    files = getattr(source, "files", None)
+    if files is None:
+        raise EvalError(f"eval.image_ids: the test split of {cfg.data.indist_dataset} has no "
+                        "files; use 0-based indices in the ids file")
+    root = getattr(files, "root", os.path.join(cfg.data.indist_ds_dir, "test"))
+    return [os.path.normpath(os.path.relpath(files[i], root)) for i in range(len(files))]
+
+
+def read_image_ids(path: str, source, cfg) -> np.ndarray:
+    """Dataset indices of the ids in the file `path` (indices or relative paths), in file order."""
+    try:
+        with open(path) as fh:
+            ids = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+    except OSError as err:
+        raise EvalError(f"eval.image_ids '{path}' cannot be read ({err.strerror or err}); point "
+                        "it at a text file with one test image id a line") from None
+    if not ids:
+        raise EvalError(f"eval.image_ids '{path}' holds no ids")
+    if all(i.isdigit() for i in ids):
+        indices = np.array([int(i) for i in ids], dtype=np.int64)
+        bad = indices[indices >= len(source)]
+        if len(bad):
+            raise EvalError(f"eval.image_ids '{path}': index {int(bad[0])} is out of range: the "
+                            f"test split has {len(source)} images")
+        return indices
+    where = {rel: i for i, rel in enumerate(_relative_paths(source, cfg))}
+    missing = [i for i in ids if os.path.normpath(i) not in where]
+    if missing:
+        raise EvalError(f"eval.image_ids '{path}': {len(missing)} of {len(ids)} ids are not in "
+                        f"the test split (first: '{missing[0]}'); ids are 0-based indices or "
+                        "paths relative to the split folder")
+    return np.array([where[os.path.normpath(i)] for i in ids], dtype=np.int64)
+
+
+def test_indices(cfg) -> Sequence[int]:
+    """The dataset indices of the evaluation's test images, in order."""
+    from rebm.data.pipeline import indist_source
+
+    source = indist_source(cfg, "test")
+    if cfg.eval.image_ids:
+        path = ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench" else cfg.eval.image_ids
+        indices: Sequence[int] = read_image_ids(path, source, cfg)
+    else:
+        indices = range(len(source))
+    return indices[:cfg.eval.num_images] if cfg.eval.num_images else indices
+
+
+def run_test_pass(ctx: EvalContext, metrics: List[Metric]) -> Dict[str, Any]:
+    """Feed every batch of this rank's test chunks to every metric, then finish them; returns
+    "n_test" (images evaluated over all ranks) and each metric's results. Every rank calls this."""
+    from rebm.data.pipeline import build_eval_data
+
+    rt, size = ctx.runtime, ctx.batch_size
+    indices = test_indices(ctx.cfg)
+    mine = [int(indices[p]) for chunk in eval_chunks(len(indices), size, rt.rank, rt.world_size)
+            for p in chunk]
+    # Every chunk but the last one overall is full, so the loader's batches are the chunks.
+    loader = build_eval_data(ctx.cfg, rt, size, indices=mine)
+    count = 0
+    for x, y, index in progress(loader, rt, "evaluation", total=len(loader)):
+        batch = TestBatch(ctx.model, x.to(rt.device, non_blocking=True),
+                          y.to(rt.device, non_blocking=True), index)
+        for metric in metrics:
+            metric.update(batch)
+        count += int(y.shape[0])
+    results: Dict[str, Any] = {
+        "n_test": int(all_reduce_sum(rt, torch.tensor([count], dtype=torch.int64))[0])}
+    for metric in metrics:
+        results.update(metric.finish())
+    return results

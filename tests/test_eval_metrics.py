@@ -1,0 +1,329 @@
+"""The registered evaluation metrics against the libraries they come from, and world-size
+invariance of the streaming passes (rebm/eval/registry.py, samples.py, test_set.py).
+
+- AutoAttack equals pyautoattack called on the same test chunks; IS and precision/recall equal
+  torch-fidelity called on the `keep_samples` PNGs and the same real images (with the tests'
+  stand-in feature network, and with torch-fidelity's Inception from a local random-weights file);
+- every metric gives the same numbers (and the same files) on 1, 2 and 3 ranks (real processes,
+  gloo);
+- `eval.image_ids` / `eval.num_images` choose the test images; unconditional samples ascend
+  logsumexp; the reliability diagram is written.
+The data is a tiny CIFAR-10 in the real on-disk format; the model a WideResNet-10-1 whose head is
+fitted to half the test images (so accuracies and attacks mean something).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rebm import distributed as rd
+from rebm.config import load_config
+from rebm.distributed import Runtime
+from rebm.eval.fid import FEATURES_ENV
+from tests.fake_data import write_fake_cifar10, write_fake_imagenet
+from tests.helpers import REPO, base_env, run_command, torchrun_cmd
+from tests.test_eval import _fit_head
+from tests.test_fid import STANDIN, standin_features
+
+N_TEST, N_TRAIN, N_SAMPLES = 21, 40, 13
+SAMPLE_METRICS = ("sample_grid", "keep_samples", "samples_npz", "fid", "inception_score",
+                  "precision_recall")
+
+
+def _overrides(root) -> list:
+    return ["data.indist_dataset=cifar10", "data.num_workers=0", "data.image_size=16",
+            "data.outdist_dataset=noise", "model.model_type=WideResNet10x1",
+            f"data.indist_ds_dir={root}", f"model.ckpt_path={root}/model.pth",
+            "indist_attack_clf.max_steps=2", "indist_attack_clf.step_size=0.1",
+            "indist_attack_clf.eps=0.3", "image_log.num_steps=2", "image_log.step_size=0.5",
+            f"image_log.num_samples={N_SAMPLES}", "image_log.log_fid=true",
+            f"image_log.data_dir={root}/stats.npz", "rand_seed=3"]
+
+
+def _cfg(root, *extra):
+    return load_config(None, [*_overrides(root), *extra])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tiny CIFAR-10, a model that fits half its test set, stand-in FID statistics."""
+    from rebm.data.pipeline import indist_source
+    from rebm.eval.fid import feature_statistics, to_8bit
+    from rebm.models import build_model
+
+    root = tmp_path_factory.mktemp("metrics")
+    write_fake_cifar10(str(root), n_train=N_TRAIN, n_test=N_TEST)
+    cfg = _cfg(root)
+    test = indist_source(cfg, "test")
+    x = test.images(np.arange(N_TEST)).float() / 255.0
+    torch.manual_seed(0)
+    model = build_model("WideResNet10x1", 10).eval()
+    _fit_head(model, x[::2], test.labels(np.arange(N_TEST))[::2])
+    torch.save(model.state_dict(), root / "model.pth")
+    train = indist_source(cfg, "train").images(np.arange(N_TRAIN)).float() / 255.0
+    mu, sigma = feature_statistics(standin_features(to_8bit(train)).numpy())
+    np.savez(root / "stats.npz", mu=mu, sigma=sigma)
+    (root / "config.yaml").write_text("rand_seed: 3\n")
+    return root
+
+
+def _real_dataset(cfg, n: int):
+    """The first n train images as uint8 tensors: what rebm's precision/recall compares with."""
+    from rebm.data.pipeline import load_indist
+    from rebm.eval.metric import to_pixels
+
+    dataset = load_indist(cfg, cfg.eval.pr_reference_split, "test")
+    images = to_pixels(torch.stack([dataset[i][0] for i in range(n)]))
+
+    class Real(torch.utils.data.Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return images[i]
+
+    return Real()
+
+
+def _torch_fidelity(folder, cfg, extractor: str, **kwargs) -> dict:
+    """torch-fidelity itself: IS of the PNG folder, precision/recall against the real images."""
+    import torch_fidelity
+
+    return torch_fidelity.calculate_metrics(
+        input1=str(folder), input2=_real_dataset(cfg, N_SAMPLES), isc=True, prc=True,
+        feature_extractor=extractor, cuda=False, batch_size=4, verbose=False, cache=False,
+        save_cpu_ram=True, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# 1, 2, 3 ranks
+# --------------------------------------------------------------------------------------------
+def _worker(root: str, out: str) -> None:
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+
+    runtime = rd.setup_distributed()
+    cfg = _cfg(root, "eval.num_images=4")
+    run_dir = os.path.join(out, f"w{runtime.world_size}")
+    spec = EvalSpec(("accuracy", "robust_accuracy", "autoattack", "ece", *SAMPLE_METRICS),
+                    batch_size=2, run_dir=run_dir)
+    result = evaluate_model(load_eval_model(cfg, runtime), cfg, runtime, spec)
+    torch.save(result, os.path.join(out, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
+    rd.teardown(runtime)
+
+
+@pytest.fixture(scope="module")
+def ranks(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    os.environ[FEATURES_ENV] = STANDIN  # inherited by the spawned ranks
+    try:
+        for world in (1, 2, 3):
+            rd.spawn(_worker, world, str(data), str(out))
+    finally:
+        del os.environ[FEATURES_ENV]
+    results = {w: [torch.load(out / f"w{w}_rank{r}.pt") for r in range(w)] for w in (1, 2, 3)}
+    return out, results
+
+
+@pytest.mark.timeout(900)
+def test_every_metric_and_file_identical_on_1_2_3_ranks(ranks):
+    out, results = ranks
+    single = results[1][0]
+    assert single["n_test"] == 4 and 0 < single["test_acc"] <= 1
+    assert single["autoattack_test_acc"] <= single["test_acc"]
+    for key in ("fid_standin", "inception_score_standin", "precision_standin", "recall_standin"):
+        assert key in single, key
+    assert "fid" not in single and "inception_score" not in single  # a stand-in is labelled
+    npz = np.load(out / "w1" / "samples" / "samples.npz")["arr_0"]
+    assert npz.shape == (N_SAMPLES, 16, 16, 3) and npz.dtype == np.uint8
+    for world in (2, 3):
+        for result in results[world]:
+            for key, value in single.items():
+                # float64 sums of the ranks added in another order: round-off only (FID's
+                # matrix square root amplifies it to ~1e-10)
+                if key.startswith("fid") or key == "ece":
+                    assert result[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (world, key)
+                else:
+                    assert result[key] == value, (world, key)
+        folder = out / f"w{world}" / "samples"
+        assert np.array_equal(np.load(folder / "samples.npz")["arr_0"], npz), world
+        for name in ["samples.png", *(f"eval/{i}.png" for i in range(N_SAMPLES))]:
+            assert (folder / name).read_bytes() == (out / "w1" / "samples" / name).read_bytes()
+        assert (out / f"w{world}" / "reliability.png").is_file()
+    # the npz holds the PNGs' pixels, in index order
+    from PIL import Image
+
+    png = np.array(Image.open(out / "w1" / "samples" / "eval" / "7.png"))
+    assert np.array_equal(npz[7], png)
+
+
+# --------------------------------------------------------------------------------------------
+# The libraries, called directly
+# --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(900)
+def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
+    from pyautoattack import AutoAttack
+
+    from rebm.data.pipeline import indist_source
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+
+    cfg = _cfg(data, "eval.num_images=4")
+    model = load_eval_model(cfg, Runtime())
+    ours = evaluate_model(model, cfg, Runtime(), EvalSpec(("autoattack",), batch_size=2))
+    test = indist_source(cfg, "test")
+    correct = 0
+    for chunk in (np.arange(0, 2), np.arange(2, 4)):
+        x, y = test.images(chunk).float() / 255.0, test.labels(chunk)
+        attack = AutoAttack(model, norm="L2", eps=0.3, seed=3, version="standard", device="cpu")
+        _, y_adv = attack.run_standard_evaluation(x, y, batch_size=2)
+        correct += int((y_adv == y).sum())
+    assert ours["autoattack_test_acc"] == correct / 4
+
+
+@pytest.mark.timeout(600)
+def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monkeypatch):
+    """The real entry point on 2 ranks with the stand-in, then torch-fidelity itself (with the
+    same stand-in registered as its feature extractor) on the PNGs keep_samples wrote."""
+    from rebm.eval.fidelity import register_standin
+
+    args = [str(data / "config.yaml"), *_overrides(data),
+            "keep_samples=true", "robust_eval=false", "per_device_eval_batch_size=4",
+            f"run_dir={tmp_path}", "--samples", "--no-ece",
+            "--metrics", "inception_score,precision_recall"]
+    env = base_env(1, {FEATURES_ENV: STANDIN, "PYTHONPATH": str(REPO)})
+    result = run_command(torchrun_cmd("rebm.eval.evaluate", args, 2), timeout=300, env=env)
+    ours = json.loads(result.assert_ok().output.strip().splitlines()[-1])
+    monkeypatch.setenv(FEATURES_ENV, STANDIN)
+    library = _torch_fidelity(tmp_path / "samples" / "eval", _cfg(data), register_standin())
+    assert ours["inception_score_standin"] == library["inception_score_mean"]
+    assert ours["inception_score_standin_std"] == library["inception_score_std"]
+    assert ours["precision_standin"] == library["precision"]
+    assert ours["recall_standin"] == library["recall"]
+    assert ours["settings"]["inception_score"]["splits"] == 10
+
+
+@pytest.mark.timeout(900)
+def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_path,
+                                                                     monkeypatch):
+    """torch-fidelity's own Inception, built from a local weights file (random weights in
+    pytorch-fid's layout: the real file is the same state dict) without any download."""
+    from torch_fidelity import feature_extractor_inceptionv3 as tf_inception
+
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from tests.test_fid import _random_fid_inception_state
+
+    torch.manual_seed(0)
+    weights = tmp_path / "inception.pth"
+    torch.save(_random_fid_inception_state(), weights)
+    monkeypatch.delenv(FEATURES_ENV, raising=False)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(tf_inception, "load_state_dict_from_url", no_network)
+    cfg = _cfg(data, f"image_log.inception_weights={weights}")
+    spec = EvalSpec(("keep_samples", "inception_score", "precision_recall"), batch_size=4,
+                    run_dir=str(tmp_path))
+    ours = evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
+    library = _torch_fidelity(tmp_path / "samples" / "eval", cfg, "inception-v3-compat",
+                              feature_extractor_weights_path=str(weights))
+    # another batch composition (torch-fidelity reads the files in name order) moves the
+    # float32 Inception features by round-off only
+    assert ours["inception_score"] == pytest.approx(library["inception_score_mean"], rel=1e-5)
+    assert ours["inception_score_std"] == pytest.approx(library["inception_score_std"],
+                                                        rel=1e-3, abs=1e-6)
+    assert ours["precision"] == library["precision"] and ours["recall"] == library["recall"]
+
+
+# --------------------------------------------------------------------------------------------
+# Test images, unconditional samples, the diagram
+# --------------------------------------------------------------------------------------------
+def test_image_ids_choose_the_test_images(data, tmp_path):
+    from rebm.eval.metric import EvalError
+    from rebm.eval.test_set import ROBUSTBENCH_IDS, test_indices
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text("# a comment\n5\n3\n\n17\n")
+    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}"))) == [5, 3, 17]
+    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}", "eval.num_images=2"))) == [5, 3]
+    assert list(test_indices(_cfg(data, "eval.num_images=3"))) == [0, 1, 2]
+    ids.write_text("5\n99\n")
+    with pytest.raises(EvalError, match=r"index 99 is out of range: the test split has 21"):
+        test_indices(_cfg(data, f"eval.image_ids={ids}"))
+    with pytest.raises(EvalError, match="eval.image_ids .* cannot be read"):
+        test_indices(_cfg(data, f"eval.image_ids={tmp_path / 'absent.txt'}"))
+    with open(ROBUSTBENCH_IDS) as fh:
+        shipped = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+    assert len(shipped) == len(set(shipped)) == 5000
+    assert all(line.startswith("n") and line.endswith(".JPEG") for line in shipped)
+
+
+def test_image_ids_as_paths_relative_to_imagenet_val(tmp_path):
+    from rebm.eval.metric import EvalError
+    from rebm.eval.test_set import test_indices
+
+    root = write_fake_imagenet(str(tmp_path / "imagenet"), num_classes=3, n_train=1, n_val=2)
+    base = ["data.indist_dataset=ImageNet", f"data.indist_ds_dir={root}", "data.num_classes=3",
+            "data.image_size=32", "model.model_type=TinyResNetImageNet"]
+    val = sorted(os.path.relpath(os.path.join(d, f), os.path.join(root, "val"))
+                 for d, _, files in os.walk(os.path.join(root, "val")) for f in files)
+    ids = tmp_path / "ids.txt"
+    ids.write_text(f"{val[4]}\n{val[1]}\n")
+    assert list(test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]))) == [4, 1]
+    ids.write_text("n00000000/ILSVRC2012_val_99999999.JPEG\n")
+    with pytest.raises(EvalError, match="1 of 1 ids are not in the test split"):
+        test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]))
+
+
+def test_unconditional_samples_ascend_logsumexp(data):
+    from rebm.attacks.pgd import pgd_attack
+    from rebm.eval.evaluation import load_eval_model
+    from rebm.eval.generation import SampleGenerator, SeedImages
+
+    cfg = _cfg(data, "eval.unconditional_samples=true")
+    model = load_eval_model(cfg, Runtime())
+    idx = torch.arange(5)
+    samples = SampleGenerator(model, cfg, Runtime())(idx).images
+    seeds = SeedImages("noise", 16, rand_seed=3)(idx)
+    expected = pgd_attack(model, seeds, steps=2, step_size=0.5, eps=cfg.image_log.eps,
+                          norm="L2", objective="lse")
+    assert torch.equal(samples, expected)
+    conditional = SampleGenerator(model, _cfg(data), Runtime())(idx).images
+    assert not torch.equal(samples, conditional)
+    assert torch.logsumexp(model(samples), 1).mean() > torch.logsumexp(model(seeds), 1).mean()
+
+
+def test_calibration_writes_the_reliability_diagram(data, tmp_path):
+    from PIL import Image
+
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+
+    cfg = _cfg(data)
+    spec = EvalSpec(("ece",), batch_size=8, run_dir=str(tmp_path), step=12)
+    result = evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
+    assert 0 <= result["ece"] <= 1 and result["n_test"] == N_TEST
+    with Image.open(tmp_path / "reliability_step00000012.png") as image:
+        assert image.size[0] > 100 and image.size[1] > 100
+
+
+def test_unknown_metric_is_a_one_line_error(data):
+    args = [str(data / "config.yaml"), *_overrides(data),
+            "--metrics", "inception_scor"]
+    result = run_command([sys.executable, "-m", "rebm.eval.evaluate", *args], timeout=120,
+                         env=base_env(1, {"PYTHONPATH": str(REPO)}))
+    assert result.returncode == 2
+    assert "unknown metric 'inception_scor'; the metrics are accuracy," in result.output
+    assert "Traceback" not in result.output

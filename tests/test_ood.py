@@ -1,0 +1,199 @@
+"""OOD detection (rebm/eval/ood.py, rebm/data/ood_sets.py): the metrics against scikit-learn,
+the original's attacks, the OOD sets read from real on-disk formats (SVHN .mat files written
+with scipy in torchvision's layout, CIFAR pickles, image folders), and the table's numbers
+identical on 1 and 2 real processes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rebm import distributed as rd
+from rebm.config import load_config
+from rebm.data.ood_sets import DataError, load_ood_set, load_svhn
+from rebm.eval.ood import OODSets, fpr_at_tpr, ood_score, original_ood_attack
+from tests.fake_data import write_fake_cifar10, write_fake_cifar100, write_image_folder
+
+
+def write_fake_svhn(root: str, n: int, split: str = "train", seed: int = 0) -> str:
+    """`<root>/<split>_32x32.mat` as the official files hold it: X (32, 32, 3, N) uint8 and
+    y (N, 1) with label 10 for the digit 0."""
+    from scipy.io import savemat
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
+    y = rng.integers(1, 11, size=(n, 1)).astype(np.uint8)
+    path = os.path.join(root, f"{split}_32x32.mat")
+    savemat(path, {"X": x, "y": y})
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_pos, n_neg, levels", [(20, 7, 5), (101, 37, 3), (57, 200, 1000),
+                                                   (3, 4, 2), (1000, 1000, 17)])
+def test_fpr_at_95_tpr_equals_scikit_learn_with_ties(n_pos, n_neg, levels):
+    from sklearn.metrics import roc_curve
+
+    rng = np.random.default_rng(n_pos * 7 + levels)
+    pos = rng.integers(0, levels, n_pos) / levels + 0.2  # few levels: many ties
+    neg = rng.integers(0, levels, n_neg) / levels
+    labels = np.r_[np.ones(n_pos), np.zeros(n_neg)]
+    fpr, tpr, _ = roc_curve(labels, np.r_[pos, neg], drop_intermediate=False)
+    expected = fpr[np.argmax(tpr >= 0.95)]
+    assert fpr_at_tpr(torch.from_numpy(pos), torch.from_numpy(neg)) == pytest.approx(
+        expected, abs=1e-15)
+
+
+def test_fpr_hand_example():
+    pos = torch.tensor([5.0, 4.0, 3.0, 3.0, 1.0])  # k = ceil(0.95 * 5) = 5: threshold 1.0
+    neg = torch.tensor([0.5, 1.0, 2.0, 6.0])  # 1.0, 2.0 and 6.0 reach it (a tie counts)
+    assert fpr_at_tpr(pos, neg) == 0.75
+    assert fpr_at_tpr(pos, neg, tpr_percent=60) == 0.25  # k = 3: threshold 3.0
+
+
+def test_scores_and_the_original_attack_budgets():
+    logits = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    assert ood_score(logits, "msp").tolist() == pytest.approx([0.5, 1 / (1 + np.exp(-2.0))])
+    assert ood_score(logits, "max_softmax").tolist() == ood_score(logits, "msp").tolist()
+    assert ood_score(logits, "lse")[0].item() == pytest.approx(np.log(2.0))
+    small, large = original_ood_attack(32), original_ood_attack(224)
+    assert (small.eps, small.steps, small.step_size) == (1.0, 20, 0.1)
+    assert (large.eps, large.steps, large.step_size) == (3.0, 10, 1.0)
+    assert original_ood_attack(256) == large
+
+
+def test_uniform_kl_attack_raises_the_max_softmax_within_the_ball():
+    from rebm.attacks.pgd import pgd_attack
+    from rebm.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("WideResNet10x1", 10).eval()
+    x = torch.rand(6, 3, 16, 16)
+    x_adv = pgd_attack(model, x, steps=10, step_size=0.1, eps=1.0, norm="L2",
+                       objective="uniform_kl")
+    with torch.no_grad():
+        before, after = ood_score(model(x), "msp"), ood_score(model(x_adv), "msp")
+    assert (after > before).all()
+    assert (x_adv - x).flatten(1).norm(dim=1).max() <= 1.0 + 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# OOD sets from files
+# --------------------------------------------------------------------------------------------
+def test_svhn_read_through_torchvision_from_mat_files(tmp_path):
+    from scipy.io import loadmat
+
+    path = write_fake_svhn(str(tmp_path), 9)
+    source = load_svhn(str(tmp_path), "train", 32)
+    raw = loadmat(path)
+    assert len(source) == 9
+    np.testing.assert_array_equal(source.images(np.array([4]))[0].permute(1, 2, 0).numpy(),
+                                  raw["X"][..., 4])
+    assert source.labels(np.arange(9)).tolist() == [v % 10 for v in raw["y"][:, 0].tolist()]
+    assert load_svhn(str(tmp_path), "train", 16).images(np.array([0])).shape == (1, 3, 16, 16)
+
+
+def test_ood_set_errors_are_one_line_naming_the_key(tmp_path):
+    with pytest.raises(DataError, match=r"eval.ood_roots.svhn.*train_32x32.mat"):
+        load_ood_set("svhn", 32, 0, 10, {"svhn": str(tmp_path)})
+    with pytest.raises(DataError, match="unknown OOD set 'places'.*noise, svhn"):
+        load_ood_set("places", 32, 0, 10)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "train_32x32.mat").write_bytes(b"not a mat file")
+    with pytest.raises(DataError, match="cannot read SVHN") as err:
+        load_ood_set("svhn", 32, 0, 10, {"svhn": str(tmp_path / "bad")})
+    assert "\n" not in str(err.value)
+
+
+def test_ood_subset_is_a_fixed_keyed_choice(tmp_path):
+    write_fake_cifar100(str(tmp_path), n_train=60, n_test=5)
+    first = load_ood_set("cifar100", 32, 3, 20, {"cifar100": str(tmp_path)})
+    again = load_ood_set("cifar100", 32, 3, 20, {"cifar100": str(tmp_path)})
+    other_seed = load_ood_set("cifar100", 32, 4, 20, {"cifar100": str(tmp_path)})
+    assert len(first) == 20 and len(set(first.indices.tolist())) == 20
+    assert first.indices.tolist() == again.indices.tolist()
+    assert first.indices.tolist() != other_seed.indices.tolist()
+    whole = load_ood_set("cifar100", 32, 3, 1000, {"cifar100": str(tmp_path)})
+    assert sorted(whole.indices.tolist()) == list(range(60))
+    noise = load_ood_set("noise", 16, 3, 7)
+    assert noise.images(np.arange(7)).shape == (7, 3, 16, 16)
+
+
+# --------------------------------------------------------------------------------------------
+# The OOD table on 1 and 2 processes
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ood_data(tmp_path_factory):
+    from rebm.models import build_model
+
+    root = tmp_path_factory.mktemp("ood")
+    write_fake_cifar10(str(root / "cifar10"), n_train=10, n_test=23)
+    write_fake_cifar100(str(root / "cifar100"), n_train=40, n_test=5)
+    write_fake_svhn(str(root / "svhn"), 30)
+    write_image_folder(str(root / "folder"), n_per_class=4)
+    torch.manual_seed(0)
+    torch.save(build_model("WideResNet10x1", 10).state_dict(), root / "model.pth")
+    return root
+
+
+def _ood_worker(root: str, out: str) -> None:
+    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+
+    runtime = rd.setup_distributed()
+    results = {}
+    for score in ("msp", "lse"):
+        cfg = load_config(None, [
+            "data.indist_dataset=cifar10", f"data.indist_ds_dir={root}/cifar10",
+            "data.image_size=16", "data.num_workers=0", "model.model_type=WideResNet10x1",
+            f"model.ckpt_path={root}/model.pth", "rand_seed=2",
+            f"eval.ood_datasets=[noise,svhn,cifar100,{root}/folder]", "eval.ood_num_samples=13",
+            f"eval.ood_score={score}", "eval.ood_attack_steps=3", "eval.ood_attack_step_size=0.3",
+            f"eval.ood_roots.svhn={root}/svhn", f"eval.ood_roots.cifar100={root}/cifar100"])
+        model = load_eval_model(cfg, runtime)
+        results[score] = evaluate_model(model, cfg, runtime, EvalSpec(("ood_sets",), 5))
+    torch.save(results, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))
+    rd.teardown(runtime)
+
+
+@pytest.mark.timeout(300)
+def test_ood_table_identical_on_1_and_2_processes(ood_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same float summation order everywhere
+    for world in (1, 2):
+        rd.spawn(_ood_worker, world, str(ood_data), str(tmp_path))
+    single = torch.load(tmp_path / "w1_r0.pt")
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"w2_r{rank}.pt") == single  # bit for bit
+    for score, metrics in single.items():
+        for name in ("noise", "svhn", "cifar100", "folder", "mean"):
+            for key in ("auroc", "fpr95", "adv_auroc", "adv_fpr95"):
+                assert 0.0 <= metrics[f"ood/{name}/{key}"] <= 1.0, (score, name, key)
+        # the attack raised the OOD scores: detection got no easier
+        assert metrics["ood/noise/adv_auroc"] <= metrics["ood/noise/auroc"], score
+    assert single["msp"]["n_test"] == 23
+    assert single["msp"]["ood/svhn/auroc"] != single["lse"]["ood/svhn/auroc"]
+
+
+def test_settings_resolve_the_original_attack_and_problems_name_missing_roots(tmp_path):
+    cfg = load_config(None, ["data.image_size=224", "data.indist_dataset=ImageNet",
+                             "data.num_classes=1000", "eval.ood_datasets=[noise,svhn]",
+                             f"eval.ood_roots.svhn={tmp_path}/absent", "eval.ood_attack_steps=4"])
+    settings = OODSets.settings(cfg)
+    assert settings["attack"]["eps"] == 3.0 and settings["attack"]["step_size"] == 1.0
+    assert settings["attack"]["steps"] == 4 and settings["attack"]["objective"] == "uniform_kl"
+    assert settings["roots"] == {"svhn": f"{tmp_path}/absent"}
+    assert OODSets.problems(cfg) == [
+        f"OOD set 'svhn': eval.ood_roots.svhn '{tmp_path}/absent' does not exist"]

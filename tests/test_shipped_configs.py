@@ -18,7 +18,7 @@ from tests.fake_data import write_fake_cifar10, write_tiny_images
 from tests.helpers import BIN, REPO, base_env, finish, torchrun_cmd
 from tests.wandb_files import offline_runs, read_run
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STAGE1 = str(REPO / "InNOutRobustnessMean0_cifar100" / "configs" / "cifar10_wrn34x10.yaml")
 STAGE2 = str(REPO / "experiments" / "cifar10" / "dat_wrn34x10_seed0.yaml")

@@ -132,7 +132,9 @@ def test_a_failed_rank0_write_mid_run_ends_every_rank_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "samples").write_text("a file where the samples folder goes")
-    result = run_train([CONFIG, *FAST, "max_steps=12"], nproc=2, run_dir=run_dir, timeout=240)
+    # the first sample grid is due at step 2 of 4 (after a state at step 1 was written)
+    result = run_train([CONFIG, *FAST, "max_steps=4", "n_imgs_per_image_log=64"], nproc=2,
+                       run_dir=run_dir, timeout=240)
     assert result.returncode != 0
     assert "[rank 0] error: cannot write" in result.output, result.output[-4000:]
     assert "[rank 1] error: rank 0 could not write" in result.output

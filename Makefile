@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test lint bench clean
+.PHONY: setup quickstart test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,13 @@ quickstart: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 InNOutRobustnessMean0_cifar100/train_at.py experiments/quickstart/digits_stage1.yaml run_dir=runs/quickstart/stage1
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 -m rebm.training.train experiments/quickstart/digits_stage2.yaml run_dir=runs/quickstart/stage2
 
+# The whole suite (what CI runs), and the inner-loop tier without the tests marked `slow` (those
+# that start training runs or several processes).
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100

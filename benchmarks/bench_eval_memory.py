@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STANDIN = "tests.test_fid:standin_features"
+STANDIN = "tests.standins:standin_features"
 
 
 def _env(repo: Path) -> dict:

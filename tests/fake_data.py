@@ -13,6 +13,8 @@
   (wnid -> class names, val wnids), as torchvision's devkit parser writes it) and
   `root/{train,val}/<wnid>/*.JPEG`; `write_fake_openimage_o(root)`: a folder of JPEGs;
   `truncate_file(path)` cuts a JPEG in half (a corrupt file as met in a long run).
+- `write_robustness_checkpoint(path, model)`: a public robust ImageNet checkpoint in the layout
+  the `robustness` library saves.
 
 Images are random noise with a per-class colour offset (so they are not all alike).
 """
@@ -185,3 +187,38 @@ def truncate_file(path: str) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)
+
+
+def write_robustness_checkpoint(path, model, mean=None, std=None):
+    """The layout `robustness.train` saves: the AttackerModel's state dict under DataParallel,
+    with the network twice (model, attacker.model) and two normalisers (ImageNet's statistics
+    by default), plus training extras; returns path."""
+    import torch
+
+    from rebm.models.wideresnet import IMAGENET_MEAN, IMAGENET_STD
+
+    new_mean, new_std = (torch.tensor(v).view(3, 1, 1)
+                         for v in (mean or IMAGENET_MEAN, std or IMAGENET_STD))
+    sd = {"module.normalizer.new_mean": new_mean, "module.normalizer.new_std": new_std,
+          "module.attacker.normalize.new_mean": new_mean.clone(),
+          "module.attacker.normalize.new_std": new_std.clone()}
+    for k, v in model.state_dict().items():
+        sd["module.model." + k] = v.clone()
+        sd["module.attacker.model." + k] = v.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.save({"model": sd, "optimizer": opt.state_dict(), "schedule": None, "epoch": 90}, path)
+    return path
+
+
+def write_fake_svhn(root: str, n: int, split: str = "train", seed: int = 0) -> str:
+    """`<root>/<split>_32x32.mat` as the official files hold it: X (32, 32, 3, N) uint8 and
+    y (N, 1) with label 10 for the digit 0."""
+    from scipy.io import savemat
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
+    y = rng.integers(1, 11, size=(n, 1)).astype(np.uint8)
+    path = os.path.join(root, f"{split}_32x32.mat")
+    savemat(path, {"X": x, "y": y})
+    return path

@@ -20,6 +20,7 @@ SMALL = ["batch_size=32", "attack.max_steps=1", "attack.start_step=1",
          "image_log.num_samples=10", "image_log.num_steps=1", "robust_eval_steps=1"]
 
 
+@pytest.mark.slow
 def test_evaluation_line_and_closing_summary(tmp_path):
     result = run_train([CONFIG, *SMALL, "max_steps=3"], run_dir=tmp_path / "run").assert_ok()
     assert "evaluation at step 2: clean acc " in result.output
@@ -28,6 +29,7 @@ def test_evaluation_line_and_closing_summary(tmp_path):
     assert f"files in {tmp_path / 'run'}: model_final.pth" in result.output
 
 
+@pytest.mark.slow
 def test_an_error_on_every_rank_is_in_its_log_file(tmp_path):
     """A bug (not a user error) in the step: each rank's traceback ends up in logs/rank<r>.log."""
     script = tmp_path / "broken_train.py"

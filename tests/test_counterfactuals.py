@@ -19,7 +19,7 @@ from rebm.eval.counterfactuals import class_image_set, target_classes
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
-STANDIN = "tests.test_fid:standin_features"
+STANDIN = "tests.standins:standin_features"
 OVERRIDES = ["data.indist_dataset=cifar10", "data.image_size=16", "data.num_workers=0",
              "model.model_type=WideResNet10x1", "rand_seed=1"]
 
@@ -62,7 +62,7 @@ def setup(tmp_path_factory):
 
 
 def test_class_statistics_are_those_of_the_class_images(setup):
-    from tests.test_fid import standin_features
+    from tests.standins import standin_features
 
     root, stats = setup
     cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}"])

@@ -22,7 +22,7 @@ from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats
 from rebm.models.wideresnet import WideResNet
 from rebm.training.modeling import get_model, get_optimizer, load_checkpoint
-from tests.test_models import _randomise_bn  # non-trivial BatchNorm statistics
+from tests.helpers import randomise_bn as _randomise_bn  # non-trivial BatchNorm statistics
 
 pytestmark = pytest.mark.timeout(120)
 

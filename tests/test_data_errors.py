@@ -10,7 +10,7 @@ import pytest
 
 from rebm.data.pipeline import DataError, image_tensor_file, load_indist, load_outdist
 from tests.fake_data import write_fake_cifar10
-from tests.test_data import make_cfg
+from tests.helpers import make_cfg
 
 
 # --------------------------------------------------------------------------------------------

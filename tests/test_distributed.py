@@ -1,5 +1,6 @@
 """The distributed runtime with real processes (gloo on CPU)."""
 
+import ast
 import os
 import re
 import socket
@@ -15,40 +16,45 @@ from tests.helpers import BIN, REPO, base_env, run_command, run_train
 pytestmark = pytest.mark.timeout(180)
 
 
-def _flag_worker(result_dir: str) -> None:
+def _two_ranks_worker(result_dir: str) -> None:
+    """Both ranks report what they saw: a stop flag raised by rank 1 alone at call 1, then the
+    collectives rebm uses."""
     runtime = rd.setup_distributed()
-    # Rank 1 alone raises the flag; both ranks must see it at the same call.
     seen = []
     for call in range(3):
         decision = rd.consensus(runtime, stop=(runtime.rank == 1 and call == 1), other=False)
         seen.append((call, decision["stop"], decision["other"]))
-    with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
-        fh.write(repr(seen))
-    rd.teardown(runtime)
-
-
-def test_consensus_flag_from_one_rank_reaches_all(tmp_path):
-    rd.spawn(_flag_worker, 2, str(tmp_path))
-    expected = repr([(0, False, False), (1, True, False), (2, False, False)])
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == expected
-
-
-def _collectives_worker(result_dir: str) -> None:
-    runtime = rd.setup_distributed()
     gathered = rd.all_gather_cat(runtime, torch.full((2, 3), float(runtime.rank)))
     summed = rd.all_reduce_sum(runtime, torch.tensor([runtime.rank + 1.0]))
     obj = rd.broadcast_object(runtime, {"run_dir": f"chosen-by-{runtime.rank}"})
     with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
-        fh.write(repr((gathered[:, 0].tolist(), summed.tolist(), obj)))
+        fh.write(repr({"consensus": seen,
+                       "collectives": (gathered[:, 0].tolist(), summed.tolist(), obj)}))
     rd.teardown(runtime)
 
 
-def test_collectives_agree_on_every_rank(tmp_path):
-    rd.spawn(_collectives_worker, 2, str(tmp_path))
-    expected = repr(([0.0, 0.0, 1.0, 1.0], [3.0], {"run_dir": "chosen-by-0"}))
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """What each of 2 spawned ranks reported: {rank: report}."""
+    result_dir = tmp_path_factory.mktemp("two_ranks")
+    rd.spawn(_two_ranks_worker, 2, str(result_dir))
+    return {rank: ast.literal_eval((result_dir / f"rank{rank}.txt").read_text())
+            for rank in range(2)}
+
+
+@pytest.mark.slow
+def test_consensus_flag_from_one_rank_reaches_all(two_ranks):
+    # Rank 1 alone raises the flag; both ranks must see it at the same call.
     for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == expected
+        assert two_ranks[rank]["consensus"] == [(0, False, False), (1, True, False),
+                                                (2, False, False)]
+
+
+@pytest.mark.slow
+def test_collectives_agree_on_every_rank(two_ranks):
+    for rank in range(2):
+        assert two_ranks[rank]["collectives"] == ([0.0, 0.0, 1.0, 1.0], [3.0],
+                                                  {"run_dir": "chosen-by-0"})
 
 
 def test_layout_from_torchrun_env_on_second_node(monkeypatch):
@@ -109,6 +115,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_node_rendezvous_on_one_machine():
     port = _free_port()
     env = base_env(threads=1)
@@ -138,6 +145,7 @@ def test_two_node_rendezvous_on_one_machine():
     assert sorted(int(rank) for rank, _, _ in reports) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_use_ddp_false_under_torchrun_is_refused(tmp_path):
     result = run_train(["experiments/quickstart/digits.yaml", "use_ddp=false", "max_steps=1"],
                        nproc=2, timeout=120, run_dir=tmp_path / "run")

@@ -22,6 +22,7 @@ from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_cali
 from rebm.eval.generation import SeedImageError, SeedImages
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
+from tests.standins import fit_head
 
 N_TEST = 101
 EVAL_OVERRIDES = [
@@ -45,19 +46,6 @@ def _eval_cfg(root: str, *extra: str):
     return load_config(None, [*EVAL_OVERRIDES, f"data.indist_ds_dir={root}", *extra])
 
 
-def _fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Least-squares fc on random features, so predictions depend on the input (a random
-    WideResNet predicts nearly one class) and the attack has something to flip."""
-    with torch.no_grad():
-        feats = model.features(x)
-        feats = torch.cat([feats, torch.ones(len(feats), 1)], dim=1)
-        target = torch.nn.functional.one_hot(y, 10).float() * 10.0
-        ridge = 1e-3 * torch.eye(feats.shape[1])
-        w = torch.linalg.solve(feats.T @ feats + ridge, feats.T @ target)
-        model.fc.weight.copy_(w[:-1].T)
-        model.fc.bias.copy_(w[-1])
-
-
 @pytest.fixture(scope="module")
 def fake_cifar(tmp_path_factory):
     """(data root, checkpoint path) of a tiny CIFAR-10 and a model that fits part of its test set."""
@@ -71,7 +59,7 @@ def fake_cifar(tmp_path_factory):
     y = test.labels(np.arange(N_TEST))
     torch.manual_seed(0)
     model = build_model("WideResNet10x1", 10).eval()
-    _fit_head(model, x[::2], y[::2])  # half the images: accuracy well between 0 and 1
+    fit_head(model, x[::2], y[::2])  # half the images: accuracy well between 0 and 1
     ckpt = root / "model.pth"
     torch.save(model.state_dict(), ckpt)
     return str(root), str(ckpt)

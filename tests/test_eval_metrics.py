@@ -28,8 +28,7 @@ from rebm.distributed import Runtime
 from rebm.eval.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
-from tests.test_eval import _fit_head
-from tests.test_fid import STANDIN, standin_features
+from tests.standins import STANDIN, fit_head, standin_features
 
 N_TEST, N_TRAIN, N_SAMPLES = 21, 40, 13
 SAMPLE_METRICS = ("sample_grid", "keep_samples", "samples_npz", "fid", "inception_score",
@@ -72,7 +71,7 @@ def data(tmp_path_factory):
     x = test.images(np.arange(N_TEST)).float() / 255.0
     torch.manual_seed(0)
     model = build_model("WideResNet10x1", 10).eval()
-    _fit_head(model, x[::2], test.labels(np.arange(N_TEST))[::2])
+    fit_head(model, x[::2], test.labels(np.arange(N_TEST))[::2])
     torch.save(model.state_dict(), root / "model.pth")
     train = indist_source(cfg, "train").images(np.arange(N_TRAIN)).float() / 255.0
     mu, sigma = feature_statistics(standin_features(to_8bit(train)).numpy())
@@ -223,11 +222,11 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
     from torch_fidelity import feature_extractor_inceptionv3 as tf_inception
 
     from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
-    from tests.test_fid import _random_fid_inception_state
+    from tests.standins import random_fid_inception_state
 
     torch.manual_seed(0)
     weights = tmp_path / "inception.pth"
-    torch.save(_random_fid_inception_state(), weights)
+    torch.save(random_fid_inception_state(), weights)
     monkeypatch.delenv(FEATURES_ENV, raising=False)
 
     def no_network(*args, **kwargs):

@@ -6,8 +6,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import rebm_traceback_lines, run_train
-from tests.test_train import CONFIG, FAST, load_state
+from tests.helpers import CONFIG, FAST, load_state, rebm_traceback_lines, run_train
 
 pytestmark = pytest.mark.timeout(420)
 

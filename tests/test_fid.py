@@ -1,8 +1,8 @@
 """FID through pytorch-fid (rebm/eval/fid.py, fid_stats.py, sweep.py; docs/evaluation.md).
 
 The distance is always pytorch-fid's. The feature network is Inception where its weights are on
-disk; elsewhere `standin_features` below stands in for it, named by
-REBM_FID_FEATURES=tests.test_fid:standin_features (in-process and in real subprocesses; its
+disk; elsewhere `tests.standins.standin_features` stands in for it, named by
+REBM_FID_FEATURES=tests.standins:standin_features (in-process and in real subprocesses; its
 values are stored under `fid_standin`, never as `fid`). The data is a
 tiny CIFAR-10 in the real on-disk format, the model a random WideResNet-10-1.
 """
@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rebm.config import load_config
 from rebm.data.sampling import eval_chunks
@@ -24,8 +23,8 @@ from rebm.distributed import Runtime
 from rebm.eval import fid
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
+from tests.standins import STANDIN, random_fid_inception_state, standin_features  # noqa: E402
 
-STANDIN = "tests.test_fid:standin_features"
 OVERRIDES = [
     "data.indist_dataset=cifar10",
     "data.num_workers=0",
@@ -37,13 +36,6 @@ OVERRIDES = [
     "image_log.num_samples=13",
     "rand_seed=3",
 ]
-
-
-def standin_features(images: torch.Tensor) -> torch.Tensor:
-    """A small deterministic feature network: 2x2-pooled colour means and per-channel spread
-    (15-d), per image, in float64 (so an image's features do not depend on its batch)."""
-    x = images.double()
-    return torch.cat([F.adaptive_avg_pool2d(x, 2).flatten(1), x.flatten(2).std(dim=2)], dim=1)
 
 
 @pytest.fixture(autouse=True)
@@ -335,25 +327,6 @@ def test_entry_points_fail_at_start_with_one_line(setup, empty_hub, capsys, tmp_
 # --------------------------------------------------------------------------------------------
 # The Inception path
 # --------------------------------------------------------------------------------------------
-def _random_fid_inception_state() -> dict:
-    """A state dict of pytorch-fid's FID Inception architecture with random weights (the real
-    file cannot be downloaded here); the blocks are those of pytorch_fid.inception's
-    fid_inception_v3."""
-    from pytorch_fid import inception as pf
-
-    net = pf._inception_v3(num_classes=1008, aux_logits=False, weights=None)
-    net.Mixed_5b = pf.FIDInceptionA(192, pool_features=32)
-    net.Mixed_5c = pf.FIDInceptionA(256, pool_features=64)
-    net.Mixed_5d = pf.FIDInceptionA(288, pool_features=64)
-    net.Mixed_6b = pf.FIDInceptionC(768, channels_7x7=128)
-    net.Mixed_6c = pf.FIDInceptionC(768, channels_7x7=160)
-    net.Mixed_6d = pf.FIDInceptionC(768, channels_7x7=160)
-    net.Mixed_6e = pf.FIDInceptionC(768, channels_7x7=192)
-    net.Mixed_7b = pf.FIDInceptionE_1(1280)
-    net.Mixed_7c = pf.FIDInceptionE_2(2048)
-    return net.state_dict()
-
-
 @pytest.mark.timeout(120)
 def test_inception_from_a_local_file_never_downloads(empty_hub, tmp_path, monkeypatch):
     import urllib.request
@@ -362,7 +335,7 @@ def test_inception_from_a_local_file_never_downloads(empty_hub, tmp_path, monkey
 
     torch.manual_seed(0)
     empty_hub.parent.mkdir(parents=True)
-    torch.save(_random_fid_inception_state(), empty_hub)
+    torch.save(random_fid_inception_state(), empty_hub)
     configured = tmp_path / "elsewhere.pth"
     configured.write_bytes(empty_hub.read_bytes())
 

@@ -16,8 +16,7 @@ from rebm.checkpoint.weights import CheckpointError, load_checkpoint, read_check
 from rebm.data.pipeline import DataError, load_indist
 from rebm.models import build_model
 from tests.fake_data import write_fake_cifar10
-from tests.helpers import run_command
-from tests.test_data import make_cfg
+from tests.helpers import make_cfg, run_command
 
 pytestmark = pytest.mark.timeout(120)
 

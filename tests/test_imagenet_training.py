@@ -20,11 +20,17 @@ from tests.fake_data import (
     truncate_file,
     write_fake_imagenet,
     write_fake_openimage_o,
+    write_robustness_checkpoint,
 )
-from tests.helpers import REPO, run_train
-from tests.test_checkpoint_layouts import _robustness_file
-from tests.test_resume import assert_states_identical, comparable
-from tests.test_train import load_state, max_param_diff, read_metrics
+from tests.helpers import (
+    REPO,
+    assert_states_identical,
+    comparable,
+    load_state,
+    max_param_diff,
+    read_metrics,
+    run_train,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -46,7 +52,7 @@ SIZES = ["data.num_classes=3", "data.image_size=64", "data.num_workers=0", "batc
 def _resnet_checkpoint(path):
     """TinyResNetImageNet in the `robustness` library's layout (normaliser copies included)."""
     torch.manual_seed(0)
-    _robustness_file(path, build_model("TinyResNetImageNet", 3).eval())
+    write_robustness_checkpoint(path, build_model("TinyResNetImageNet", 3).eval())
 
 
 def _convstem_checkpoint(path):
@@ -91,6 +97,7 @@ def _train_records(run_dir):
     return [r for r in read_metrics(run_dir) if "test_acc" not in r]
 
 
+@pytest.mark.slow
 def test_two_process_dat_from_the_public_checkpoint(straight, data):
     family, _, run_dir, output = straight
     assert f"layout: {FAMILIES[family][3]})" in output, output[-3000:]
@@ -109,6 +116,7 @@ def test_two_process_dat_from_the_public_checkpoint(straight, data):
     assert (run_dir / "model_final.pth").exists()
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(straight, tmp_path):
     _, args, straight_dir, _ = straight
     run_dir = tmp_path / "resumed"
@@ -123,6 +131,7 @@ def test_resume_is_bit_identical(straight, tmp_path):
     assert comparable(resumed) == comparable(read_metrics(straight_dir))
 
 
+@pytest.mark.slow
 def test_final_evaluation_is_identical_on_one_rank(straight, tmp_path):
     """The 2-rank run's final evaluation of model_final.pth, redone by the evaluation entry
     point in one process over the whole val split: the same numbers, exactly."""
@@ -137,6 +146,7 @@ def test_final_evaluation_is_identical_on_one_rank(straight, tmp_path):
         assert one_rank[key] == two_ranks[key], key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("straight", ["resnet"], indirect=True)  # one family: same data path
 def test_one_rank_training_agrees_with_two_despite_the_corrupt_jpeg(straight, tmp_path):
     """The replacement of the truncated JPEG is a function of the index alone: one process

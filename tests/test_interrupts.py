@@ -18,9 +18,18 @@ from rebm.distributed.launch import free_port
 from rebm.distributed.logs import LogFileError, setup_logging
 from rebm.distributed.runtime import Runtime
 from rebm.engine.rundir import RunDirError, check_shared, remove_stale_temp_files
-from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, run_train
-from tests.test_resume import _start_torchrun, _wait_for_records
-from tests.test_train import CONFIG, FAST, read_metrics
+from tests.helpers import (
+    CONFIG,
+    FAST,
+    REPO,
+    base_env,
+    finish,
+    read_metrics,
+    rebm_traceback_lines,
+    run_train,
+    start_torchrun,
+    wait_for_records,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,12 +63,13 @@ EVAL_SLOW = [CONFIG, *FAST, "max_steps=2", "n_imgs_per_ckpt_save=100000",
              "n_imgs_per_evaluation_log=64", "robust_eval_steps=40"]
 
 
+@pytest.mark.slow
 def test_sigterm_during_an_evaluation_saves_in_the_grace_period_and_resume_runs_it(tmp_path):
     """SIGTERM to torchrun's agent (what SLURM does) while every rank is inside the evaluation
     at step 2: the ranks agree at the next evaluation batch, abandon it, save, exit; the same
     command then runs that evaluation first and finishes."""
     run_dir = tmp_path / "run"
-    proc = _start_torchrun(EVAL_SLOW, run_dir)
+    proc = start_torchrun(EVAL_SLOW, run_dir)
     log = run_dir / "logs" / "rank0.log"
     deadline = time.time() + 180
     while not (log.exists() and "evaluating at step 2" in log.read_text()):
@@ -93,6 +103,7 @@ def _fake_slurm_bin(folder, log):
         (folder / name).chmod((folder / name).stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.mark.slow
 def test_the_slurm_recipe_saves_and_requeues_on_the_warning_signal(tmp_path):
     run_dir = tmp_path / "run"
     calls = tmp_path / "scontrol.log"
@@ -107,7 +118,7 @@ def test_the_slurm_recipe_saves_and_requeues_on_the_warning_signal(tmp_path):
          "n_imgs_per_ckpt_save=100000"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
-    _wait_for_records(run_dir, 1, proc)
+    wait_for_records(run_dir, 1, proc)
     proc.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1@300 goes to the batch shell
     code, out = finish(proc, timeout=120)
     assert code == 0, out[-4000:]
@@ -116,17 +127,21 @@ def test_the_slurm_recipe_saves_and_requeues_on_the_warning_signal(tmp_path):
     assert len(list((run_dir / "checkpoints").glob("state_*.pt"))) == 1
 
 
+@pytest.mark.slow
 def test_a_failed_rank0_write_mid_run_ends_every_rank_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "samples").write_text("a file where the samples folder goes")
-    result = run_train([CONFIG, *FAST, "max_steps=12"], nproc=2, run_dir=run_dir, timeout=240)
+    # the first sample grid is due at step 2 of 4 (after a state at step 1 was written)
+    result = run_train([CONFIG, *FAST, "max_steps=4", "n_imgs_per_image_log=64"], nproc=2,
+                       run_dir=run_dir, timeout=240)
     assert result.returncode != 0
     assert "[rank 0] error: cannot write" in result.output, result.output[-4000:]
     assert "[rank 1] error: rank 0 could not write" in result.output
     assert not rebm_traceback_lines(result.output)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     """model.ckpt_path differs per rank (OmegaConf's env resolver), as when one node lacks it."""
     ckpt = tmp_path / "ckpt_0.pth"

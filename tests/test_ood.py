@@ -15,21 +15,12 @@ from rebm import distributed as rd
 from rebm.config import load_config
 from rebm.data.ood_sets import DataError, load_ood_set, load_svhn
 from rebm.eval.ood import OODSets, fpr_at_tpr, ood_score, original_ood_attack
-from tests.fake_data import write_fake_cifar10, write_fake_cifar100, write_image_folder
-
-
-def write_fake_svhn(root: str, n: int, split: str = "train", seed: int = 0) -> str:
-    """`<root>/<split>_32x32.mat` as the official files hold it: X (32, 32, 3, N) uint8 and
-    y (N, 1) with label 10 for the digit 0."""
-    from scipy.io import savemat
-
-    rng = np.random.default_rng(seed)
-    os.makedirs(root, exist_ok=True)
-    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
-    y = rng.integers(1, 11, size=(n, 1)).astype(np.uint8)
-    path = os.path.join(root, f"{split}_32x32.mat")
-    savemat(path, {"X": x, "y": y})
-    return path
+from tests.fake_data import (
+    write_fake_cifar10,
+    write_fake_cifar100,
+    write_fake_svhn,
+    write_image_folder,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -1,99 +1,108 @@
-"""Exact O(1) resume, preemption and failure handling with the real entry point."""
+"""Exact O(1) resume, preemption and failure handling with the real entry point.
+
+The references are the session's uninterrupted 20-step runs (`straight`, tests/conftest.py); the
+runs stopped at max_steps=STOP are made once per world size and continued, or damaged, as copies.
+"""
 
 import hashlib
 import os
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
 
 from tests.helpers import (
+    CONFIG,
+    FAST,
     REPO,
+    assert_states_identical,
     base_env,
+    comparable,
+    copy_run,
     finish,
+    load_state,
+    max_param_diff,
+    read_metrics,
     run_train,
-    torchrun_cmd,
+    save_state_as_step,
+    start_torchrun,
+    wait_for_records,
+    worker_pids,
 )
-from tests.test_train import CONFIG, FAST, load_state, max_param_diff, read_metrics
 
-pytestmark = pytest.mark.timeout(420)
+# generous: the first tests also wait for the shared reference and stopped runs (hangs fail
+# each run's own timeout sooner)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 8
 STOP = 3  # odd: the stop falls inside a metrics window (metrics every 2 steps)
-LOG2 = "n_imgs_per_metrics_log=64"
-TIMING_KEYS = {"imgs_per_s", "max_rss_mib"}  # wall-clock and memory differ between any two runs
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
-
-
-def assert_states_identical(a, b):
-    for part in ("model", "ema"):
-        assert set(a[part]) == set(b[part])
-        for key in a[part]:
-            if torch.is_tensor(a[part][key]):
-                assert torch.equal(a[part][key], b[part][key]), (part, key)
-    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert opt_a.keys() == opt_b.keys()
-    for idx in opt_a:
-        for name, value in opt_a[idx].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b[idx][name]))
-    for part in ("method", "scheduler"):  # e.g. DAT's curriculum, stage 1's LR schedule
-        assert a.get(part) == b.get(part), part
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Uninterrupted reference runs of STEPS steps at world size 1 and 2."""
-    root = tmp_path_factory.mktemp("straight")
-    for nproc in (1, 2):
-        run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=nproc,
-                  run_dir=root / f"ws{nproc}", timeout=300).assert_ok()
-    return root
+def stopped(tmp_path_factory):
+    """stopped(nproc): a run of world size nproc stopped at max_steps=STOP (made on first use);
+    its states are those of steps 1 to STOP."""
+    root = tmp_path_factory.mktemp("stopped")
+    made = {}
+
+    def get(nproc):
+        if nproc not in made:
+            made[nproc] = root / f"ws{nproc}"
+            run_train([CONFIG, *FAST, f"max_steps={STOP}"], nproc=nproc, run_dir=made[nproc],
+                      timeout=300).assert_ok()
+        return made[nproc]
+    return get
+
+
+@pytest.fixture(scope="module")
+def resumed(stopped, tmp_path_factory):
+    """resumed(nproc): (run dir, output) of a copy of stopped(nproc) continued to STEPS by the
+    same command (made on first use)."""
+    root = tmp_path_factory.mktemp("resumed")
+    made = {}
+
+    def get(nproc):
+        if nproc not in made:
+            run_dir = copy_run(stopped(nproc), root / f"ws{nproc}")
+            result = run_train([CONFIG, *FAST, f"max_steps={STEPS}"], nproc=nproc,
+                               run_dir=run_dir, timeout=300).assert_ok()
+            made[nproc] = run_dir, result.output
+        return made[nproc]
+    return get
+
+
+def records_to(run_dir, step):
+    return comparable([r for r in read_metrics(run_dir) if r["step"] <= step])
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_stop_and_resume_is_bit_identical(straight, tmp_path, nproc):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, LOG2, f"max_steps={STOP}"], nproc=nproc, run_dir=run_dir,
-              timeout=300).assert_ok()
-    result = run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=nproc,
-                       run_dir=run_dir, timeout=300).assert_ok()
-    assert f"at step {STOP}" in result.output  # it resumed rather than restarted
+def test_stop_and_resume_is_bit_identical(straight, resumed, nproc):
+    run_dir, output = resumed(nproc)
+    assert f"at step {STOP}" in output  # it resumed rather than restarted
     assert_states_identical(load_state(straight / f"ws{nproc}", STEPS), load_state(run_dir, STEPS))
-    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(straight / f"ws{nproc}"))
+    assert comparable(read_metrics(run_dir)) == records_to(straight / f"ws{nproc}", STEPS)
 
 
-def test_resume_does_not_need_the_pretrained_checkpoint_any_more(straight, tmp_path):
+def test_resume_does_not_need_the_pretrained_checkpoint_any_more(stopped, tmp_path):
     """The state holds the weights: a resumed run must not read model.ckpt_path (on a cluster
     the stage-1 file may have been moved or deleted since the run started)."""
-    pretrained = tmp_path / "pretrained.pth"
-    shutil.copy(straight / "ws1" / "model_final.pth", pretrained)
-    run_dir = tmp_path / "run"
-    args = [CONFIG, *FAST, f"model.ckpt_path={pretrained}"]
-    first = run_train([*args, f"max_steps={STOP}"], run_dir=run_dir, timeout=300).assert_ok()
-    assert f"loaded checkpoint '{pretrained}'" in first.output
-    pretrained.unlink()
+    missing = tmp_path / "pretrained.pth"
+    args = [CONFIG, *FAST, f"model.ckpt_path={missing}"]
+    run_dir = copy_run(stopped(1), tmp_path / "run")
     result = run_train([*args, f"max_steps={STOP + 1}"], run_dir=run_dir,
                        timeout=300).assert_ok()
     assert f"at step {STOP}" in result.output and "loaded checkpoint" not in result.output
-    # a fresh run with the missing file still fails clearly
+    # a fresh run with the missing file fails clearly
     fresh = run_train([*args, "max_steps=1"], run_dir=tmp_path / "fresh", timeout=300)
-    assert fresh.returncode == 2 and str(pretrained) in fresh.output
+    assert fresh.returncode == 2 and str(missing) in fresh.output
 
 
-def test_resume_on_a_different_world_size(straight, tmp_path):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, LOG2, f"max_steps={STOP}"], nproc=2, run_dir=run_dir,
-              timeout=300).assert_ok()
-    run_train([CONFIG, *FAST, LOG2, f"max_steps={STEPS}"], nproc=1, run_dir=run_dir,
+def test_resume_on_a_different_world_size(straight, stopped, tmp_path):
+    run_dir = copy_run(stopped(2), tmp_path / "run")
+    run_train([CONFIG, *FAST, f"max_steps={STEPS}"], nproc=1, run_dir=run_dir,
               timeout=300).assert_ok()
     a, b = load_state(straight / "ws2", STEPS), load_state(run_dir, STEPS)
     assert max_param_diff(a["model"], b["model"]) <= 1e-4
@@ -104,64 +113,23 @@ def _startup_seconds(run_dir):
     return float(re.findall(r"first batch after ([0-9.]+)s", text)[-1])
 
 
-def test_resume_cost_does_not_grow_with_the_step(straight, tmp_path):
-    seconds = {}
-    for step in (10, 2000):
-        run_dir = tmp_path / f"at{step}"
-        state = load_state(straight / "ws1", STEPS)
-        state["step"] = step  # the data position is derived from the step alone
-        os.makedirs(run_dir / "checkpoints")
-        torch.save(state, run_dir / "checkpoints" / f"state_{step:09d}.pt")
-        run_train([CONFIG, *FAST, f"max_steps={step + 1}", "total_epochs=null"],
-                  run_dir=run_dir, timeout=300).assert_ok()
-        seconds[step] = _startup_seconds(run_dir)
-    assert abs(seconds[2000] - seconds[10]) < 1.0, seconds
-
-
-def _worker_pids(agent_pid):
-    """{rank: pid} of the workers a torchrun agent started (read from their environment)."""
-    pids = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
-            pids[int(env[b"RANK"])] = int(pid)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return pids
-
-
-def _start_torchrun(args, run_dir, extra=(), threads=1, env_extra=None):
-    cmd = torchrun_cmd("rebm.training.train", [*args, f"run_dir={run_dir}"], 2)
-    cmd[1:1] = list(extra)
-    return subprocess.Popen(cmd, cwd=REPO, env=base_env(threads, env_extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _wait_for_records(run_dir, count, proc, timeout=180):
-    deadline = time.time() + timeout
-    path = run_dir / "metrics.jsonl"
-    while time.time() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= count:
-            return
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        time.sleep(0.2)
-    pytest.fail("training did not make progress")
+def test_resume_cost_does_not_grow_with_the_step(straight, resumed, tmp_path):
+    """Start-up (to the first batch) of a resume at step 2000 against one at step STOP."""
+    run_dir = tmp_path / "at2000"
+    save_state_as_step(load_state(straight / "ws1", STEPS), run_dir, 2000)
+    run_train([CONFIG, *FAST, "max_steps=2001", "total_epochs=null"], run_dir=run_dir,
+              timeout=300).assert_ok()
+    seconds = {step: _startup_seconds(folder)
+               for step, folder in ((STOP, resumed(1)[0]), (2000, run_dir))}
+    assert abs(seconds[2000] - seconds[STOP]) < 1.0, seconds
 
 
 def test_sigterm_to_one_rank_saves_and_same_command_resumes(straight, tmp_path):
     run_dir = tmp_path / "run"
-    args = [CONFIG, *FAST, LOG2, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
-    proc = _start_torchrun(args, run_dir)
-    _wait_for_records(run_dir, 1, proc)
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+    args = [CONFIG, *FAST, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
+    proc = start_torchrun(args, run_dir)
+    wait_for_records(run_dir, 1, proc)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
     code, out = finish(proc, timeout=30)
     assert code == 0, out[-4000:]
     assert f"run the same command with run_dir={run_dir} to resume" in out
@@ -172,16 +140,16 @@ def test_sigterm_to_one_rank_saves_and_same_command_resumes(straight, tmp_path):
 
 def test_sigkill_of_a_worker_ends_the_job_and_max_restarts_resumes(tmp_path):
     args = [CONFIG, *FAST, "max_steps=30"]
-    proc = _start_torchrun(args, tmp_path / "plain")
-    _wait_for_records(tmp_path / "plain", 2, proc)
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    proc = start_torchrun(args, tmp_path / "plain")
+    wait_for_records(tmp_path / "plain", 1, proc)  # metrics every 2 steps: at step 2
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
     code, out = finish(proc, timeout=60)
     assert code != 0
 
     run_dir = tmp_path / "elastic"
-    proc = _start_torchrun([CONFIG, *FAST, "max_steps=12"], run_dir, extra=["--max-restarts=1"])
-    _wait_for_records(run_dir, 3, proc)
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    proc = start_torchrun([CONFIG, *FAST, "max_steps=12"], run_dir, extra=["--max-restarts=1"])
+    wait_for_records(run_dir, 2, proc)  # step 4
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
     code, out = finish(proc, timeout=300)
     assert code == 0, out[-4000:]
     assert "resumed from" in (run_dir / "logs" / "rank0.log").read_text()
@@ -192,10 +160,10 @@ def test_stuck_rank_times_out_naming_the_rank(tmp_path):
     run_dir = tmp_path / "run"
     # No periodic saves: around a save the longer start-up timeout applies (rank 0 may write
     # a large state), and this test is about a rank that stops during training steps.
-    proc = _start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=15",
-                            "n_imgs_per_ckpt_save=100000"], run_dir)
-    _wait_for_records(run_dir, 2, proc)
-    stuck = _worker_pids(proc.pid)[1]
+    proc = start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=15",
+                           "n_imgs_per_ckpt_save=100000"], run_dir)
+    wait_for_records(run_dir, 1, proc)  # step 2: training steps have started
+    stuck = worker_pids(proc.pid)[1]
     os.kill(stuck, signal.SIGSTOP)
     try:
         code, out = finish(proc, timeout=240)
@@ -212,22 +180,20 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_corrupt_newest_state_falls_back_to_previous(tmp_path):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, "max_steps=4"], run_dir=run_dir, timeout=300).assert_ok()
-    newest = run_dir / "checkpoints" / "state_000000004.pt"
+def test_corrupt_newest_state_falls_back_to_previous(stopped, tmp_path):
+    run_dir = copy_run(stopped(1), tmp_path / "run")
+    newest = run_dir / "checkpoints" / f"state_{STOP:09d}.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, like a crash mid-copy
-    result = run_train([CONFIG, *FAST, "max_steps=6"], run_dir=run_dir, timeout=300).assert_ok()
-    assert "state_000000004.pt" in result.output and "unreadable" in result.output
-    assert "at step 3" in result.output
-    assert load_state(run_dir, 6)["step"] == 6
+    result = run_train([CONFIG, *FAST, f"max_steps={STOP + 1}"], run_dir=run_dir,
+                       timeout=300).assert_ok()
+    assert newest.name in result.output and "unreadable" in result.output
+    assert f"at step {STOP - 1}" in result.output
+    assert load_state(run_dir, STOP + 1)["step"] == STOP + 1
 
 
-def test_failing_state_write_is_a_clear_error_and_keeps_previous(tmp_path):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, "max_steps=2", "keep_last_states=1"], run_dir=run_dir,
-              timeout=300).assert_ok()
-    previous = run_dir / "checkpoints" / "state_000000002.pt"
+def test_failing_state_write_is_a_clear_error_and_keeps_previous(stopped, tmp_path):
+    run_dir = copy_run(stopped(1), tmp_path / "run")
+    previous = run_dir / "checkpoints" / f"state_{STOP:09d}.pt"
     digest = _sha(previous)
     limit = previous.stat().st_size // 2  # any larger file write fails like a full disk
 
@@ -235,7 +201,7 @@ def test_failing_state_write_is_a_clear_error_and_keeps_previous(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rebm.training.train", CONFIG, *FAST, "max_steps=4",
+        [sys.executable, "-m", "rebm.training.train", CONFIG, *FAST, f"max_steps={STOP + 2}",
          "keep_last_states=1", f"run_dir={run_dir}"],
         cwd=REPO, env=base_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=small_files)
@@ -246,11 +212,10 @@ def test_failing_state_write_is_a_clear_error_and_keeps_previous(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp*"))
 
 
-def test_a_run_never_starts_behind_the_states_of_its_run_dir(tmp_path):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *FAST, "max_steps=2"], run_dir=run_dir, timeout=300).assert_ok()
+def test_a_run_never_starts_behind_the_states_of_its_run_dir(stopped, tmp_path):
+    run_dir = copy_run(stopped(1), tmp_path / "run")
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    result = run_train([CONFIG, *FAST, "max_steps=2", "resume=never"], run_dir=run_dir,
+    result = run_train([CONFIG, *FAST, f"max_steps={STOP}", "resume=never"], run_dir=run_dir,
                        timeout=300)
     assert result.returncode == 2 and "holds states of a later step" in result.output
     assert "Traceback" not in result.output
@@ -261,9 +226,9 @@ def test_ctrl_c_under_torchrun_saves_and_the_same_command_resumes(straight, tmp_
     """A terminal's Ctrl-C: SIGINT to torchrun's process group; the agent passes it on to its
     workers (in their own sessions), which take it as a preemption."""
     run_dir = tmp_path / "run"
-    args = [CONFIG, *FAST, LOG2, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
-    proc = _start_torchrun(args, run_dir)
-    _wait_for_records(run_dir, 1, proc)
+    args = [CONFIG, *FAST, f"max_steps={STEPS}", "n_imgs_per_ckpt_save=100000"]
+    proc = start_torchrun(args, run_dir)
+    wait_for_records(run_dir, 1, proc)
     os.killpg(proc.pid, signal.SIGINT)
     code, out = finish(proc, timeout=60)
     assert "stopped by SIGINT" in out and f"run_dir={run_dir} to resume" in out, out[-4000:]

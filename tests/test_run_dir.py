@@ -10,12 +10,20 @@ import sys
 import pytest
 
 from rebm.config import default_run_dir, load_config
-from tests.helpers import REPO, run_command, run_train
+from rebm.engine.rundir import RunDirLock
+from tests.helpers import (
+    CONFIG,
+    FAST,
+    REPO,
+    STRAIGHT_STEPS,
+    copy_run,
+    run_command,
+    run_train,
+)
 from tests.wandb_files import offline_runs, read_run
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = "experiments/quickstart/digits.yaml"
 SMALL = ["batch_size=32", "attack.max_steps=2", "attack.start_step=1",
          "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=64",
          "n_imgs_per_evaluation_log=128", "n_imgs_per_ckpt_save=64", "image_log.num_samples=10",
@@ -28,6 +36,7 @@ def metrics_keys(run_dir):
         return [set(json.loads(line)) - {"step"} for line in fh]
 
 
+@pytest.mark.slow
 def test_wandb_offline_two_ranks_and_the_same_command_continues_the_run(tmp_path):
     run_dir = tmp_path / "run"
     first = run_train([CONFIG, *SMALL, "wandb_disabled=false", "max_steps=4"], nproc=2,
@@ -63,20 +72,24 @@ def test_default_run_dir_is_the_config_name_and_survives_length_overrides():
     assert "run_dir: runs/quickstart/digits\n" in result.output
 
 
-def test_a_changed_training_config_is_refused_unless_forced(tmp_path):
-    run_dir = tmp_path / "run"
-    run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir).assert_ok()
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # it may be the first test to wait for the session's reference runs
+def test_a_changed_training_config_is_refused_unless_forced(straight, tmp_path):
+    """A copy of the session's finished 20-step run, continued with another lr."""
+    run_dir = copy_run(straight / "ws1", tmp_path / "run")
     before = (run_dir / "metrics.jsonl").read_text()
-    refused = run_train([CONFIG, *SMALL, "max_steps=4", "lr=0.5"], run_dir=run_dir)
+    steps = STRAIGHT_STEPS + 1
+    refused = run_train([CONFIG, *FAST, f"max_steps={steps}", "lr=0.5"], run_dir=run_dir)
     assert refused.returncode == 2, refused.output[-3000:]
-    assert "lr: 0.001 -> 0.5" in refused.output and "resume=force" in refused.output
+    assert "lr: 0.005 -> 0.5" in refused.output and "resume=force" in refused.output
     assert "Traceback" not in refused.output
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing written
-    forced = run_train([CONFIG, *SMALL, "max_steps=4", "lr=0.5", "resume=force"],
+    forced = run_train([CONFIG, *FAST, f"max_steps={steps}", "lr=0.5", "resume=force"],
                        run_dir=run_dir).assert_ok()
-    assert "at step 2" in forced.output
+    assert f"at step {STRAIGHT_STEPS}" in forced.output
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -96,7 +109,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_p
     finally:
         holder.kill()
         holder.wait()
-    run_train([CONFIG, *SMALL, "max_steps=2"], run_dir=run_dir).assert_ok()  # lock released
+    RunDirLock(str(run_dir)).release()  # the killed holder's lock is free for the next job
 
 
 def test_wandb_mode_precedence(monkeypatch):

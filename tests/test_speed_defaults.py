@@ -110,6 +110,7 @@ print('hits', counters['inductor']['fxgraph_cache_hit'], counters['aot_autograd'
 """
 
 
+@pytest.mark.slow
 def test_compile_cache_survives_a_restart_on_a_fresh_node(tmp_path):
     """Two processes, each with an empty local inductor cache (a restart on another node): the
     second loads what the first saved under the run dir and compiles nothing afresh."""

@@ -11,14 +11,23 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import BIN, REPO, base_env, finish, run_command, run_train
-from tests.test_resume import (
-    _wait_for_records,
-    _worker_pids,
+from tests.helpers import (
+    BIN,
+    REPO,
     assert_states_identical,
+    base_env,
     comparable,
+    finish,
+    load_state,
+    read_metrics,
+    run_command,
+    run_train,
+    state_path,
+    wait_for_records,
+    worker_pids,
 )
-from tests.test_train import read_metrics
+
+pytestmark = pytest.mark.slow
 
 SCRIPT_DIR = REPO / "InNOutRobustnessMean0_cifar100"
 TRAIN_AT = str(SCRIPT_DIR / "train_at.py")
@@ -99,10 +108,6 @@ def stage1_cmd(run_dir, steps, *extra):
             *RESUME, f"max_steps={steps}", f"run_dir={run_dir}", *extra]
 
 
-def final_state(run_dir, step):
-    return torch.load(run_dir / "checkpoints" / f"state_{step:09d}.pt", weights_only=True)
-
-
 @pytest.fixture(scope="module")
 def stage1_straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stage1_straight")
@@ -117,8 +122,8 @@ def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
     result = run_command(stage1_cmd(run_dir, RESUME_STEPS), timeout=150,
                          env=base_env(1)).assert_ok()
     assert "resumed from" in result.output and f"at step {RESUME_STOP}" in result.output
-    assert_states_identical(final_state(stage1_straight, RESUME_STEPS),
-                            final_state(run_dir, RESUME_STEPS))
+    assert_states_identical(load_state(stage1_straight, RESUME_STEPS),
+                            load_state(run_dir, RESUME_STEPS))
     a = torch.load(stage1_straight / "model_final.pth", weights_only=True)
     b = torch.load(run_dir / "model_final.pth", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -145,9 +150,9 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path,
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    _wait_for_records(run_dir, 1, proc)
+    wait_for_records(run_dir, 1, proc)
     if launch.startswith("torchrun"):
-        os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
     else:  # a terminal's Ctrl-C reaches the parent and its ranks; the parent forwards it too
         os.killpg(proc.pid, signal.SIGINT)
     code, out = finish(proc, timeout=60)
@@ -156,11 +161,11 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path,
     assert "aborting" not in out and "Traceback" not in out
     saved = sorted((run_dir / "checkpoints").glob("state_*.pt"))
     assert len(saved) == 1 and not (run_dir / "model_final.pth").exists()
-    stopped_at = torch.load(saved[0], weights_only=True)["step"]
+    stopped_at = load_state(saved[0])["step"]
     # mid-run (usually inside a metrics window: 9 times in 10 the step is not a multiple of 10)
     assert 0 < stopped_at < steps, stopped_at
     run_command(cmd, timeout=150, env=base_env(1)).assert_ok()
-    assert_states_identical(final_state(stage1_straight, steps), final_state(run_dir, steps))
+    assert_states_identical(load_state(stage1_straight, steps), load_state(run_dir, steps))
     assert (run_dir / "model_final.pth").exists()
     straight, resumed = (comparable(read_metrics(d)) for d in (stage1_straight, run_dir))
     assert len(straight) == len(resumed) == steps // 10
@@ -170,8 +175,8 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path,
 
 @pytest.mark.timeout(120)
 def test_a_state_of_the_other_stage_is_a_clear_error(stage1_straight, tmp_path):
-    state = final_state(stage1_straight, RESUME_STEPS)
-    path = stage1_straight / "checkpoints" / f"state_{RESUME_STEPS:09d}.pt"
+    state = load_state(stage1_straight, RESUME_STEPS)
+    path = state_path(stage1_straight, RESUME_STEPS)
     assert state["stage"] == 1
     result = run_train(["experiments/quickstart/digits.yaml", f"resume_from_state={path}",
                         "max_steps=300"], run_dir=tmp_path / "dat", timeout=100)

@@ -13,8 +13,7 @@ from rebm.checkpoint.state import STATE_FORMAT, read_state
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import load_config
 from rebm.models import model_from_config
-from tests.helpers import run_train
-from tests.test_train import CONFIG, FAST, load_state
+from tests.helpers import CONFIG, FAST, load_state, run_train
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -19,10 +19,10 @@ import pytest
 
 from rebm.eval.table_report import cell, group_stats
 from rebm.eval.table_spec import RowSpec, TableError, load_table
+from tests.fake_data import write_fake_svhn
 from tests.helpers import BIN, REPO, base_env, finish, run_command
-from tests.test_ood import write_fake_svhn
 
-STANDIN = "tests.test_fid:standin_features"
+STANDIN = "tests.standins:standin_features"
 STAGE1 = "experiments/quickstart/digits_stage1.yaml"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
 TINY = ["batch_size=32", "max_steps=2", "indist_attack_clf.max_steps=1", "robust_eval_steps=1",

@@ -1,52 +1,39 @@
 """The DAT training loop through the real entry point (python -m / torchrun, gloo on CPU)."""
 
-import json
 import os
 
 import pytest
 import torch
 
-from tests.helpers import run_train
+from tests.helpers import (
+    CONFIG,
+    FAST,
+    NO_ATTACKS,
+    STRAIGHT_STEPS,
+    load_state,
+    max_param_diff,
+    read_metrics,
+    run_train,
+    tensors,
+)
 
-pytestmark = pytest.mark.timeout(400)
-
-CONFIG = "experiments/quickstart/digits.yaml"
-# Small and fast, but every part of the method is on: curriculum, both attacks, EMA.
-FAST = ["batch_size=32", "attack.max_steps=3", "attack.start_step=1", "indist_attack_clf.max_steps=2",
-        "min_imgs_per_threshold=64", "n_imgs_per_metrics_log=32", "n_imgs_per_image_log=320",
-        "n_imgs_per_ckpt_save=32", "keep_last_states=100", "n_imgs_per_evaluation_log=null",
-        "AUC_th=0.6", "optimizer=sgd", "lr=0.005"]
-NO_ATTACKS = ["attack.max_steps=0", "attack.start_step=0", "indist_attack_clf.max_steps=0"]
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def load_state(run_dir, step):
-    path = os.path.join(run_dir, "checkpoints", f"state_{step:09d}.pt")
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def max_param_diff(a, b):
-    return max((a[k].double() - b[k].double()).abs().max().item()
-               for k in a if a[k].is_floating_point())
+# generous: the first test also waits for the shared reference runs (hangs fail each run's own
+# timeout sooner)
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """20 steps: one process, torchrun with 2 processes, and one process accumulating 4
-    micro-batches. Kept for several tests (each run costs tens of seconds)."""
+def runs(straight, tmp_path_factory):
+    """20 steps: one process and torchrun with 2 processes (the session's reference runs), one
+    process accumulating 4 micro-batches, and the first two again without attacks."""
     root = tmp_path_factory.mktemp("train")
-    out = {}
-    for name, nproc, extra in [("single", 1, []), ("ddp2", 2, []),
-                               ("accum4", 1, ["per_device_batch_size=8"]),
+    out = {"single": straight / "ws1", "ddp2": straight / "ws2"}
+    for name, nproc, extra in [("accum4", 1, ["per_device_batch_size=8"]),
                                ("single_no_attacks", 1, NO_ATTACKS),
                                ("ddp2_no_attacks", 2, NO_ATTACKS)]:
         run_dir = root / name
-        run_train([CONFIG, *FAST, "max_steps=20", *extra], nproc=nproc, run_dir=run_dir,
-                  timeout=400).assert_ok()
+        run_train([CONFIG, *FAST, f"max_steps={STRAIGHT_STEPS}", *extra], nproc=nproc,
+                  run_dir=run_dir, timeout=400).assert_ok()
         out[name] = run_dir
     return out
 
@@ -55,29 +42,35 @@ def runs(tmp_path_factory):
 # loop amplifies that noise (normalised-gradient steps through ReLU kinks): measured 7e-5 at
 # lr 0.005 and 6e-3 at lr 0.05 for DDP vs one process, while the same 20 steps without attacks
 # agree to 5e-8 — so the loop itself adds nothing; the 20-step bound is checked both ways.
+@pytest.mark.slow
 @pytest.mark.parametrize("single, other, bound20", [
     ("single", "ddp2", 1e-4), ("single", "accum4", 1e-4),
     ("single_no_attacks", "ddp2_no_attacks", 1e-6)])
 def test_same_result_as_single_process_full_batch(runs, single, other, bound20):
-    for step, bound in ((1, 1e-6), (20, bound20)):
+    for step, bound in ((1, 1e-6), (STRAIGHT_STEPS, bound20)):
         a = load_state(runs[single], step)
         b = load_state(runs[other], step)
         assert max_param_diff(a["model"], b["model"]) <= bound, (other, step)
-        assert max_param_diff(
-            {k: v for k, v in a["ema"].items() if torch.is_tensor(v)},
-            {k: v for k, v in b["ema"].items() if torch.is_tensor(v)}) <= bound
+        assert max_param_diff(tensors(a["ema"]), tensors(b["ema"])) <= bound
+    # the same T schedule: the curriculum after every step (states are saved at every step)
+    for step in range(1, STRAIGHT_STEPS + 1):
+        a, b = (load_state(runs[name], step)["method"]["curriculum"] for name in (single, other))
+        assert (a["T"], a["images_at_T"]) == (b["T"], b["images_at_T"]), (other, step)
     schedule = [r["cur_outdist_steps"] for r in read_metrics(runs[single])]
     assert schedule == [r["cur_outdist_steps"] for r in read_metrics(runs[other])]
 
 
+@pytest.mark.slow
 def test_replicas_identical_across_ranks(runs):
     last = read_metrics(runs["ddp2"])[-1]
     assert last["replicas_identical"] is True
 
 
+@pytest.mark.slow
 def test_metrics_contract_and_rank0_only_outputs(runs):
     records = read_metrics(runs["ddp2"])
-    assert [r["step"] for r in records] == list(range(1, 21))  # every 32 images = every step
+    # every 64 images = every 2 steps
+    assert [r["step"] for r in records] == list(range(2, STRAIGHT_STEPS + 1, 2))
     required = {"step", "n_imgs", "epoch", "train_adv_auc", "train_clean_auc",
                 "train_ebm_binary_loss", "train_clf_loss", "cur_outdist_steps",
                 "learning_rate", "imgs_per_s", "max_rss_mib"}
@@ -91,20 +84,23 @@ def test_metrics_contract_and_rank0_only_outputs(runs):
                                                        "train_adv_step00000020.png"]
     # model_final.pth is the plain (unprefixed) EMA state dict
     final = torch.load(run_dir / "model_final.pth", weights_only=True)
-    ema = load_state(run_dir, 20)["ema"]
+    ema = load_state(run_dir, STRAIGHT_STEPS)["ema"]
     assert set(final) == {k[len("ema_model."):] for k in ema if k.startswith("ema_model.")}
     assert all(torch.equal(final[k], ema["ema_model." + k]) for k in final)
 
 
+@pytest.mark.slow
 def test_curriculum_advances_and_stops_at_max(tmp_path):
-    # AUC_th=0 forces an advance whenever the window (2 steps) is full.
+    # AUC_th=0 forces an advance whenever the window (2 steps) is full; metrics every step.
     run_dir = tmp_path / "run"
     run_train([CONFIG, *FAST, "AUC_th=0.0", "attack.max_steps=3", "attack.start_step=0",
-               "max_steps=10"], run_dir=run_dir, timeout=300).assert_ok()
+               "max_steps=10", "n_imgs_per_metrics_log=32"], run_dir=run_dir,
+              timeout=300).assert_ok()
     schedule = [r["cur_outdist_steps"] for r in read_metrics(run_dir)]
     assert schedule == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
 
 
+@pytest.mark.slow
 def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
     run_dir = tmp_path / "run"
     run_train([CONFIG, *FAST, "max_steps=2", "use_ddp=false"], run_dir=run_dir,

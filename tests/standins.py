@@ -1,0 +1,49 @@
+"""Stand-ins the tests share: a small feature network in place of Inception (named by
+REBM_FID_FEATURES=tests.standins:standin_features in real subprocesses), pytorch-fid's Inception
+architecture with random weights (the real file cannot be downloaded here), and a fitted head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+STANDIN = "tests.standins:standin_features"
+
+
+def standin_features(images: torch.Tensor) -> torch.Tensor:
+    """A small deterministic feature network: 2x2-pooled colour means and per-channel spread
+    (15-d), per image, in float64 (so an image's features do not depend on its batch)."""
+    x = images.double()
+    return torch.cat([F.adaptive_avg_pool2d(x, 2).flatten(1), x.flatten(2).std(dim=2)], dim=1)
+
+
+def random_fid_inception_state() -> dict:
+    """A state dict of pytorch-fid's FID Inception architecture with random weights (the real
+    file cannot be downloaded here); the blocks are those of pytorch_fid.inception's
+    fid_inception_v3."""
+    from pytorch_fid import inception as pf
+
+    net = pf._inception_v3(num_classes=1008, aux_logits=False, weights=None)
+    net.Mixed_5b = pf.FIDInceptionA(192, pool_features=32)
+    net.Mixed_5c = pf.FIDInceptionA(256, pool_features=64)
+    net.Mixed_5d = pf.FIDInceptionA(288, pool_features=64)
+    net.Mixed_6b = pf.FIDInceptionC(768, channels_7x7=128)
+    net.Mixed_6c = pf.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6d = pf.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6e = pf.FIDInceptionC(768, channels_7x7=192)
+    net.Mixed_7b = pf.FIDInceptionE_1(1280)
+    net.Mixed_7c = pf.FIDInceptionE_2(2048)
+    return net.state_dict()
+
+
+def fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Least-squares fc on random features, so predictions depend on the input (a random
+    WideResNet predicts nearly one class) and the attack has something to flip."""
+    with torch.no_grad():
+        feats = model.features(x)
+        feats = torch.cat([feats, torch.ones(len(feats), 1)], dim=1)
+        target = torch.nn.functional.one_hot(y, 10).float() * 10.0
+        ridge = 1e-3 * torch.eye(feats.shape[1])
+        w = torch.linalg.solve(feats.T @ feats + ridge, feats.T @ target)
+        model.fc.weight.copy_(w[:-1].T)
+        model.fc.bias.copy_(w[-1])

@@ -15,6 +15,7 @@ __all__ = [
     "auc",
     "autoattack",
     "calibration",
+    "counterfactuals",
     "evaluate",
     "evaluation",
     "fid",
@@ -32,5 +33,9 @@ __all__ = [
     "sample_files",
     "samples",
     "sweep",
+    "table",
+    "table_cache",
+    "table_report",
+    "table_spec",
     "test_set",
 ]

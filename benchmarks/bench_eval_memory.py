@@ -45,7 +45,8 @@ def _prepare(folder: Path, repo: Path, image_size: int) -> list:
             "from rebm.models import build_model; "
             "write_fake_cifar10(sys.argv[1], n_train=64, n_test=10); torch.manual_seed(0); "
             "torch.save(build_model('WideResNet10x1', 10).state_dict(), sys.argv[1] + '/model.pth')")
-    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, env=_env(repo))
+    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, env=_env(repo),
+                   cwd=folder)
     (folder / "config.yaml").write_text("rand_seed: 0\n")
     overrides = [
         "data.indist_dataset=cifar10", f"data.indist_ds_dir={folder}", "data.num_workers=0",
@@ -57,7 +58,7 @@ def _prepare(folder: Path, repo: Path, image_size: int) -> list:
     ]
     subprocess.run([sys.executable, "-m", "rebm.eval.fid_stats", str(folder / "config.yaml"),
                     *overrides, "--out", str(folder / "stats.npz")], check=True, env=_env(repo),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
     return overrides
 
 
@@ -91,7 +92,9 @@ def peak_per_rank(cmd: list, env: dict) -> tuple:
     peak KiB} of the evaluation ranks, seconds, last stdout line)."""
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        # cwd: outside any checkout, so `-m rebm...` imports the rebm of PYTHONPATH
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                cwd=tempfile.gettempdir())
         peaks: dict = {}
         while proc.poll() is None:
             for pid in _tree(proc.pid):

@@ -24,7 +24,7 @@ SMALL = ["batch_size=32", "attack.max_steps=1", "attack.start_step=1",
 def test_evaluation_line_and_closing_summary(tmp_path):
     result = run_train([CONFIG, *SMALL, "max_steps=3"], run_dir=tmp_path / "run").assert_ok()
     assert "evaluation at step 2: clean acc " in result.output
-    assert "| robust acc " in result.output and "(359 images)" in result.output
+    assert "| robust acc " in result.output and "(359 test images)" in result.output
     assert "finished at step 3: clean acc " in result.output
     assert f"files in {tmp_path / 'run'}: model_final.pth" in result.output
 

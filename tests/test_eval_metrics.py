@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -326,3 +327,37 @@ def test_unknown_metric_is_a_one_line_error(data):
     assert result.returncode == 2
     assert "unknown metric 'inception_scor'; the metrics are accuracy," in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_console_table_and_eval_json_name_every_setting(data, tmp_path):
+    """The real entry point: each value is printed with what it was computed on, and eval.json
+    records the same settings next to the values; a stand-in FID is labelled (key and text)."""
+    args = [str(data / "config.yaml"), *_overrides(data), "robust_eval_steps=3",
+            f"run_dir={tmp_path}", "--samples", "--ood"]
+    env = base_env(1, {FEATURES_ENV: STANDIN, "PYTHONPATH": str(REPO)})
+    result = run_command([sys.executable, "-m", "rebm.eval.evaluate", *args], timeout=240,
+                         env=env).assert_ok()
+    metrics = json.loads(result.output.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "eval.json").read_text()) == metrics
+    settings = metrics["settings"]
+    assert list(settings) == ["accuracy", "robust_accuracy", "ece", "ood", "sample_grid", "fid"]
+    assert settings["robust_accuracy"] | {"attack": "PGD", "norm": "L2", "eps": 0.3, "steps": 3,
+                                          "step_size": 0.1} == settings["robust_accuracy"]
+    assert settings["ood"]["out_distribution"] == "noise" and settings["ood"]["score"] == "lse"
+    assert settings["fid"]["num_samples"] == N_SAMPLES
+    assert settings["fid"]["features"] == f"stand-in {STANDIN}"
+    assert "fid_standin" in metrics and "fid" not in metrics
+    table = result.output[result.output.index("metric "):]
+    expected = [
+        f"clean accuracy .* {N_TEST} test images",
+        f"robust accuracy .* PGD-3 L2 eps 0.3, step 0.1; {N_TEST} test images",
+        f"calibration error \\(ECE\\) .* 20 equal-width bins of the max softmax; {N_TEST}",
+        f"OOD AUROC .* vs noise \\({N_TEST} images\\), score lse; {N_TEST} test images",
+        f"FID, STAND-IN features \\(not Inception\\) .* {N_SAMPLES} conditional samples, 2 PGD "
+        f"steps \\(L2, step 0.5, eps inf\\) from noise; vs stats.npz; stand-in {STANDIN}",
+    ]
+
+
+    for line, pattern in zip(table.splitlines()[1:6], expected, strict=True):
+        assert re.match(pattern, line), (line, pattern)

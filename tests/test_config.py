@@ -24,9 +24,10 @@ from rebm.training import train as train_entry
 from tests.helpers import REPO, run_command
 
 # experiments/imagenet/*: test_imagenet_configs.py (--check builds those big models for the
-# memory plan: once is enough).
+# memory plan: once is enough); experiments/paper/* are evaluation tables (tests/test_table.py).
 EXPERIMENTS = sorted(p for p in glob.glob(str(REPO / "experiments" / "**" / "*.yaml"),
-                                          recursive=True) if "/imagenet/" not in p)
+                                          recursive=True)
+                     if "/imagenet/" not in p and "/paper/" not in p)
 
 
 def run_main(capsys, *argv):

@@ -36,7 +36,11 @@ def check_dat(args, cfg) -> None:
 
     DAT.check_config(cfg)
     if args.check:
+        from rebm.config import plan_batches
         from rebm.eval.fid import fid_problems
+
+        # a batch split that cannot work is the one line --check prints, before any note
+        plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg))
 
         for problem in fid_problems(cfg):
             print(f"warning: {problem}", file=sys.stderr)

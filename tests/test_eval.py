@@ -275,7 +275,8 @@ def test_evaluate_entry_point_prints_json(tmp_path):
     ckpt = tmp_path / "model_final.pth"
     torch.save(model.state_dict(), ckpt)
     cmd = [sys.executable, "-m", "rebm.eval.evaluate", config, f"model.ckpt_path={ckpt}",
-           "indist_attack_clf.max_steps=2", "image_log.num_steps=2", "image_log.num_samples=10",
+           "indist_attack_clf.max_steps=2", "robust_eval_steps=2", "image_log.num_steps=2",
+           "image_log.num_samples=10",
            "--samples"]
     result = run_command(cmd, timeout=150, env=base_env(threads=2)).assert_ok()
     last = result.output.strip().splitlines()[-1]

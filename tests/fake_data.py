@@ -195,7 +195,7 @@ def write_robustness_checkpoint(path, model, mean=None, std=None):
     by default), plus training extras; returns path."""
     import torch
 
-    from rebm.models.wideresnet import IMAGENET_MEAN, IMAGENET_STD
+    from rebm.models.stats import IMAGENET_MEAN, IMAGENET_STD
 
     new_mean, new_std = (torch.tensor(v).view(3, 1, 1)
                          for v in (mean or IMAGENET_MEAN, std or IMAGENET_STD))

@@ -88,7 +88,9 @@ def straight(request, data, tmp_path_factory):
     write_checkpoint(root / "pretrained.ckpt")
     args = [str(REPO / "experiments" / "imagenet" / config), *SIZES,
             f"model.model_type={model_type}", f"model.ckpt_path={root / 'pretrained.ckpt'}",
-            f"data.indist_ds_dir={data / 'ImageNet'}", f"data.outdist_std_dir={data / 'OpenImageO'}"]
+            f"data.indist_ds_dir={data / 'ImageNet'}", f"data.outdist_std_dir={data / 'OpenImageO'}",
+            # the shipped configs' seed set (image_log.ood_data_dir) is OpenImage-O's fid_eval
+            f"image_log.ood_data_dir={data / 'OpenImageO'}"]
     result = run_train(args, nproc=2, run_dir=root / "ws2", timeout=300).assert_ok()
     return request.param, args, root / "ws2", result.output
 

@@ -81,7 +81,7 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def straight(request, data, tmp_path_factory):
+def imagenet_run(request, data, tmp_path_factory):
     """(arguments, run dir) of an uninterrupted 2-process run of STEPS steps."""
     config, model_type, write_checkpoint, _ = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
@@ -100,8 +100,8 @@ def _train_records(run_dir):
 
 
 @pytest.mark.slow
-def test_two_process_dat_from_the_public_checkpoint(straight, data):
-    family, _, run_dir, output = straight
+def test_two_process_dat_from_the_public_checkpoint(imagenet_run, data):
+    family, _, run_dir, output = imagenet_run
     assert f"layout: {FAMILIES[family][3]})" in output, output[-3000:]
     records = read_metrics(run_dir)
     train = _train_records(run_dir)
@@ -119,8 +119,8 @@ def test_two_process_dat_from_the_public_checkpoint(straight, data):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical(straight, tmp_path):
-    _, args, straight_dir, _ = straight
+def test_resume_is_bit_identical(imagenet_run, tmp_path):
+    _, args, straight_dir, _ = imagenet_run
     run_dir = tmp_path / "resumed"
     run_train([*args, f"max_steps={STEPS - 1}"], nproc=2, run_dir=run_dir,
               timeout=300).assert_ok()
@@ -134,10 +134,10 @@ def test_resume_is_bit_identical(straight, tmp_path):
 
 
 @pytest.mark.slow
-def test_final_evaluation_is_identical_on_one_rank(straight, tmp_path):
+def test_final_evaluation_is_identical_on_one_rank(imagenet_run, tmp_path):
     """The 2-rank run's final evaluation of model_final.pth, redone by the evaluation entry
     point in one process over the whole val split: the same numbers, exactly."""
-    _, args, run_dir, _ = straight
+    _, args, run_dir, _ = imagenet_run
     result = run_train([*args, f"model.ckpt_path={run_dir / 'model_final.pth'}", "--no-ece"],
                        nproc=1, run_dir=tmp_path / "eval", module="rebm.eval.evaluate",
                        timeout=300).assert_ok()
@@ -149,11 +149,11 @@ def test_final_evaluation_is_identical_on_one_rank(straight, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("straight", ["resnet"], indirect=True)  # one family: same data path
-def test_one_rank_training_agrees_with_two_despite_the_corrupt_jpeg(straight, tmp_path):
+@pytest.mark.parametrize("imagenet_run", ["resnet"], indirect=True)  # one family: same data path
+def test_one_rank_training_agrees_with_two_despite_the_corrupt_jpeg(imagenet_run, tmp_path):
     """The replacement of the truncated JPEG is a function of the index alone: one process
     replaces and counts exactly what two do, and training agrees up to float rounding."""
-    _, args, two_rank_dir, _ = straight
+    _, args, two_rank_dir, _ = imagenet_run
     run_dir = tmp_path / "ws1"
     run_train(args, nproc=1, run_dir=run_dir, threads=1, timeout=300).assert_ok()
     one, two = _train_records(run_dir), _train_records(two_rank_dir)

@@ -21,6 +21,8 @@ from rebm.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The shipped training configs; experiments/paper/* are evaluation tables (tests/test_table.py).
+TRAINING_CONFIGS = sorted(p for p in (REPO / "experiments").rglob("*.yaml") if p.parent.name != "paper")
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """Typed config: loading, overrides, validation errors, --check on every experiment file."""
 
-import glob
 import math
 import sys
 
@@ -21,13 +20,11 @@ from rebm.config import (
 )
 from rebm.distributed import Runtime
 from rebm.training import train as train_entry
-from tests.helpers import REPO, run_command
+from tests.helpers import REPO, TRAINING_CONFIGS, run_command
 
 # experiments/imagenet/*: test_imagenet_configs.py (--check builds those big models for the
-# memory plan: once is enough); experiments/paper/* are evaluation tables (tests/test_table.py).
-EXPERIMENTS = sorted(p for p in glob.glob(str(REPO / "experiments" / "**" / "*.yaml"),
-                                          recursive=True)
-                     if "/imagenet/" not in p and "/paper/" not in p)
+# memory plan: once is enough).
+EXPERIMENTS = [str(p) for p in TRAINING_CONFIGS if p.parent.name != "imagenet"]
 
 
 def run_main(capsys, *argv):

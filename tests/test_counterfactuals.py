@@ -80,7 +80,6 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.data.ood_sets import indist_test_set
     from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
 
-    os.environ["REBM_FID_FEATURES"] = STANDIN
     runtime = rd.setup_distributed()
     base = [*OVERRIDES, f"data.indist_ds_dir={root}", f"model.ckpt_path={root}/model.pth",
             "image_log.num_steps=5", "image_log.step_size=0.5"]
@@ -109,6 +108,7 @@ def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid
     # one intra-op thread in every process: the thread count changes float summation order,
     # the world size must not change anything else
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("REBM_FID_FEATURES", STANDIN)  # this process (1 rank) and spawned ranks
     for world in (1, 2):
         rd.spawn(_cf_worker, world, str(root), stats, str(tmp_path))
     single = torch.load(tmp_path / "w1_r0.pt")

@@ -17,7 +17,7 @@ from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.step import DAT, dat_step
-from tests.helpers import REPO, base_env, run_command
+from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,7 +51,7 @@ def test_default_is_channels_last_on_cpu(caplog):
 def test_exactness_tests_run_on_the_default():
     """The DDP == one process, bit-identical resume and 1/2/3-rank evaluation tests use the
     shipped configs without touching `model.channels_last`, so on CPU they test channels_last."""
-    for path in sorted((REPO / "experiments").glob("*/*.yaml")):
+    for path in TRAINING_CONFIGS:
         cfg = load_config(str(path))
         assert resolve_channels_last(cfg.model.channels_last, CPU, cfg.amp), path
     switched_off = re.compile(r"channels_last\s*[=:]\s*(false|False)")

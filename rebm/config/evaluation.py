@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from rebm.config.errors import ConfigError
 from rebm.config.evaluation_ood import OODCounterfactualFields, validate_ood_counterfactuals
 
 PR_REFERENCE_SPLITS = ("train", "test")
@@ -31,8 +32,6 @@ class EvalConfig(OODCounterfactualFields):
 
 def validate_evaluation(cfg, source: str = "config") -> None:
     """Ranges of the `eval.*` fields; raises ConfigError naming the key."""
-    from rebm.config.loading import ConfigError  # loading imports the schema, which imports this
-
     ev: EvalConfig = cfg.eval
     if ev.pr_reference_split not in PR_REFERENCE_SPLITS:
         raise ConfigError(f"{source}: 'eval.pr_reference_split: {ev.pr_reference_split}' is "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from rebm.config.errors import ConfigError
 from rebm.config.legacy import Frozen
 
 OOD_SCORES = ("msp", "lse")
@@ -34,8 +35,6 @@ class OODCounterfactualFields(Frozen):
 
 def validate_ood_counterfactuals(ev, source: str) -> None:
     """Ranges of these fields; raises ConfigError naming the key."""
-    from rebm.config.loading import ConfigError
-
     if ev.ood_score not in OOD_SCORES:
         raise ConfigError(f"{source}: 'eval.ood_score: {ev.ood_score}' is not valid; use one of "
                           f"{', '.join(OOD_SCORES)}")

@@ -23,12 +23,14 @@ quickstart: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 -m rebm.training.train experiments/quickstart/digits_stage2.yaml run_dir=runs/quickstart/stage2
 
 # The whole suite (what CI runs), and the inner-loop tier without the tests marked `slow` (those
-# that start training runs or several processes).
+# that start training runs or several processes). Two pytest-xdist workers, one test file each at
+# a time: most tests wait on processes they started, so two files share the cores well.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100

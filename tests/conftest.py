@@ -12,7 +12,10 @@ files mark their own; MULTI_PROCESS_TESTS names those of files that do not (yet)
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from filelock import FileLock
 
 from tests.helpers import CONFIG, FAST, STRAIGHT_STEPS, run_train
 
@@ -37,9 +40,16 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def straight(tmp_path_factory):
-    """The folder holding the reference runs `ws1` (one process) and `ws2` (two processes)."""
-    root = tmp_path_factory.mktemp("straight")
-    for nproc in (1, 2):
-        run_train([CONFIG, *FAST, f"max_steps={STRAIGHT_STEPS}"], nproc=nproc,
-                  run_dir=root / f"ws{nproc}", timeout=400).assert_ok()
+    """The folder holding the reference runs `ws1` (one process) and `ws2` (two processes).
+    Under pytest-xdist (`make test`) the workers share one copy: the first to need it makes it
+    while holding a lock in the session's common temporary folder, the others wait and read."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "straight"
+    with FileLock(str(shared / "straight.lock")):
+        if not (root / "done").exists():
+            for nproc in (1, 2):
+                run_train([CONFIG, *FAST, f"max_steps={STRAIGHT_STEPS}"], nproc=nproc,
+                          run_dir=root / f"ws{nproc}", timeout=400).assert_ok()
+            (root / "done").touch()
     return root

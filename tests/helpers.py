@@ -101,7 +101,9 @@ CONFIG = "experiments/quickstart/digits.yaml"
 FAST = ["batch_size=32", "attack.max_steps=3", "attack.start_step=1", "indist_attack_clf.max_steps=2",
         "min_imgs_per_threshold=64", "n_imgs_per_metrics_log=64", "n_imgs_per_image_log=320",
         "n_imgs_per_ckpt_save=32", "keep_last_states=100", "n_imgs_per_evaluation_log=null",
-        "AUC_th=0.6", "optimizer=sgd", "lr=0.005"]
+        "AUC_th=0.6", "optimizer=sgd", "lr=0.005",
+        # a short evaluation at the end of every run (each run of the suite pays it)
+        "robust_eval_steps=2", "image_log.num_steps=4", "image_log.num_samples=20"]
 NO_ATTACKS = ["attack.max_steps=0", "attack.start_step=0", "indist_attack_clf.max_steps=0"]
 STRAIGHT_STEPS = 20  # the length of the session's reference runs (tests/conftest.py)
 

@@ -11,6 +11,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -156,17 +157,33 @@ def test_sigkill_of_a_worker_ends_the_job_and_max_restarts_resumes(tmp_path):
     assert load_state(run_dir, 12)["step"] == 12
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_stuck_rank_times_out_naming_the_rank(tmp_path):
     run_dir = tmp_path / "run"
     # No periodic saves: around a save the longer start-up timeout applies (rank 0 may write
     # a large state), and this test is about a rank that stops during training steps.
-    proc = start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=15",
+    proc = start_torchrun([CONFIG, *FAST, "max_steps=400", "ddp_step_timeout_s=10",
                            "n_imgs_per_ckpt_save=100000"], run_dir)
     wait_for_records(run_dir, 1, proc)  # step 2: training steps have started
-    stuck = worker_pids(proc.pid)[1]
+    ranks = worker_pids(proc.pid)
+    stuck = ranks[1]
     os.kill(stuck, signal.SIGSTOP)
     try:
-        code, out = finish(proc, timeout=240)
+        # Once rank 0 has given up, the stopped rank is killed here rather than after torchrun's
+        # 30 s grace period for a SIGTERM it cannot act on (the test is about rank 0's report).
+        deadline = time.time() + 180
+        while _alive(ranks[0]) and time.time() < deadline:
+            time.sleep(0.5)
+        os.kill(stuck, signal.SIGKILL)
+        code, out = finish(proc, timeout=120)
     finally:
         try:
             os.kill(stuck, signal.SIGKILL)

@@ -3,6 +3,7 @@ folders and image tensor files, each as an image source (sources.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import pickle
@@ -163,21 +164,33 @@ def _cifar_to_source(ds, folder: str, label: str, train: bool) -> TensorSource:
 DIGITS_TRAIN_FRACTION = 0.8
 
 
+def _sklearn_digits() -> tuple:
+    """(images (1797, 8, 8) float64, targets (1797,) int64): what sklearn.datasets.load_digits
+    returns, read from the same file that scikit-learn ships (datasets/data/digits.csv.gz: 64
+    pixel values and the label per row). Importing sklearn.datasets costs 1.3 s of CPU in every
+    process that starts (a quarter of a quickstart rank's start-up); finding the package's folder
+    does not import it."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("data.indist_dataset=digits needs scikit-learn (pip install scikit-learn)")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    rows = np.loadtxt(path, delimiter=",")
+    return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+
+
 def load_digits(size: int, train: bool) -> TensorSource:
     """sklearn's 1797 8x8 digits: fixed split (permutation with seed 0, 80/20), values/16,
     bilinear resize to `size` once, stored as uint8 with 3 identical channels."""
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    digits = sk_load_digits()
-    n = len(digits.target)
+    images, targets = _sklearn_digits()
+    n = len(targets)
     order = np.random.default_rng(0).permutation(n)
     n_train = int(round(DIGITS_TRAIN_FRACTION * n))
     chosen = np.sort(order[:n_train] if train else order[n_train:])
-    images = torch.from_numpy(digits.images[chosen]).float().div(16.0).unsqueeze(1)
+    images = torch.from_numpy(images[chosen]).float().div(16.0).unsqueeze(1)
     if size != 8:
         images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
     images = images.clamp(0, 1).mul(255).round().to(torch.uint8).expand(-1, 3, -1, -1)
-    labels = torch.as_tensor(digits.target[chosen], dtype=torch.int64)
+    labels = torch.as_tensor(targets[chosen], dtype=torch.int64)
     return TensorSource(images.contiguous(), labels, f"digits {'train' if train else 'test'}")
 
 

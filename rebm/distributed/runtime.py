@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -199,5 +200,10 @@ def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional
 
 
 def teardown(runtime: Runtime) -> None:
+    """Release the process group while the interpreter is whole. DDP wrappers hold the gloo
+    group, and modules sit in reference cycles: left to interpreter shutdown, the group's C++
+    worker threads can free tensors after Python is gone, which aborts the process (SIGABRT)
+    after a run that had finished cleanly. Collecting the cycles first destroys them here."""
     if runtime.distributed and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -41,8 +41,8 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.eval.report import describe_evaluation, evaluation_table, jsonable
 
     setup_logging(runtime)
-    cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
     require_ready(cfg, evaluation_spec(cfg, args))  # before any work: a missing file is one line
+    cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
     model = load_eval_model(cfg, runtime)
     run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
     run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks

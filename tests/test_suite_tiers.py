@@ -3,12 +3,13 @@ renamed test would otherwise silently join the fast tier)."""
 
 import ast
 
-from tests.conftest import MULTI_PROCESS_TESTS
+from tests.conftest import SLOW_FILES, SLOW_TESTS
 from tests.helpers import REPO
 
 
 def test_every_test_marked_slow_by_name_exists():
-    for path, names in MULTI_PROCESS_TESTS.items():
+    assert all((REPO / path).exists() for path in SLOW_FILES), SLOW_FILES
+    for path, names in SLOW_TESTS.items():
         tree = ast.parse((REPO / path).read_text())
         defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         assert names <= defined, (path, names - defined)

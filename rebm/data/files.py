@@ -168,7 +168,7 @@ def _sklearn_digits() -> tuple:
     """(images (1797, 8, 8) float64, targets (1797,) int64): what sklearn.datasets.load_digits
     returns, read from the same file that scikit-learn ships (datasets/data/digits.csv.gz: 64
     pixel values and the label per row). Importing sklearn.datasets costs 1.3 s of CPU in every
-    process that starts (a quarter of a quickstart rank's start-up); finding the package's folder
+    process that starts (a fifth of a quickstart rank's start-up); finding the package's folder
     does not import it."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:

@@ -14,6 +14,7 @@ from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.models import build_model
 from rebm.models.imagenet import timm_arguments
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
+from tests.fake_data import write_robustness_checkpoint
 
 X = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 
@@ -33,24 +34,9 @@ def _stats(mean, std):
     return torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
 
 
-def _robustness_file(path, ref, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """The layout `robustness.train` saves: the AttackerModel's state dict under DataParallel,
-    with the network twice (model, attacker.model) and two normalisers, plus training extras."""
-    new_mean, new_std = _stats(mean, std)
-    sd = {"module.normalizer.new_mean": new_mean, "module.normalizer.new_std": new_std,
-          "module.attacker.normalize.new_mean": new_mean.clone(),
-          "module.attacker.normalize.new_std": new_std.clone()}
-    for k, v in ref.state_dict().items():
-        sd["module.model." + k] = v.clone()
-        sd["module.attacker.model." + k] = v.clone()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    torch.save({"model": sd, "optimizer": opt.state_dict(), "schedule": None, "epoch": 90}, path)
-    return path
-
-
 def test_robustness_layout_loads_the_network_and_checks_the_normaliser(tmp_path):
     ref = _seeded("TinyResNetImageNet", 0)
-    path = _robustness_file(tmp_path / "resnet50_l2_eps3.ckpt", ref)
+    path = write_robustness_checkpoint(tmp_path / "resnet50_l2_eps3.ckpt", ref)
     model = _seeded("TinyResNetImageNet", 1)
     report = load_checkpoint(model, path)
     assert "robustness (model.*)" in report.layout and report.layout.startswith("['model']")
@@ -62,7 +48,7 @@ def test_robustness_layout_loads_the_network_and_checks_the_normaliser(tmp_path)
         load_checkpoint(raw, path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
-    cifar = _robustness_file(tmp_path / "cifar_stats.ckpt", ref, CIFAR10_MEAN, CIFAR10_STD)
+    cifar = write_robustness_checkpoint(tmp_path / "cifar_stats.ckpt", ref, CIFAR10_MEAN, CIFAR10_STD)
     with pytest.raises(NormaliserMismatch, match="normalises its inputs with mean"):
         load_checkpoint(_seeded("TinyResNetImageNet", 1), cifar)
 

@@ -36,6 +36,7 @@ from tests.fake_data import (
     write_tensor_file,
     write_tiny_images,
 )
+from tests.helpers import make_cfg
 
 N_TRAIN = 120  # 120 / 24 = 5 steps per epoch
 STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # DAT's three streams
@@ -46,19 +47,6 @@ def cifar_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cifar"))
     write_fake_cifar10(root, n_train=N_TRAIN, n_test=101)
     return root
-
-
-def make_cfg(root: str, **data) -> TrainConfig:
-    cfg = TrainConfig()
-    cfg.data.indist_dataset = "cifar10"
-    cfg.data.indist_ds_dir = root
-    cfg.data.num_workers = 0
-    cfg.batch_size = 24
-    cfg.augm_type_generation = "original"
-    cfg.augm_type_classification = "autoaugment_cutout"
-    for key, value in data.items():
-        setattr(cfg.data, key, value)
-    return cfg
 
 
 def image_hash(x: torch.Tensor) -> str:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rebm.config import TrainConfig
+from tests.processes import popen
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -46,7 +47,7 @@ def base_env(threads: int = 1, extra: Optional[Dict[str, str]] = None) -> Dict[s
     return env
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple:
+def finish(proc, timeout: float) -> tuple:
     """(exit code, output) of a process started with start_new_session=True; if it has not
     exited within `timeout`, kill its whole process group and fail the test (a hang)."""
     try:
@@ -60,12 +61,21 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple:
 
 def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
                 run_dir: Optional[Path] = None) -> RunResult:
-    """Run cmd in its own process group; on timeout kill the whole group and fail."""
-    proc = subprocess.Popen(
-        list(cmd), cwd=REPO, env=env or base_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    return RunResult(*finish(proc, timeout), run_dir)
+    """Run cmd in its own process group (tests.processes: forked when it is an entry point);
+    on timeout kill the whole group and fail."""
+    return RunResult(*finish(popen(cmd, env or base_env(), REPO), timeout), run_dir)
+
+
+def run_separately(cmd: Sequence[str], env: Dict[str, str], timeout: float
+                   ) -> subprocess.CompletedProcess:
+    """Run cmd like subprocess.run(capture_output=True): stdout and stderr apart."""
+    proc = popen(cmd, env, REPO, split_stderr=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"did not exit within {timeout}s (a hang?): {proc.args}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def torchrun_cmd(module: str, args: Sequence[str], nproc: int) -> list:
@@ -115,9 +125,7 @@ def start_torchrun(args: Sequence[str], run_dir: Path, extra: Sequence[str] = ()
     that signal or kill it; `extra` are torchrun's own options. End it with finish()."""
     cmd = torchrun_cmd(module, [*args, f"run_dir={run_dir}"], 2)
     cmd[1:1] = list(extra)
-    return subprocess.Popen(cmd, cwd=REPO, env=base_env(threads, env_extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return popen(cmd, base_env(threads, env_extra), REPO)
 
 
 def wait_for_records(run_dir: Path, count: int, proc: subprocess.Popen,

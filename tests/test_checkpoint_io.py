@@ -19,10 +19,11 @@ from rebm.checkpoint.weights import (
     save_model,
 )
 from rebm.config import TrainConfig
-from rebm.distributed import barrier, setup_distributed, spawn, teardown
+from rebm.distributed import barrier, setup_distributed, teardown
 from rebm.distributed.parallel import unwrap
 from rebm.engine.build import get_model
 from rebm.models import build_model
+from tests.processes import spawn_ranks
 
 ARCH = "WideResNet10x1"
 
@@ -149,7 +150,7 @@ def _ddp_worker(root, paths):
 @pytest.mark.timeout(120)
 def test_round_trip_ddp_two_processes(files):
     root, paths, x, out = files
-    spawn(_ddp_worker, 2, str(root), paths)
+    spawn_ranks(_ddp_worker, 2, str(root), paths)
     keys = list(torch.load(root / "ddp.pth", weights_only=True))
     assert keys and all(k.startswith("module.") for k in keys)
     model = _model(seed=5)

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from tests.helpers import BIN, REPO, base_env, finish, run_train
+from tests.processes import popen
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,9 +49,7 @@ def test_an_error_on_every_rank_is_in_its_log_file(tmp_path):
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(script), CONFIG,
            *SMALL, "max_steps=2", f"run_dir={run_dir}"]
     env = base_env(1, {"PYTHONPATH": str(REPO)})
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    code, out = finish(proc, 240)
+    code, out = finish(popen(cmd, env, REPO), 240)
     assert code != 0, out[-3000:]
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()

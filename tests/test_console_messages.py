@@ -10,7 +10,6 @@ import glob
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from rebm.distributed.launch import free_port
 from rebm.distributed.precision import native_on_cpu
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, torchrun_cmd
+from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
 
 pytestmark = pytest.mark.timeout(600)
@@ -49,9 +49,7 @@ def _env(**extra: str) -> dict:
 
 def _run(cmd, cwd: Path, env: dict, timeout: float = 400) -> tuple:
     """(exit code, stdout+stderr) of cmd with its output to a pipe."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    return finish(proc, timeout)
+    return finish(popen(cmd, env, cwd), timeout)
 
 
 def _lines(out: str, pattern: str) -> list:
@@ -176,9 +174,7 @@ def test_the_interrupt_notice_comes_once_from_rank_0_under_srun(tmp_path):
         env = _env(SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_STEP_NUM_TASKS="2",
                    SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        procs.append(popen(cmd, env, REPO))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not metrics.exists() and time.monotonic() < deadline:

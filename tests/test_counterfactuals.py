@@ -18,6 +18,7 @@ from rebm.config import load_config
 from rebm.eval.counterfactuals import class_image_set, target_classes
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
+from tests.processes import spawn_ranks
 
 STANDIN = "tests.standins:standin_features"
 OVERRIDES = ["data.indist_dataset=cifar10", "data.image_size=16", "data.num_workers=0",
@@ -110,7 +111,7 @@ def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("REBM_FID_FEATURES", STANDIN)  # this process (1 rank) and spawned ranks
     for world in (1, 2):
-        rd.spawn(_cf_worker, world, str(root), stats, str(tmp_path))
+        spawn_ranks(_cf_worker, world, str(root), stats, str(tmp_path))
     single = torch.load(tmp_path / "w1_r0.pt")
     for rank in (0, 1):
         assert torch.load(tmp_path / f"w2_r{rank}.pt") == single  # bit for bit

@@ -4,7 +4,6 @@ import ast
 import os
 import re
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from rebm import distributed as rd
 from tests.helpers import BIN, REPO, base_env, run_command, run_train
+from tests.processes import popen, spawn_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +37,7 @@ def _two_ranks_worker(result_dir: str) -> None:
 def two_ranks(tmp_path_factory):
     """What each of 2 spawned ranks reported: {rank: report}."""
     result_dir = tmp_path_factory.mktemp("two_ranks")
-    rd.spawn(_two_ranks_worker, 2, str(result_dir))
+    spawn_ranks(_two_ranks_worker, 2, str(result_dir))
     return {rank: ast.literal_eval((result_dir / f"rank{rank}.txt").read_text())
             for rank in range(2)}
 
@@ -124,9 +124,7 @@ def test_two_node_rendezvous_on_one_machine():
         cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node_rank={node_rank}",
                "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=rebm-test", "-m", "rebm.distributed"]
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True))
+        agents.append(popen(cmd, env, REPO))
     outputs = []
     try:
         for agent in agents:

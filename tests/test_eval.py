@@ -22,6 +22,7 @@ from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_cali
 from rebm.eval.generation import SeedImageError, SeedImages
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
+from tests.processes import spawn_ranks
 from tests.standins import fit_head
 
 N_TEST = 101
@@ -96,7 +97,7 @@ def sharded_results(fake_cifar, tmp_path_factory):
     """The worker's results on 1, 2 and 3 ranks: {world_size: [result of each rank]}."""
     out = tmp_path_factory.mktemp("results")
     for world in (1, 2, 3):
-        rd.spawn(_metrics_worker, world, *fake_cifar, str(out))
+        spawn_ranks(_metrics_worker, world, *fake_cifar, str(out))
     return {w: [torch.load(out / f"w{w}_rank{r}.pt") for r in range(w)] for w in (1, 2, 3)}
 
 

@@ -29,6 +29,7 @@ from rebm.distributed import Runtime
 from rebm.eval.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
+from tests.processes import spawn_ranks
 from tests.standins import STANDIN, fit_head, standin_features
 
 N_TEST, N_TRAIN, N_SAMPLES = 21, 40, 13
@@ -131,7 +132,7 @@ def ranks(data, tmp_path_factory):
     os.environ[FEATURES_ENV] = STANDIN  # inherited by the spawned ranks
     try:
         for world in (1, 2, 3):
-            rd.spawn(_worker, world, str(data), str(out))
+            spawn_ranks(_worker, world, str(data), str(out))
     finally:
         del os.environ[FEATURES_ENV]
     results = {w: [torch.load(out / f"w{w}_rank{r}.pt") for r in range(w)] for w in (1, 2, 3)}

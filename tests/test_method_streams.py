@@ -1,7 +1,6 @@
 """A method's declaration — its input streams, its loss pass and its config rules — is the one
 answer the batch plan, the evaluation batch and `--check`'s memory plan read."""
 
-import subprocess
 import sys
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from rebm.config import ConfigError, load_config, plan_batches
 from rebm.methods.at import AdversarialTraining
 from rebm.methods.dat import DAT
-from tests.helpers import REPO, base_env
+from tests.helpers import REPO, base_env, run_separately
 
 CONFIG = "experiments/quickstart/digits.yaml"
 STAGE1 = "experiments/quickstart/digits_stage1.yaml"
@@ -41,15 +40,13 @@ def test_loss_weight_rules_are_the_methods():
     ([str(REPO / "InNOutRobustnessMean0_cifar100" / "train_at.py"), STAGE1], 1),
 ])
 def test_check_plans_memory_for_the_methods_streams(command, streams):
-    out = subprocess.run([sys.executable, *command, "--check"], cwd=REPO, env=base_env(1),
-                         capture_output=True, text=True, timeout=180)
+    out = run_separately([sys.executable, *command, "--check"], base_env(1), timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"x {streams} streams" in out.stdout
 
 
 def test_a_bad_loss_weight_is_one_line_under_check():
-    out = subprocess.run([sys.executable, "-m", "rebm.training.train", CONFIG,
-                          "clf_indist_weight=-0.5", "--check"], cwd=REPO, env=base_env(1),
-                         capture_output=True, text=True, timeout=180)
+    out = run_separately([sys.executable, "-m", "rebm.training.train", CONFIG,
+                          "clf_indist_weight=-0.5", "--check"], base_env(1), timeout=180)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
     assert "error:" in out.stderr and "clf_indist_weight" in out.stderr

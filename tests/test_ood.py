@@ -21,6 +21,7 @@ from tests.fake_data import (
     write_fake_svhn,
     write_image_folder,
 )
+from tests.processes import spawn_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -164,7 +165,7 @@ def _ood_worker(root: str, out: str) -> None:
 def test_ood_table_identical_on_1_and_2_processes(ood_data, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same float summation order everywhere
     for world in (1, 2):
-        rd.spawn(_ood_worker, world, str(ood_data), str(tmp_path))
+        spawn_ranks(_ood_worker, world, str(ood_data), str(tmp_path))
     single = torch.load(tmp_path / "w1_r0.pt")
     for rank in (0, 1):
         assert torch.load(tmp_path / f"w2_r{rank}.pt") == single  # bit for bit

@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from tests.fake_data import write_fake_cifar10, write_tiny_images
 from tests.helpers import BIN, REPO, base_env, finish, torchrun_cmd
+from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,9 +34,7 @@ FID_STANDIN = {"REBM_FID_FEATURES": "tests.standins:standin_features"}
 def _run(cmd, cwd: Path, timeout: float = 300) -> str:
     env = base_env(1, {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
                        "PYTHONPATH": str(REPO), **FID_STANDIN})
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    code, out = finish(proc, timeout)
+    code, out = finish(popen(cmd, env, cwd), timeout)
     assert code == 0, f"{cmd}\n{out[-6000:]}"
     return out
 

@@ -6,7 +6,6 @@ checkpoint is tests/test_shipped_configs.py's stage 2.)"""
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -27,6 +26,7 @@ from tests.helpers import (
     wait_for_records,
     worker_pids,
 )
+from tests.processes import popen
 
 pytestmark = pytest.mark.slow
 
@@ -137,9 +137,7 @@ def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path,
     # No periodic states: the only state before the end is the one the signal makes.
     make_cmd = stage1_cmd if launch.startswith("torchrun") else spawn_cmd
     cmd = make_cmd(run_dir, steps, "n_imgs_per_ckpt_save=100000")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(1),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = popen(cmd, base_env(1), REPO)
     wait_for_records(run_dir, 1, proc)
     if launch.startswith("torchrun"):
         os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)

@@ -11,6 +11,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.step import DAT, dat_step
+from tests.processes import spawn_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,7 +40,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
 
 @pytest.mark.parametrize("r1reg", [0.0, 1.0])
 def test_attacks_bypass_ddp_and_ranks_stay_identical(tmp_path, r1reg):
-    rd.spawn(_worker, 2, str(tmp_path), r1reg)
+    spawn_ranks(_worker, 2, str(tmp_path), r1reg)
     results = [eval((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
     assert results[0] == results[1]  # identical parameters on both ranks after the step
     wrapper_calls, raw_calls, finite, _, _ = results[0]

@@ -10,7 +10,6 @@ import csv
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from rebm.eval.table_report import cell, group_stats
 from rebm.eval.table_spec import RowSpec, TableError, load_table
 from tests.fake_data import write_fake_svhn
 from tests.helpers import BIN, REPO, base_env, finish, run_command
+from tests.processes import popen
 
 STANDIN = "tests.standins:standin_features"
 STAGE1 = "experiments/quickstart/digits_stage1.yaml"
@@ -96,9 +96,9 @@ def _read_csv(path: Path) -> list:
 
 def _kill_after(cmd: list, marker: str, timeout: float) -> str:
     """Start cmd, SIGKILL its process group once `marker` appears in its output; the output."""
-    log = open(Path(cmd[cmd.index("--out") + 1]).parent / "killed.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    log_path = Path(cmd[cmd.index("--out") + 1]).parent / "killed.log"
+    log = open(log_path, "w+")
+    proc = popen(cmd, _env(), REPO, output=str(log_path))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         log.seek(0)

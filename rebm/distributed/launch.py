@@ -33,16 +33,18 @@ def _spawn_entry(local_rank: int, fn: Callable, nprocs: int, port: int, args: tu
     fn(*args)
 
 
-def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
+def spawn(fn: Callable, nprocs: int, *args: Any, start_method: str = "spawn") -> None:
     """Run fn(*args) in `nprocs` processes with the same environment torchrun would set, so the
-    code inside calls `setup_distributed()` exactly as under torchrun."""
+    code inside calls `setup_distributed()` exactly as under torchrun. `start_method` is
+    multiprocessing's: "spawn" starts new interpreters; "forkserver" forks them from a server
+    process that has imported what multiprocessing.set_forkserver_preload names, once."""
     if nprocs == 1:
         fn(*args)
         return
     import torch.multiprocessing as mp
 
     context = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), args),
-                                 nprocs=nprocs, join=False, start_method="spawn")
+                                 nprocs=nprocs, join=False, start_method=start_method)
     with forward_signals([proc.pid for proc in context.processes]):
         while not context.join():
             pass

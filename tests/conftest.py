@@ -12,6 +12,7 @@ compute for several seconds. Some files mark their own; SLOW_TESTS and SLOW_FILE
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -59,6 +60,12 @@ def pytest_collection_modifyitems(items):
         path, _, name = item.nodeid.partition("::")
         if path in SLOW_FILES or name.split("[")[0] in SLOW_TESTS.get(path, ()):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """The test modules have imported torch, torchvision, timm...: about a million objects that
+    every full garbage collection would walk again; freeze them (as the entry points do)."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

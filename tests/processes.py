@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence
 PRELOAD = ["torch", "torchvision", "timm", "numpy", "PIL.Image", "omegaconf", "scipy.linalg",
            "sklearn.metrics", "torch.distributed.elastic.agent.server.api",
            "rebm.engine.trainer", "rebm.methods.dat", "rebm.methods.at", "rebm.eval.registry",
-           "rebm.distributed"]
+           "rebm.distributed", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
@@ -67,6 +67,16 @@ def _exit_code(err: SystemExit) -> int:
     return 1
 
 
+def _print_traceback() -> None:
+    """The uncaught error's traceback from the entry's own frames on (as `python FILE` prints
+    it; runpy's and this module's frames left out)."""
+    kind, value, tb = sys.exc_info()
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(kind, value, tb)
+
+
 def _run(target: tuple, env: Dict[str, str], cwd: str, outputs: tuple) -> None:
     """The child: become `python -m M` (or `python FILE`) in `cwd` with `env`, printing to the
     files `outputs` (stdout, stderr: the same file or two), and exit as the interpreter would."""
@@ -94,12 +104,12 @@ def _run(target: tuple, env: Dict[str, str], cwd: str, outputs: tuple) -> None:
     except SystemExit as err:
         code = _exit_code(err)
     except KeyboardInterrupt:  # the interpreter dies of the SIGINT it did not handle
-        traceback.print_exc()
+        _print_traceback()
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
-        traceback.print_exc()
+        _print_traceback()
         code = 1
     threading._shutdown()  # as at interpreter exit: join non-daemon threads, then atexit
     atexit._run_exitfuncs()

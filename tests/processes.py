@@ -77,11 +77,15 @@ def _print_traceback() -> None:
     traceback.print_exception(kind, value, tb)
 
 
-def _run(target: tuple, env: Dict[str, str], cwd: str, outputs: tuple) -> None:
+def _run(target: tuple, env: Dict[str, str], cwd: str, outputs: tuple,
+         sigint_ignored: bool) -> None:
     """The child: become `python -m M` (or `python FILE`) in `cwd` with `env`, printing to the
-    files `outputs` (stdout, stderr: the same file or two), and exit as the interpreter would."""
+    files `outputs` (stdout, stderr: the same file or two), and exit as the interpreter would.
+    Ctrl-C: a new interpreter inherits an ignored SIGINT from the process that starts it
+    (pytest-xdist's workers ignore it), else raises KeyboardInterrupt on it."""
     kind, name, argv = target
     os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
     for std, output in zip((1, 2), outputs, strict=True):
         fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, std)
@@ -139,7 +143,9 @@ class ForkedProcess:
             self._temporary.append(_temporary_file())
         self._outputs = (output, self._temporary[-1] if split_stderr else output)
         self._texts: Optional[tuple] = None
-        self._process = _CONTEXT.Process(target=_run, args=(target, env, cwd, self._outputs))
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        self._process = _CONTEXT.Process(target=_run,
+                                         args=(target, env, cwd, self._outputs, ignored))
         self._process.start()
         self.pid = self._process.pid
 

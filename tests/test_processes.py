@@ -64,8 +64,17 @@ def test_exit_codes_output_and_atexit_are_the_interpreters(tmp_path, what, code)
 
 
 def test_an_unhandled_ctrl_c_kills_it_by_the_signal(tmp_path):
+    """From a process that does not ignore SIGINT (as a terminal's shell): both die of it."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_both(script)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_both(script):
     procs = [popen([sys.executable, str(script), "sleep"], base_env(1), REPO),
              subprocess.Popen([sys.executable, str(script), "sleep"], cwd=REPO,
                               env=base_env(1), stdout=subprocess.PIPE, text=True,

@@ -84,7 +84,7 @@ def torchrun_cmd(module: str, args: Sequence[str], nproc: int) -> list:
 
 
 def run_train(args: Sequence[str], nproc: int = 1, timeout: float = 240,
-              run_dir: Optional[Path] = None, threads: Optional[int] = None,
+              run_dir: Optional[Path] = None, threads: int = 1,
               module: str = "rebm.training.train", extra_env=None) -> RunResult:
     """The real entry point: `python -m` for one process, `torchrun --standalone` for several."""
     args = list(args) + ([f"run_dir={run_dir}"] if run_dir is not None else [])
@@ -92,7 +92,7 @@ def run_train(args: Sequence[str], nproc: int = 1, timeout: float = 240,
         cmd = [sys.executable, "-m", module, *args]
     else:
         cmd = torchrun_cmd(module, args, nproc)
-    env = base_env(threads if threads is not None else max(1, 2 // nproc), extra_env)
+    env = base_env(threads, extra_env)
     return run_command(cmd, timeout, env, run_dir)
 
 

@@ -279,7 +279,7 @@ def test_evaluate_entry_point_prints_json(tmp_path):
            "indist_attack_clf.max_steps=2", "robust_eval_steps=2", "image_log.num_steps=2",
            "image_log.num_samples=10",
            "--samples"]
-    result = run_command(cmd, timeout=150, env=base_env(threads=2)).assert_ok()
+    result = run_command(cmd, timeout=150, env=base_env()).assert_ok()
     last = result.output.strip().splitlines()[-1]
     metrics = json.loads(last)
     assert metrics["n_test"] == len(load_indist(cfg, "test"))

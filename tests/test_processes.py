@@ -99,7 +99,7 @@ def test_a_forked_run_writes_what_python_m_writes(tmp_path):
     for name in ("forked", "fresh"):
         cmd = [sys.executable, "-m", "rebm.training.train", CONFIG, *FAST, "max_steps=2",
                f"run_dir={tmp_path / 'run'}"]
-        env = base_env(2)
+        env = base_env()
         if name == "forked":
             proc = popen(cmd, env, REPO)
         else:

@@ -220,7 +220,7 @@ def test_failing_state_write_is_a_clear_error_and_keeps_previous(stopped, tmp_pa
     proc = subprocess.Popen(
         [sys.executable, "-m", "rebm.training.train", CONFIG, *FAST, f"max_steps={STOP + 2}",
          "keep_last_states=1", f"run_dir={run_dir}"],
-        cwd=REPO, env=base_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=small_files)
     code, out = finish(proc, timeout=300)
     assert code == 2, out[-4000:]

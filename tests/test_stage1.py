@@ -74,7 +74,7 @@ def test_robustness_test_prints_json(stage1_torchrun, flag, key):
     cmd = [sys.executable, ROBUSTNESS_TEST, CONFIG,
            f"model.ckpt_path={stage1_torchrun / 'model_final.pth'}", "robust_eval_steps=1",
            *([flag] if flag else [])]
-    result = run_command(cmd, timeout=100, env=base_env(2)).assert_ok()
+    result = run_command(cmd, timeout=100, env=base_env()).assert_ok()
     metrics = last_json(result.output)
     assert 0.0 <= metrics[key] <= 1.0
     if flag is None:

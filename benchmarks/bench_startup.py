@@ -40,6 +40,8 @@ def server_cpu() -> float:
     from multiprocessing import forkserver
 
     pid = forkserver._forkserver._forkserver_pid
+    if pid is None:  # not started yet
+        return 0.0
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")

@@ -81,8 +81,9 @@ def _run(target: tuple, env: Dict[str, str], cwd: str, outputs: tuple,
          sigint_ignored: bool) -> None:
     """The child: become `python -m M` (or `python FILE`) in `cwd` with `env`, printing to the
     files `outputs` (stdout, stderr: the same file or two), and exit as the interpreter would.
-    Ctrl-C: a new interpreter inherits an ignored SIGINT from the process that starts it
-    (pytest-xdist's workers ignore it), else raises KeyboardInterrupt on it."""
+    Ctrl-C: a new interpreter inherits an ignored SIGINT from the process that starts it, else
+    raises KeyboardInterrupt on it; so does this child (the server's own setting is not the
+    starter's)."""
     kind, name, argv = target
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
@@ -190,8 +191,12 @@ def popen(cmd: Sequence[str], env: Dict[str, str], cwd, output: Optional[str] = 
         return ForkedProcess(cmd, target, dict(env), str(cwd), output, split_stderr)
     stdout = open(output, "a") if output else subprocess.PIPE
     stderr = subprocess.PIPE if split_stderr else subprocess.STDOUT
-    return subprocess.Popen(list(map(str, cmd)), cwd=cwd, env=env, stdout=stdout,
-                            stderr=stderr, text=True, start_new_session=True)
+    try:
+        return subprocess.Popen(list(map(str, cmd)), cwd=cwd, env=env, stdout=stdout,
+                                stderr=stderr, text=True, start_new_session=True)
+    finally:
+        if output:
+            stdout.close()  # the child has its own copy
 
 
 LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -213,7 +218,4 @@ def spawn_ranks(fn, nprocs: int, *args) -> None:
     server instead of started as new interpreters, in this process's current environment."""
     from rebm.distributed import spawn
 
-    if nprocs == 1:
-        fn(*args)
-        return
     spawn(_in_environment, nprocs, dict(os.environ), fn, *args, start_method="forkserver")

@@ -174,6 +174,26 @@ def test_validation_only_checks():
     assert to_dict(cfg) == before
 
 
+def _typed(value):
+    """A value with the type of every node spelled out (a tuple and a list compare unequal)."""
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_typed(v) for v in value])
+    return type(value).__name__, value
+
+
+@pytest.mark.parametrize("path", [str(p) for p in TRAINING_CONFIGS],
+                         ids=lambda p: p.split("experiments/")[-1])
+def test_to_dict_is_omegaconfs_container_type_for_type(path):
+    """to_dict (what states and wandb store) is a fast stand-in for OmegaConf's conversion."""
+    from omegaconf import OmegaConf
+
+    cfg = load_config(path, ["eval.ood_datasets=[noise,svhn]", "eval.ood_roots.svhn=/x",
+                             "image_log.step_sweep_range=[1,2]"])
+    assert _typed(to_dict(cfg)) == _typed(OmegaConf.to_container(OmegaConf.structured(cfg)))
+
+
 def test_explicit_keys_survive_a_replaced_copy():
     cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"), ["lr=0.5"])
     moved = replace(cfg, run_dir="elsewhere")

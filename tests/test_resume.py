@@ -87,6 +87,16 @@ def test_stop_and_resume_is_bit_identical(straight, resumed, nproc):
     assert comparable(read_metrics(run_dir)) == records_to(straight / f"ws{nproc}", STEPS)
 
 
+def test_the_same_command_on_a_finished_run_does_nothing(resumed, tmp_path):
+    run_dir = copy_run(resumed(1)[0], tmp_path / "run")
+    final = (run_dir / "model_final.pth").read_bytes()
+    result = run_train([CONFIG, *FAST, f"max_steps={STEPS}"], run_dir=run_dir,
+                       timeout=300).assert_ok()
+    assert f"nothing to do: the run is already at step {STEPS}" in result.output
+    assert (run_dir / "model_final.pth").read_bytes() == final
+    assert not list((run_dir / "checkpoints").glob(f"state_{STEPS + 1:09d}.pt"))
+
+
 def test_resume_does_not_need_the_pretrained_checkpoint_any_more(stopped, tmp_path):
     """The state holds the weights: a resumed run must not read model.ckpt_path (on a cluster
     the stage-1 file may have been moved or deleted since the run started)."""

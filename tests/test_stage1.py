@@ -85,12 +85,13 @@ def test_robustness_test_prints_json(stage1_torchrun, flag, key):
 
 # Resume: constant LR, so that a run stopped at max_steps=k and continued to 2k is the same
 # computation as a straight 2k-step run (a cosine schedule would depend on max_steps).
-# Steps are ~30 ms here: 200 of them leave time for a signal to arrive mid-run.
+# Steps take 40-80 ms here: the 90 steps after the first metrics record (step 10) leave seconds
+# for a signal to arrive mid-run.
 RESUME = ["batch_size=32", "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=320",
           "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=1600", "--schedule", "constant"]
 # A stop at max_steps logs (and empties) the metrics window; the SIGTERM test's stop usually
 # falls inside a window, so it checks the window's restore through metrics.jsonl.
-RESUME_STEPS, RESUME_STOP = 200, 95
+RESUME_STEPS, RESUME_STOP = 100, 45
 
 
 def stage1_cmd(run_dir, steps, *extra):
@@ -117,10 +118,6 @@ def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
     a = torch.load(stage1_straight / "model_final.pth", weights_only=True)
     b = torch.load(run_dir / "model_final.pth", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # a finished run is not repeated
-    again = run_command(stage1_cmd(run_dir, RESUME_STEPS), timeout=150,
-                        env=base_env(1)).assert_ok()
-    assert "nothing to do" in again.output
 
 
 def spawn_cmd(run_dir, steps, *extra):

@@ -47,13 +47,16 @@ def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
     configs: Dict[str, Dict[str, Any]] = {}
     for row in spec.rows:
         path = os.path.join(checkpoints, row.checkpoint)
+        loaded: Dict[tuple, Any] = {}  # most metrics share the row's overrides: load those once
         configs[row.name] = {}
         for metric in spec.metrics:
-            overrides = [*spec.row_overrides(row, metric), f"model.ckpt_path={path}"]
-            try:
-                configs[row.name][metric] = load_config(row.config, overrides)
-            except ConfigError as err:
-                raise ConfigError(f"row {row.name}: {err}") from None
+            overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
+            if overrides not in loaded:
+                try:
+                    loaded[overrides] = load_config(row.config, overrides)
+                except ConfigError as err:
+                    raise ConfigError(f"row {row.name}: {err}") from None
+            configs[row.name][metric] = loaded[overrides]
     return configs
 
 

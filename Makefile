@@ -24,15 +24,16 @@ quickstart: setup
 
 # The whole suite (what CI runs), and the inner-loop tier without the tests marked `slow` (those
 # that start training runs or several processes). Two pytest-xdist workers, one test file each at
-# a time: most tests wait on processes they started, so two files share the cores well. Every
-# process computes on one thread: the workers fill the cores already, and a second OpenMP thread
-# per process only spins (measured: 1169 instead of 1403 CPU-seconds for the suite).
+# a time: most tests wait on processes they started, so two files share the cores well. Files
+# start in the order tests/conftest.py gives them (longest first), not by their number of tests.
+# Every process computes on one thread: the workers fill the cores already, and a second OpenMP
+# thread per process only spins (measured: 1169 instead of 1403 CPU-seconds for the suite).
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100

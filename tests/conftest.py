@@ -1,5 +1,6 @@
 """What the whole suite shares: runs several test files use, made once per session (each costs
-tens of seconds of the 2-core machine the suite is sized for), and the `slow` tier.
+tens of seconds of the 2-core machine the suite is sized for), the `slow` tier, and the order
+in which the files start.
 
 `straight`: uninterrupted 20-step DAT runs of tests.helpers' CONFIG + FAST on one process
 (`ws1`) and on two with torchrun (`ws2`), a state saved at every step. The DDP-equivalence tests
@@ -54,12 +55,25 @@ SLOW_TESTS = {  # file: tests (without parameters) that start processes or compu
 SLOW_FILES = {"tests/test_console_messages.py", "tests/test_faults.py"}  # every test starts runs
 
 
+# The files that take longest (CPU-seconds, or seconds of waiting), longest first. pytest-xdist
+# (`--dist loadfile --no-loadscope-reorder`, as the Makefile runs it) hands out files in
+# collection order, so starting these first keeps both workers busy to the end instead of one
+# waiting while the other runs a long file last.
+LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_interrupts.py",
+                 "tests/test_imagenet_training.py", "tests/test_faults.py", "tests/test_table.py",
+                 "tests/test_console_messages.py", "tests/test_shipped_configs.py",
+                 "tests/test_run_dir.py", "tests/test_eval_metrics.py",
+                 "tests/test_speed_defaults.py"]
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(items):
     for item in items:
         path, _, name = item.nodeid.partition("::")
         if path in SLOW_FILES or name.split("[")[0] in SLOW_TESTS.get(path, ()):
             item.add_marker(pytest.mark.slow)
+    rank = {path: number for number, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
 
 
 def pytest_collection_finish(session):

@@ -1,7 +1,7 @@
-"""Stage 1 (InNOutRobustnessMean0_cifar100/) in real processes on CPU (gloo): torchrun and the
---nproc spawn launcher give identical weights, the robustness test reads the checkpoint, and a
-stopped or preempted run continues bit-identically. (A 2-process DAT run starting from a stage-1
-checkpoint is tests/test_shipped_configs.py's stage 2.)"""
+"""Stage 1 (InNOutRobustnessMean0_cifar100/) in real processes on CPU (gloo): the robustness test
+reads the checkpoint, and a stopped or preempted run continues bit-identically, under torchrun and
+under the --nproc spawn launcher (which so gives torchrun's weights). (A 2-process DAT run
+starting from a stage-1 checkpoint is tests/test_shipped_configs.py's stage 2.)"""
 
 import json
 import os
@@ -52,14 +52,8 @@ def stage1_torchrun(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-def test_torchrun_and_spawn_give_identical_weights(stage1_torchrun, tmp_path):
-    spawn_dir = tmp_path / "spawn"
-    cmd = [sys.executable, TRAIN_AT, CONFIG, "--nproc", "2", *TINY, f"run_dir={spawn_dir}"]
-    run_command(cmd, timeout=120, env=base_env(1)).assert_ok()
+def test_live_batchnorm_trains_and_the_run_evaluates(stage1_torchrun):
     a = torch.load(stage1_torchrun / "model_final.pth", weights_only=True)
-    b = torch.load(spawn_dir / "model_final.pth", weights_only=True)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "torchrun and spawn runs differ"
     # live BatchNorm: the (EMA of the) running statistics moved away from their initial 0 / 1
     assert a["block1.layer.0.bn1.running_mean"].abs().max() > 0
     assert (a["block1.layer.0.bn1.running_var"] - 1).abs().max() > 0
@@ -129,6 +123,9 @@ def spawn_cmd(run_dir, steps, *extra):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("launch", ["torchrun, SIGTERM to rank 1", "--nproc 2, Ctrl-C"])
 def test_stage1_sigterm_to_one_rank_saves_and_resumes(stage1_straight, tmp_path, launch):
+    """Stopped by a signal mid-run and continued by the same command, the run ends bit for bit
+    where the straight torchrun run did; with `--nproc 2` this also shows that the script's own
+    launcher and torchrun give the same weights."""
     run_dir = tmp_path / "preempted"
     steps = RESUME_STEPS
     # No periodic states: the only state before the end is the one the signal makes.

@@ -6,7 +6,7 @@
                 load_config per pair against rebm.eval.table.row_configs (once per row and set
                 of overrides)
 
-    .venv/bin/python benchmarks/bench_config.py [--reps 5] [--table experiments/paper/ood.yaml]
+    .venv/bin/python benchmarks/bench_config.py [--reps 5] [--table experiments/paper/cifar10.yaml]
 
 Each pair is measured in turn, `--reps` rounds, so drift hits both alike; medians (seconds of
 CPU time of this process) and the ratio of medians are printed. Run it on an idle machine.
@@ -52,7 +52,7 @@ def every_pair(spec, checkpoints: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--table", default=os.path.join(ROOT, "experiments", "paper", "ood.yaml"))
+    parser.add_argument("--table", default=os.path.join(ROOT, "experiments", "paper", "cifar10.yaml"))
     args = parser.parse_args()
     os.chdir(ROOT)  # the tables name their configs relative to the repository
 

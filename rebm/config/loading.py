@@ -294,7 +294,8 @@ def to_yaml(cfg: TrainConfig) -> str:
 
 def to_dict(cfg: TrainConfig) -> dict:
     """The config as plain nested dicts and lists (what a training state and wandb store).
-    dataclasses.asdict gives what OmegaConf.to_container(OmegaConf.structured(cfg)) gives, type
-    for type (the schema has no tuples or enums), in 0.3 ms instead of 40: it runs at every
-    state save."""
+    For a loaded config (OmegaConf has already converted every value to its field's type, and the
+    schema has no tuples or enums) dataclasses.asdict gives what
+    OmegaConf.to_container(OmegaConf.structured(cfg)) gives, type for type, in 0.3 ms instead of
+    40: it runs at every state save."""
     return dataclasses.asdict(cfg)  # type: ignore[call-overload]

@@ -3,7 +3,10 @@
 
   import        a new interpreter importing torch and torchvision
   import-nogc   the same through rebm.cli.import_libraries (collector paused, then frozen)
-  run-fresh     `python -m rebm.training.train` on the quickstart digits, 2 steps, no evaluation
+  run-collecting  `python -m rebm.training.train` on the quickstart digits, 2 steps, no evaluation,
+                with the collector running through the start (rebm.cli.collector_paused replaced by
+                a no-op: how the entry points started before)
+  run-fresh     the same command as it runs (its start under rebm.cli.collector_paused)
   run-forked    the same command forked by tests/processes.py from its preloaded server
 
     .venv/bin/python benchmarks/bench_startup.py [--reps 5]
@@ -28,6 +31,15 @@ sys.path.insert(0, ROOT)
 RUN = ["-m", "rebm.training.train", "experiments/quickstart/digits.yaml", "max_steps=2",
        "batch_size=32", "n_imgs_per_evaluation_log=null", "image_log.num_samples=4",
        "image_log.num_steps=1", "robust_eval_steps=1"]
+
+
+# The training entry with the start's collector pause made a no-op (argv: the module, then its
+# arguments).
+COLLECTING = ("import contextlib, runpy, sys\n"
+              "import rebm.cli\n"
+              "rebm.cli.collector_paused = contextlib.nullcontext\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
 
 
 def children_cpu() -> float:
@@ -73,6 +85,8 @@ def main() -> None:
         "import": lambda run_dir: fresh(["-c", "import torch, torchvision"], env),
         "import-nogc": lambda run_dir: fresh(
             ["-c", "from rebm.cli import import_libraries; import_libraries()"], env),
+        "run-collecting": lambda run_dir: fresh(["-c", COLLECTING, *RUN[1:],
+                                                 f"run_dir={run_dir}"], env),
         "run-fresh": lambda run_dir: fresh([*RUN, f"run_dir={run_dir}"], env),
         "run-forked": lambda run_dir: forked([*RUN, f"run_dir={run_dir}"], env),
     }
@@ -86,9 +100,10 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, {reps} rounds")
     for name, value in median.items():
-        print(f"{name:12s} median {value:5.2f} CPU-s   (all: "
+        print(f"{name:15s} median {value:5.2f} CPU-s   (all: "
               f"{', '.join(f'{v:.2f}' for v in times[name])})")
     print(f"import-nogc / import     {median['import-nogc'] / median['import']:.2f}")
+    print(f"run-fresh / run-collecting {median['run-fresh'] / median['run-collecting']:.2f}")
     print(f"run-forked / run-fresh   {median['run-forked'] / median['run-fresh']:.2f}")
 
 

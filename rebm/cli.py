@@ -194,7 +194,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
     gives its method's `loss_streams`: `--check` prints that method's memory plan, and a config
     without `run_dir` gets the deterministic default. A user-fixable error anywhere is one line
     and exit code 2."""
-    with user_errors_exit():
+    with user_errors_exit(), collector_paused():  # loading the config imports torch already
         args, cfg = parse_and_load(parser, argv, with_default_run_dir=loss_streams is not None)
         check_environment()
         if prepare is not None:
@@ -219,20 +219,29 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
     return 0
 
 
-def import_libraries() -> None:
-    """Import torch and torchvision (every entry's models and data need them) with the cyclic
-    garbage collector paused, then freeze what they made. The imports make about a million
-    objects: collecting while they are made costs about 1 CPU-second per process, a sixth of its
-    start, and frozen, they are skipped by every later collection of the run."""
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run a process's start with the cyclic garbage collector paused, then freeze what it made.
+    The start imports torch and torchvision (every entry's models and data need them; loading a
+    config does already): about half a million objects. Collecting while they are made costs
+    about 1.5 CPU-seconds per process, a quarter of its start (benchmarks/bench_startup.py);
+    frozen, they are skipped by every later collection of the run. The price: the start's few thousand garbage objects are never freed
+    (a fixed few MB; one full collection to free them would cost 0.6 s)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        import torch  # noqa: F401
-        import torchvision  # noqa: F401
+        yield
     finally:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+def import_libraries() -> None:
+    """Import torch and torchvision with the collector paused (collector_paused)."""
+    with collector_paused():
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
 
 
 def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:

@@ -72,6 +72,17 @@ def test_check_via_subprocess_prints_yaml():
     assert "model_type: WideResNet10x1" in result.output
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["experiments/quickstart/digits.yaml", "--check"],
+                                  ["experiments/quickstart/digits.yaml", "lr=-1"]])
+def test_the_collector_is_on_again_after_the_start(capsys, argv):
+    """The start runs with the garbage collector paused (rebm.cli.collector_paused); whichever
+    way it ends, the collector is running afterwards."""
+    import gc
+
+    run_main(capsys, *argv)
+    assert gc.isenabled()
+
+
 def test_help(capsys):
     code, out, _ = run_main(capsys, "--help")
     assert code == 0 and "--check" in out and "key=value" in out

@@ -252,9 +252,11 @@ class TableRun:
 
 def run(spec, args) -> None:
     """One process of the table (under torchrun, every rank calls this)."""
+    from rebm.cli import import_libraries, user_errors_exit
+
+    import_libraries()  # first: its collector pause covers importing torch
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from rebm.cli import user_errors_exit
     from rebm.distributed import setup_distributed, setup_logging, teardown
 
     @record

@@ -225,8 +225,9 @@ def collector_paused() -> Iterator[None]:
     The start imports torch and torchvision (every entry's models and data need them; loading a
     config does already): about half a million objects. Collecting while they are made costs
     about 1.5 CPU-seconds per process, a quarter of its start (benchmarks/bench_startup.py);
-    frozen, they are skipped by every later collection of the run. The price: the start's few thousand garbage objects are never freed
-    (a fixed few MB; one full collection to free them would cost 0.6 s)."""
+    frozen, they are skipped by every later collection of the run. The price: the start's few
+    thousand garbage objects are never freed (a fixed few MB; one full collection to free them
+    would cost 0.6 s)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

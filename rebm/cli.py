@@ -249,7 +249,7 @@ def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
     `record` writes a failing worker's error where the agent reports it; every error, one-line
     or not, also goes to this rank's log file."""
-    import_libraries()  # a spawned rank starts here
+    import_libraries()  # a spawned rank starts here (torch.multiprocessing imported torch)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(_worker)(body, cfg, args)

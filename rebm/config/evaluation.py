@@ -15,6 +15,8 @@ from rebm.config.errors import ConfigError
 from rebm.config.evaluation_ood import OODCounterfactualFields, validate_ood_counterfactuals
 
 PR_REFERENCE_SPLITS = ("train", "test")
+SAMPLE_PIXELS = ("floor", "round")
+IS_RESIZES = ("pil", "fidelity")
 
 
 @dataclass
@@ -27,12 +29,19 @@ class EvalConfig(OODCounterfactualFields):
     unconditional_samples: bool = False  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS)
     grid_num_samples: int = 100  # samples shown in the PNG grid (the first ones)
     pr_reference_split: str = "train"  # precision/recall: in-distribution split of the real images
-    pr_num_real: Optional[int] = None  # precision/recall: real images (the first N of the split); null: as many as samples
+    pr_num_real: Optional[int] = None  # precision/recall: real images of the reference; null: as many as samples
+    pr_reference: Optional[str] = None  # precision/recall: reference batch, an .npz in OpenAI's format (arr_0, uint8 N x H x W x 3); null: a seeded class-balanced random subset of pr_reference_split
+    sample_pixels: str = "floor"  # 8-bit pixels of the samples (FID, IS, P-R, PNG/npz files): floor (floor(255 x), the original's to_pil_image) or round
+    is_resize: str = "pil"  # Inception Score input: pil (8-bit samples resized to 299 px by PIL, the original's path) or fidelity (torch-fidelity's own resize)
 
 
 def validate_evaluation(cfg, source: str = "config") -> None:
     """Ranges of the `eval.*` fields; raises ConfigError naming the key."""
     ev: EvalConfig = cfg.eval
+    for key, choices in (("sample_pixels", SAMPLE_PIXELS), ("is_resize", IS_RESIZES)):
+        if getattr(ev, key) not in choices:
+            raise ConfigError(f"{source}: 'eval.{key}: {getattr(ev, key)}' is not valid; use one "
+                              f"of {', '.join(choices)}")
     if ev.pr_reference_split not in PR_REFERENCE_SPLITS:
         raise ConfigError(f"{source}: 'eval.pr_reference_split: {ev.pr_reference_split}' is "
                               f"not valid; use one of {', '.join(PR_REFERENCE_SPLITS)}")

@@ -12,7 +12,9 @@ from rebm.config.errors import ConfigError
 from rebm.config.legacy import Frozen
 
 OOD_SCORES = ("msp", "lse")
-OOD_SET_NAMES = ("noise", "svhn", "cifar10", "cifar100", "tinyimages", "OpenImageO", "ImageNet")
+OOD_SET_NAMES = ("noise", "svhn", "cifar10", "cifar100", "tinyimages", "OpenImageO", "ImageNet",
+                 "restricted_imagenet")
+COUNTERFACTUAL_PROTOCOLS = ("original", "grid")
 
 
 @dataclass
@@ -25,6 +27,7 @@ class OODCounterfactualFields(Frozen):
     ood_attack_eps: Optional[float] = None  # ood_sets: L2 radius of that attack; null: the original's, 1.0 below 128 px, 3.0 from 128 px
     ood_attack_steps: Optional[int] = None  # ood_sets: its PGD steps; null: 20 below 128 px, 10 from 128 px
     ood_attack_step_size: Optional[float] = None  # ood_sets: its step length; null: 0.1 below 128 px, 1.0 from 128 px
+    counterfactual_protocol: str = "original"  # counterfactuals: original (training images, one seeded random target class each, FID per target class) or grid (test images, every other class or counterfactual_num_targets of them)
     counterfactual_num_images: int = 10  # counterfactuals: the first N test images are explained
     counterfactual_num_targets: Optional[int] = None  # counterfactuals: target classes per image (y+1, y+2, ... mod K); null: every other class
     counterfactual_steps: Optional[int] = None  # counterfactuals: PGD steps toward the target; null: image_log.num_steps
@@ -38,6 +41,9 @@ def validate_ood_counterfactuals(ev, source: str) -> None:
     if ev.ood_score not in OOD_SCORES:
         raise ConfigError(f"{source}: 'eval.ood_score: {ev.ood_score}' is not valid; use one of "
                           f"{', '.join(OOD_SCORES)}")
+    if ev.counterfactual_protocol not in COUNTERFACTUAL_PROTOCOLS:
+        raise ConfigError(f"{source}: 'eval.counterfactual_protocol: {ev.counterfactual_protocol}' "
+                          f"is not valid; use one of {', '.join(COUNTERFACTUAL_PROTOCOLS)}")
     unknown = [k for k in ev.ood_roots if k not in OOD_SET_NAMES]
     if unknown:
         raise ConfigError(f"{source}: 'eval.ood_roots.{unknown[0]}' is not a named OOD set; "

@@ -53,8 +53,9 @@ def _all_keys(obj: Any, prefix: str = "") -> List[str]:
 
 VALID_KEYS = _all_keys(TrainConfig())
 # data.image_size when a config does not set it, for datasets whose size is not the field's
-# default (the original ImageNet configs rely on 224)
-DEFAULT_IMAGE_SIZES = {"ImageNet": 224}
+# default: the original's `data.image_size` default is 256, and none of its ImageNet configs sets
+# it, so they train and evaluate at 256 px
+DEFAULT_IMAGE_SIZES = {"ImageNet": 256}
 
 
 def _suggest(key: str) -> str:

@@ -97,7 +97,7 @@ class ImageLogConfig(LegacyImageLogFields):
     norm: str = "L2"  # L2 (normalised-gradient steps) or Linf (sign steps) for generation
     adaptive_steps: bool = False  # pick num_steps by FID over a sweep before each FID evaluation
     step_sweep_range: Optional[List[int]] = None  # step counts the sweep tries (default: see sweep_radius)
-    sweep_radius: int = 5  # without step_sweep_range: try num_steps - r ... num_steps + r
+    sweep_radius: int = 3  # without step_sweep_range: try num_steps - r ... num_steps + r (the original's default 3)
     sweep_num_samples: int = 500  # samples per candidate of the sweep
     blur_kernel_size: int = 0  # Gaussian blur of the seed images (odd kernel size; 0 = none)
     adaptive_blur: bool = False  # scale blur_kernel_size with data.image_size / 32
@@ -112,7 +112,7 @@ class DataConfig(LegacyDataFields):
     outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder (also OpenImageO) / tensor file path
     num_workers: int = 2  # loader workers per process, which also decode the JPEGs (capped by the cores per process)
     num_classes: int = 10  # classes of the in-distribution
-    image_size: int = 32  # side of the images fed to the model (ImageNet: 224 unless set; 256 for the ConvNeXt configs)
+    image_size: int = 32  # side of the images fed to the model and of the samples (ImageNet: 256 unless set, the original's default)
     download: bool = False  # let torchvision download CIFAR if it is missing
     outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
 

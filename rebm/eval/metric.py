@@ -120,6 +120,9 @@ class Metric:
 
     name: ClassVar[str] = ""
     source: ClassVar[str] = TEST_SET
+    # Bumped whenever the way the value is computed changes, so that cached values computed
+    # the old way (the table runner's cache) are recomputed.
+    protocol: ClassVar[int] = 1
 
     def __init__(self, ctx: EvalContext):
         self.ctx = ctx
@@ -127,6 +130,14 @@ class Metric:
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
         """Everything that decides the value, JSON-able (eval.json, cache keys)."""
+        return {}
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        """The files and folders the value is computed from, other than the checkpoint:
+        {what it is (a config key, e.g. 'image_log.data_dir'): path}. Files are hashed into
+        cache keys (a rewritten statistics file recomputes the value) and listed, present or
+        missing, by `rebm.eval.table --check`; folders (dataset roots) count by path."""
         return {}
 
     @classmethod

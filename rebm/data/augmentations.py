@@ -13,8 +13,8 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
   `default` and `generation_od` RandomResizedCrop(S) + flip;
   `generation_od_randomcrop` RandomResizedCrop(S) + RandomCrop(S, padding 4S/32) + flip;
   `generation_id` Resize(S) + CenterCrop(S) + flip;
-  `generation_id_randomcrop` Resize(256/224 S) + CenterCrop(S) + RandomCrop(S, padding 4S/32)
-  + flip; on full-resolution images `test` is Resize(256/224 S, bicubic) + CenterCrop(S) and
+  `generation_id_randomcrop` Resize(floor(S / 0.875)) + CenterCrop(S) + RandomCrop(S, padding 4S/32)
+  + flip; on full-resolution images `test` is Resize(floor(S / 0.875), bicubic) + CenterCrop(S) and
   `none` is Resize((S, S), bicubic).
 
 Transforms take one CHW image tensor (uint8, or float in [0, 1]) and return the same dtype; the
@@ -102,7 +102,9 @@ def imagenet_augmentation(name: str, size: int) -> FullImageTransform:
     """The ImageNet transforms of the module docstring, on PIL images or uint8 CHW tensors of
     any size."""
     bicubic = v2.InterpolationMode.BICUBIC
-    resized = int(256 / 224 * size)  # 256 at 224 px (the usual ImageNet eval resize)
+    # floor(S / 0.875) in integers (crop_pct 0.875, as the original's evaluate_imagenet_robustbench.py):
+    # 256 at 224 px, 292 at 256 px
+    resized = size * 8 // 7
     padding = int(4 * size / 32)
     flip = v2.RandomHorizontalFlip()
     steps = {

@@ -56,6 +56,23 @@ VALID_KEYS = _all_keys(TrainConfig())
 # default: the original's `data.image_size` default is 256, and none of its ImageNet configs sets
 # it, so they train and evaluate at 256 px
 DEFAULT_IMAGE_SIZES = {"ImageNet": 256}
+# data.num_classes when a config does not set it: the classes of the dataset (the original's
+# default, 1, fails on every multi-class dataset, so a config that relied on it did not run)
+DEFAULT_NUM_CLASSES = {"cifar10": 10, "cifar10-conditional": 10, "cifar100": 100,
+                       "cifar100-conditional": 100, "ImageNet": 1000, "digits": 10}
+
+
+def _dependent_defaults(schema: Any, explicit: Sequence[str]) -> None:
+    """The defaults that depend on another field, set where the config leaves them unset."""
+    data, model = schema.data, schema.model
+    if "data.image_size" not in explicit and data.indist_dataset in DEFAULT_IMAGE_SIZES:
+        data.image_size = DEFAULT_IMAGE_SIZES[data.indist_dataset]
+    if "data.num_classes" not in explicit and data.indist_dataset in DEFAULT_NUM_CLASSES:
+        data.num_classes = DEFAULT_NUM_CLASSES[data.indist_dataset]
+    # the original's ConvNextConfig defaults use_convstem to true (its config_classes.py)
+    if "model.use_convstem" not in explicit and str(model.model_type).lower().startswith(
+            "convnext"):
+        model.use_convstem = True
 
 
 def _suggest(key: str) -> str:
@@ -130,8 +147,7 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
         apply_aliases(raw, source)
         explicit += _explicit_keys(OmegaConf.to_container(raw))
         schema = _merge(schema, raw, source)
-    if "data.image_size" not in explicit and schema.data.indist_dataset in DEFAULT_IMAGE_SIZES:
-        schema.data.image_size = DEFAULT_IMAGE_SIZES[schema.data.indist_dataset]
+    _dependent_defaults(schema, explicit)
     try:
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:

@@ -111,7 +111,7 @@ class DataConfig(LegacyDataFields):
     outdist_dataset: str = "noise"  # tinyimages, imagefolder, OpenImageO, tensorfile, noise/uniform-noise, lowfreq-noise
     outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder (also OpenImageO) / tensor file path
     num_workers: int = 2  # loader workers per process, which also decode the JPEGs (capped by the cores per process)
-    num_classes: int = 10  # classes of the in-distribution
+    num_classes: int = 10  # classes of the in-distribution (unset: the dataset's, e.g. 100 for cifar100, 1000 for ImageNet)
     image_size: int = 32  # side of the images fed to the model and of the samples (ImageNet: 256 unless set, the original's default)
     download: bool = False  # let torchvision download CIFAR if it is missing
     outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
@@ -124,7 +124,7 @@ class ModelConfig(LegacyModelFields):
     trust_checkpoint: bool = False  # also unpickle Python objects outside rebm's allow-list from ckpt_path (they can run code): only for files you trust
     normalize_input: bool = True  # normalise inputs inside the model (statistics of data.indist_dataset: CIFAR-10's, ImageNet's)
     use_batchnorm: bool = False  # false: BatchNorm frozen in eval mode while training (DAT stage 2)
-    use_convstem: bool = False  # ConvNeXt: the convolutional stem of Singh et al. instead of timm's patch stem (their robust checkpoints need it)
+    use_convstem: bool = False  # ConvNeXt: the convolutional stem of Singh et al. instead of timm's patch stem (their robust checkpoints need it); unset: true for ConvNeXt, the original's default
     use_layernorm: bool = True  # ConvNeXt: the original's switch; LayerNorm is the same in train and eval mode, so it changes nothing
     channels_last: Union[bool, str] = "auto"  # channels_last memory format: true, false or auto (on for CPU and for CUDA with amp bf16/fp16; see docs/performance.md)
     compile: bool = False  # torch.compile the model (before DDP wrapping)
@@ -171,7 +171,7 @@ class TrainConfig(LegacyTrainFields):
     n_imgs_per_ckpt_save: int = 256000  # full training state in <run_dir>/checkpoints
 
     # Model averaging / precision
-    use_ema: bool = True  # keep an EMA of the weights; evaluate and export it
+    use_ema: bool = False  # keep an EMA of the weights; evaluate and export it (the original's default is false)
     ema_decay: float = 0.999  # EMA decay (warmed up from 0)
     amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
 

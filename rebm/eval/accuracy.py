@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from rebm.attacks.pgd import pgd_from_config
 from rebm.data.sampling import sample_keys
 from rebm.distributed import all_reduce_sum
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
-from rebm.eval.test_set import describe_test_set, test_set_settings
+from rebm.eval.test_set import describe_test_set, test_set_files, test_set_settings
 
 # The "epoch" slot of sample_keys separates the random streams of the evaluation attacks.
 ROBUST_EVAL_EPOCH = 0
@@ -70,6 +70,10 @@ class CorrectCount(Metric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.counts = torch.zeros(2, dtype=torch.int64, device=ctx.runtime.device)
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        return test_set_files(cfg)
 
     def correct(self, batch: TestBatch) -> Tensor:
         raise NotImplementedError

@@ -22,7 +22,7 @@ from torch import Tensor
 from rebm.distributed import all_reduce_sum
 from rebm.distributed.collectives import on_main
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
-from rebm.eval.test_set import describe_test_set, test_set_settings
+from rebm.eval.test_set import describe_test_set, test_set_files, test_set_settings
 
 N_BINS = 20
 
@@ -103,6 +103,10 @@ class Calibration(Metric):
     def settings(cls, cfg) -> Dict[str, Any]:
         return {"bins": N_BINS, "binning": "equal-width", "confidence": "max softmax",
                 **test_set_settings(cfg)}
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        return test_set_files(cfg)
 
     def update(self, batch: TestBatch) -> None:
         self.sums += calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS)

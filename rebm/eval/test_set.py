@@ -13,7 +13,7 @@ numbers per batch) give the same results on 1, 2 or 3 ranks.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,15 @@ def test_set_settings(cfg) -> Dict[str, Any]:
     """Which test images a test-set metric ran on (part of every such metric's settings)."""
     return {"dataset": cfg.data.indist_dataset, "split": "test", "image_ids": cfg.eval.image_ids,
             "num_images": cfg.eval.num_images}
+
+
+def test_set_files(cfg) -> Dict[str, Optional[str]]:
+    """The dataset root and the ids file a test-set metric reads (`Metric.files`)."""
+    files: Dict[str, Optional[str]] = {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+    if cfg.eval.image_ids:
+        files["eval.image_ids"] = (ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench"
+                                   else cfg.eval.image_ids)
+    return files
 
 
 def describe_test_set(settings: Dict[str, Any], n_test: Any) -> str:

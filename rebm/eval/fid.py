@@ -44,6 +44,7 @@ from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
 from rebm.distributed.logs import progress
 from rebm.errors import UserError
+from rebm.eval.metric import to_pixels
 
 LOGGER = logging.getLogger("rebm")
 
@@ -100,9 +101,10 @@ def feature_statistics(features) -> Tuple[np.ndarray, np.ndarray]:
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
-def to_8bit(images: Tensor) -> Tensor:
-    """Images rounded to 8 bits (the PNG values torchvision's save_image writes), as float."""
-    return images.float().mul(255).add(0.5).clamp(0, 255).floor().div(255)
+def to_8bit(images: Tensor, mode: str = "round") -> Tensor:
+    """Images quantised to 8 bits as float k / 255: `to_pixels(images, mode)` ("round": what
+    torchvision's save_image writes; "floor": what to_pil_image writes)."""
+    return to_pixels(images, mode).float().div(255)
 
 
 class MomentSums:
@@ -330,17 +332,24 @@ class FIDScorer:
     into a MomentSums (`add`), then `score` it (all ranks together)."""
 
     def __init__(self, features: Features, reference: Tuple[np.ndarray, np.ndarray],
-                 runtime: Runtime, batch_size: int, label: str = "the reference"):
+                 runtime: Runtime, batch_size: int, label: str = "the reference",
+                 pixel_mode: str = "floor"):
         self.features = features
         self.reference = reference
         self.runtime = runtime
         self.batch_size = batch_size
         self.label = label
+        self.pixel_mode = pixel_mode  # eval.sample_pixels
 
     def add(self, sums: MomentSums, images: Tensor) -> None:
-        """The features of float [0, 1] images (rounded to 8 bits first) into `sums`."""
+        """The features of float [0, 1] images (quantised to 8 bits by `pixel_mode`) into `sums`."""
+        self.add_pixels(sums, to_pixels(images.to(self.runtime.device), self.pixel_mode))
+
+    def add_pixels(self, sums: MomentSums, pixels: Tensor) -> None:
+        """The features of uint8 NCHW images into `sums`, read as pytorch-fid reads a PNG
+        (ToTensor: k / 255 in float32)."""
         with torch.no_grad():
-            sums.add(self.features(to_8bit(images.to(self.runtime.device))))
+            sums.add(self.features(pixels.to(self.runtime.device).float().div(255)))
 
     def score(self, sums: MomentSums) -> Optional[float]:
         """FID of the images in every rank's `sums`, or None with one warning when there are
@@ -369,7 +378,8 @@ class FIDScorer:
 
 
 def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int = 100,
-                inception_weights: Optional[str] = None) -> Optional[FIDScorer]:
+                inception_weights: Optional[str] = None,
+                pixel_mode: str = "floor") -> Optional[FIDScorer]:
     """A scorer against the statistics at `ref_stats_path`, or None on every rank (one warning)
     when any rank lacks the statistics or the feature network. Every rank must call this."""
     problem = None
@@ -381,21 +391,22 @@ def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int
     if consensus(runtime, skip=problem is not None)["skip"]:
         _warn_once(f"FID skipped: {problem or 'another rank cannot compute FID (see its log)'}")
         return None
-    return FIDScorer(features, reference, runtime, batch_size, str(ref_stats_path))
+    return FIDScorer(features, reference, runtime, batch_size, str(ref_stats_path), pixel_mode)
 
 
 def fid_scorer(cfg, runtime: Runtime, batch_size: int) -> Optional[FIDScorer]:
     """`prepare_fid` with the config's statistics (image_log.data_dir) and weights."""
     return prepare_fid(cfg.image_log.data_dir, runtime, batch_size,
-                       cfg.image_log.inception_weights)
+                       cfg.image_log.inception_weights, cfg.eval.sample_pixels)
 
 
 def compute_fid(images: Tensor, ref_stats_path: Optional[str], device, batch_size: int = 100,
                 runtime: Optional[Runtime] = None,
-                inception_weights: Optional[str] = None) -> Optional[float]:
+                inception_weights: Optional[str] = None,
+                pixel_mode: str = "floor") -> Optional[float]:
     """FID of `images` (float [0, 1], N x 3 x H x W, the same on every rank) against the
     statistics at `ref_stats_path`, or None when it cannot be computed (reason logged once).
     Without `runtime`, a single process on `device`."""
     runtime = runtime or Runtime(device=torch.device(device))
-    scorer = prepare_fid(ref_stats_path, runtime, batch_size, inception_weights)
+    scorer = prepare_fid(ref_stats_path, runtime, batch_size, inception_weights, pixel_mode)
     return None if scorer is None else scorer(images)

@@ -57,7 +57,7 @@ class FID(Metric):
 
     def update(self, chunk: SampleChunk) -> None:
         if self.scorer is not None:
-            self.scorer.add(self.sums, chunk.images)
+            self.scorer.add_pixels(self.sums, chunk.pixels())
 
     def finish(self) -> Dict[str, Any]:
         if self.scorer is None:

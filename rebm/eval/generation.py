@@ -261,7 +261,7 @@ class SampleGenerator:
         images = pgd_attack(self.model, x, steps=self.num_steps, step_size=log.step_size,
                             eps=log.eps, norm=log.norm, objective=self.objective,
                             y=labels.to(device))
-        return SampleChunk(indices, labels, images.detach())
+        return SampleChunk(indices, labels, images.detach(), self.cfg.eval.sample_pixels)
 
 
 def generate_samples(

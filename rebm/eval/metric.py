@@ -32,6 +32,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from rebm.config.evaluation import SAMPLE_PIXELS
 from rebm.distributed import Runtime
 from rebm.errors import UserError
 
@@ -94,15 +95,18 @@ class TestBatch:
 class SampleChunk:
     """One chunk of this rank's generated samples: sample indices (cpu int64), labels, images
     (float [0, 1], on the device). `pixels()` are the 8-bit values a PNG of the sample holds
-    (uint8 NCHW); `cached(key, compute)` computes a value (e.g. one feature network's features)
-    once per chunk for every metric that asks."""
+    (uint8 NCHW), by `pixel_mode` (`eval.sample_pixels`, see `to_pixels`): every sample metric
+    and file sees the same values. `cached(key, compute)` computes a value (e.g. one feature
+    network's features) once per chunk for every metric that asks."""
 
-    def __init__(self, indices: Tensor, labels: Tensor, images: Tensor):
+    def __init__(self, indices: Tensor, labels: Tensor, images: Tensor,
+                 pixel_mode: str = "floor"):
         self.indices, self.labels, self.images = indices, labels, images
+        self.pixel_mode = pixel_mode
         self._cache: Dict[str, Any] = {}
 
     def pixels(self) -> Tensor:
-        return self.cached("pixels", lambda: to_pixels(self.images))
+        return self.cached("pixels", lambda: to_pixels(self.images, self.pixel_mode))
 
     def cached(self, key: str, compute: Callable[[], Any]) -> Any:
         if key not in self._cache:
@@ -110,9 +114,21 @@ class SampleChunk:
         return self._cache[key]
 
 
-def to_pixels(images: Tensor) -> Tensor:
-    """float [0, 1] images as the uint8 values torchvision's save_image writes to a PNG."""
-    return images.detach().float().mul(255).add(0.5).clamp(0, 255).to(torch.uint8)
+def to_pixels(images: Tensor, mode: str = "floor") -> Tensor:
+    """float [0, 1] images as uint8, the values a PNG of them holds.
+
+    - "floor": floor(255 x), what torchvision's `to_pil_image` of a float tensor writes (it
+      multiplies by 255 in float32 and casts to uint8, which truncates): the original DAT code's
+      sample PNGs. Values are clamped to [0, 1] first (the cast is undefined outside [0, 256)).
+    - "round": floor(255 x + 0.5), clamped, what torchvision's `save_image` writes.
+    Both give back k exactly for the 8-bit images k / 255 (float32), so real images read from
+    8-bit files are unchanged by either."""
+    x = images.detach().float()
+    if mode == "floor":
+        return x.clamp(0, 1).mul(255).to(torch.uint8)
+    if mode == "round":
+        return x.mul(255).add(0.5).clamp(0, 255).to(torch.uint8)
+    raise ValueError(f"pixel mode '{mode}' is not one of {', '.join(SAMPLE_PIXELS)}")
 
 
 class Metric:

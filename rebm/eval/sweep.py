@@ -45,7 +45,7 @@ class _FeatureSums:
         self.scorer, self.sums = scorer, MomentSums()
 
     def update(self, chunk) -> None:
-        self.scorer.add(self.sums, chunk.images)
+        self.scorer.add_pixels(self.sums, chunk.pixels())
 
 
 def sweep_steps(ctx: EvalContext, scorer: FIDScorer) -> Tuple[int, Dict[int, float]]:

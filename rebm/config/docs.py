@@ -18,6 +18,7 @@ from rebm.config import (
     TrainConfig,
 )
 from rebm.config.evaluation import EvalConfig
+from rebm.config.original_defaults import render_audit
 
 SECTIONS = [
     ("", TrainConfig, "Top level"),
@@ -87,6 +88,7 @@ def render() -> str:
                 note = _legacy_note(f)
             lines.append(f"| `{key}` | `{_default(instance, f.name)}` | {note} |")
         lines.append("")
+    lines += render_audit()
     lines += ["## Aliases", "",
               "Keys of the original configs that rebm reads under its own name; they are renamed "
               "before the file is merged, and a file that sets both spellings to different values "

@@ -1,19 +1,29 @@
 """One command per paper table: evaluate every row of a table YAML, then write table.md/.csv.
 
     python -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR \\
-        [--rows NAME|GROUP ...] [--metrics NAME ...] [--out DIR] [--force]
+        [--rows NAME|GROUP ...] [--metrics NAME ...] [--out DIR] [--force] [--check]
     torchrun --nproc_per_node=N -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR
+    python -m rebm.eval.table ORIGINAL/model_configs[/FILE.yaml] --checkpoints ORIGINAL \\
+        [--protocol TABLE]
 
 The rows run one after another in one process group (the table format: rebm/eval/table_spec.py).
 Each metric of a row is stored, as soon as it is computed, in `<out>/rows/<row>.json` under a
-hash of what decides it (rebm/eval/table_cache.py), and skipped when the same command runs again:
-a killed or requeued job continues with the first metric not yet done; `--force` recomputes the
-selected ones. Test-set metrics run one by one; the sample metrics of a row share one generation
-pass. A row whose checkpoint is missing is one warning line naming the row and the expected path;
-the other rows still run. At the end rank 0 writes `<out>/table.md` and `<out>/table.csv` (mean ±
+hash of everything its value depends on (checkpoint and file contents, model and data settings,
+the metric's settings and protocol version: rebm/eval/table_cache.py), and skipped when the same
+command runs again: a killed or requeued job continues with the first metric not yet done;
+`--force` recomputes the selected ones. Test-set metrics run one by one; the sample metrics of a
+row share one generation pass. A row whose checkpoint is missing is one warning line naming the
+row and the expected path; the other rows still run, and the command exits non-zero at the end,
+naming the skipped rows. At the end rank 0 writes `<out>/table.md` and `<out>/table.csv` (mean ±
 std over each seed group; rebm/eval/table_report.py) from every cached result of the table, and
 files of the metrics (sample grids, counterfactual grids) go to `<out>/<row>/`. The evaluation
 batch is the table's `batch_size` on any number of processes, so the numbers do not depend on it.
+
+`--check` computes nothing and starts no process group: it loads every row's config as the run
+would, lists each file a row needs (checkpoint, and every file of its metrics, `Metric.files`) as
+present or missing, and exits non-zero if one is missing. An original model config (or a folder
+of them) in place of the table is evaluated with its dataset's protocol
+(rebm/eval/original_configs.py).
 """
 
 from __future__ import annotations
@@ -24,17 +34,16 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
+EXIT_MISSING = 1  # --check found a missing file
 
 
-def model_identity(cfg) -> Dict[str, Any]:
-    """The part of a row's config that decides its weights (the checkpoint apart)."""
-    from rebm.config import to_dict
-
-    model = {k: v for k, v in to_dict(cfg)["model"].items() if k != "ckpt_path"}
-    return {"model": model, "use_ema": cfg.use_ema}
+class RowsSkipped(UserError, RuntimeError):
+    """Rows were skipped (checkpoint missing); the table of the others is written. One line."""
 
 
 def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
@@ -78,20 +87,28 @@ class _Recorded:
 class TableRun:
     """The state of one run of a table on every rank (every rank calls every method)."""
 
-    def __init__(self, spec, args, runtime):
-        self.spec, self.runtime = spec, runtime
-        self.checkpoints, self.force = args.checkpoints, args.force
-        self.out = args.out or os.path.join("runs", "tables", spec.stem)
-        self.selected = spec.select(args.rows, args.metrics)
-        self.configs = row_configs(spec, self.checkpoints)
+    def __init__(self, spec, args, runtime, out: str):
+        from rebm.eval.table_cache import FileHashes
 
-    def key(self, row, metric: str, identity: Dict[str, Any]) -> str:
+        self.spec, self.runtime, self.out = spec, runtime, out
+        self.checkpoints, self.force = args.checkpoints, args.force
+        self.selected = spec.select(own_rows(spec, args.rows), args.metrics)
+        self.configs = row_configs(spec, self.checkpoints)
+        self.hashes = FileHashes()  # rank 0's: every file is read once per run
+        self.skipped: List[str] = []
+
+    def keys(self, row, metrics) -> Optional[Dict[str, str]]:
+        """{metric: cache key} of the row (rank 0; None when its checkpoint is missing)."""
         from rebm.eval.registry import metric_classes
         from rebm.eval.table_cache import metric_key
 
-        cfg = self.configs[row.name][metric]
-        settings = metric_classes([metric])[0].settings(cfg)
-        return metric_key(identity, model_identity(cfg), self.spec.batch_size, settings)
+        path = os.path.join(self.checkpoints, row.checkpoint)
+        if not os.path.isfile(path):
+            return None
+        checkpoint = self.hashes.sha256(path)
+        return {cls.name: metric_key(self.configs[row.name][cls.name], cls, checkpoint,
+                                     self.spec.batch_size, self.hashes)
+                for cls in metric_classes(metrics)}
 
     def run(self) -> Dict[str, Any]:
         from rebm.distributed.collectives import decide_on_main, on_main
@@ -117,32 +134,24 @@ class TableRun:
         on_main(self.runtime, report, f"write the table into {self.out}")
         return values
 
-    def identity(self, row) -> Optional[Dict[str, Any]]:
-        """The row's checkpoint identity (rank 0 looks, every rank gets it), None if missing."""
-        from rebm.distributed.collectives import decide_on_main
-        from rebm.eval.table_cache import checkpoint_identity
-
-        path = os.path.join(self.checkpoints, row.checkpoint)
-        return decide_on_main(
-            self.runtime,
-            lambda: checkpoint_identity(path, row.checkpoint) if os.path.isfile(path) else None,
-            f"look for {path}")
-
     def run_row(self, row, label: str) -> None:
         from rebm.distributed.collectives import decide_on_main
         from rebm.eval.metric import SAMPLES
         from rebm.eval.registry import metric_classes
         from rebm.eval.table_cache import cached_results, read_cache
 
-        identity = self.identity(row)
-        if identity is None:
+        def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str]]]:
+            keys = self.keys(row, self.selected.metrics)
+            return None if keys is None else (read_cache(self.out, row.name), keys)
+
+        found = decide_on_main(self.runtime, look, f"look for row {row.name}'s checkpoint")
+        if found is None:
             LOGGER.warning("%s: checkpoint missing: expected %s; the other rows still run",
                            label, os.path.join(self.checkpoints, row.checkpoint))
+            self.skipped.append(row.name)
             return
-        cache = decide_on_main(self.runtime, lambda: read_cache(self.out, row.name),
-                               "read the table cache")
+        cache, keys = found
         cache.update(row=row.name, group=row.group, seed=row.seed, checkpoint=row.checkpoint)
-        keys = {m: self.key(row, m, identity) for m in self.selected.metrics}
         pending = [m for m in self.selected.metrics
                    if self.force or cached_results(cache, m, keys[m]) is None]
         done = len(self.selected.metrics) - len(pending)
@@ -180,10 +189,12 @@ class TableRun:
         """The row's sample metrics, {name: results}: one generation pass for the metrics whose
         configs draw the same samples (metric_overrides may make them differ)."""
         from rebm.eval.samples import sample_settings
+        from rebm.eval.table_cache import data_settings
 
         passes: Dict[str, List[str]] = {}
         for name in names:
-            drawn = json.dumps(sample_settings(self.configs[row.name][name]), sort_keys=True,
+            cfg = self.configs[row.name][name]
+            drawn = json.dumps([sample_settings(cfg), data_settings(cfg)], sort_keys=True,
                                default=str)
             passes.setdefault(drawn, []).append(name)
         results: Dict[str, Dict[str, Any]] = {}
@@ -209,12 +220,14 @@ class TableRun:
     def store(self, cache, row, metric: str, key: str, results, start: float, label: str
               ) -> None:
         from rebm.distributed.collectives import on_main
+        from rebm.eval.registry import metric_classes
         from rebm.eval.table_cache import store_result
 
         seconds = time.monotonic() - start
+        cls = metric_classes([metric])[0]
         entry = {"key": key, "results": results, "seconds": round(seconds, 3),
-                 "world_size": self.runtime.world_size,
-                 "settings": self._settings(row, metric)}
+                 "world_size": self.runtime.world_size, "protocol": cls.protocol,
+                 "settings": cls.settings(self.configs[row.name][metric])}
         on_main(self.runtime, lambda: store_result(self.out, cache, metric, entry),
                 f"write the table cache of row {row.name}")
         shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items()
@@ -222,36 +235,130 @@ class TableRun:
         LOGGER.info("%s: %s done in %.1f s%s", label, metric, seconds,
                     f": {shown}" if shown else "")
 
-    def _settings(self, row, metric: str) -> Dict[str, Any]:
-        from rebm.eval.registry import metric_classes
-
-        return metric_classes([metric])[0].settings(self.configs[row.name][metric])
-
     def collect(self):
         """(values, missing) of every row of the table from the caches (rank 0): a row's
         values are its metrics computed under the current keys."""
-        from rebm.eval.table_cache import cached_results, checkpoint_identity, read_cache
+        from rebm.eval.table_cache import cached_results, read_cache
 
         values: Dict[str, Dict[str, Any]] = {}
         missing: Dict[str, str] = {}
         for row in self.spec.rows:
-            path = os.path.join(self.checkpoints, row.checkpoint)
-            if not os.path.isfile(path):
-                missing[row.name] = path
+            keys = self.keys(row, self.spec.metrics)
+            if keys is None:
+                missing[row.name] = os.path.join(self.checkpoints, row.checkpoint)
                 continue
-            identity = checkpoint_identity(path, row.checkpoint)
             cache = read_cache(self.out, row.name)
             found: Dict[str, Any] = {}
             for metric in self.spec.metrics:
-                found.update(cached_results(cache, metric, self.key(row, metric, identity))
-                             or {})
+                found.update(cached_results(cache, metric, keys[metric]) or {})
             if found:
                 values[row.name] = found
         return values, missing
 
 
-def run(spec, args) -> None:
-    """One process of the table (under torchrun, every rank calls this)."""
+# --------------------------------------------------------------------------------------------
+# --check: what each row needs, present or missing (no process group, nothing computed)
+# --------------------------------------------------------------------------------------------
+Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that read it
+
+
+def row_needs(spec, row, configs, checkpoints: str) -> Tuple[Needs, Dict[str, List[str]]]:
+    """(needs, {problem: metrics}) of one row: its checkpoint and every file of its metrics
+    (`Metric.files`), and what its metrics report this machine lacks (`Metric.problems`)."""
+    from rebm.eval.registry import metric_classes
+
+    needs: Needs = {("checkpoint", os.path.join(checkpoints, row.checkpoint)): []}
+    problems: Dict[str, List[str]] = {}
+    for cls in metric_classes(spec.metrics):
+        cfg = configs[row.name][cls.name]
+        for label, path in cls.files(cfg).items():
+            if path is not None:
+                needs.setdefault((label, str(path)), []).append(cls.name)
+        for problem in cls.problems(cfg):
+            problems.setdefault(problem, []).append(cls.name)
+    return needs, problems
+
+
+def check_table(spec, checkpoints: str) -> Tuple[int, int, int, List[str]]:
+    """Print what every row of `spec` needs; (files listed, files missing, other problems,
+    rows lacking something)."""
+    configs = row_configs(spec, checkpoints)
+    print(f"{spec.path}: {len(spec.rows)} row(s); metrics {', '.join(spec.metrics)}")
+    listed, missing, other, rows = 0, 0, 0, []
+    for row in spec.rows:
+        needs, problems = row_needs(spec, row, configs, checkpoints)
+        absent = [path for (_, path) in needs if not os.path.exists(path)]
+        print(f"row {row.name}:")
+        for (label, path), metrics in needs.items():
+            state = "present" if os.path.exists(path) else "MISSING"
+            kind = " (folder)" if os.path.isdir(path) else ""
+            used = f"  [{', '.join(metrics)}]" if metrics else ""
+            print(f"  {state:8} {label}: {path}{kind}{used}")
+        # what a real run would refuse, but those that repeat a missing file
+        problems = {p: m for p, m in problems.items() if not any(f in p for f in absent)}
+        for problem, metrics in problems.items():
+            print(f"  problem  [{', '.join(metrics)}] {problem}")
+        listed, missing, other = listed + len(needs), missing + len(absent), other + len(problems)
+        rows += [row.name] if absent or problems else []
+    return listed, missing, other, rows
+
+
+def check(specs, args) -> int:
+    """--check: 0 when every file of every selected row is present and no metric reports a
+    problem (what the real run would refuse), else EXIT_MISSING."""
+    if not os.path.isdir(args.checkpoints):
+        print(f"note: --checkpoints folder '{args.checkpoints}' does not exist")
+    listed = missing = other = 0
+    rows: List[str] = []
+    for spec in specs:
+        counts = check_table(spec.select(own_rows(spec, args.rows), args.metrics),
+                             args.checkpoints)
+        listed, missing, other = listed + counts[0], missing + counts[1], other + counts[2]
+        rows += counts[3]
+    if rows:
+        print(f"check: {missing} of {listed} files missing, {other} other problem(s), in row(s) "
+              f"{', '.join(rows)}; nothing was computed")
+        return EXIT_MISSING
+    print(f"check: all {listed} files present; nothing was computed")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point
+# --------------------------------------------------------------------------------------------
+def own_rows(spec, rows: Optional[List[str]]) -> Optional[List[str]]:
+    """The names of --rows that are rows or groups of `spec` (several tables share --rows)."""
+    if not rows:
+        return None
+    return [r for r in rows if any(r in (x.name, x.group) for x in spec.rows)]
+
+
+def load_tables(path: str, protocol: Optional[str] = None) -> List[Any]:
+    """The tables of `path`: a table YAML, an original model config, or a folder of those."""
+    from rebm.eval.original_configs import is_original_config, original_tables
+    from rebm.eval.table_spec import TableError, read_mapping, table_from_mapping
+
+    if os.path.isdir(path):
+        return original_tables(path, protocol)
+    raw = read_mapping(path)
+    if is_original_config(raw):
+        return original_tables(path, protocol)
+    if protocol is not None:
+        raise TableError(f"--protocol goes with original model configs; {path} is a table "
+                         "(its own protocol)")
+    return [table_from_mapping(raw, path)]
+
+
+def out_dir(spec, args, count: int) -> str:
+    """A table's output folder: --out (one table) or --out/<table> (several), default
+    runs/tables/<table>."""
+    if args.out is None:
+        return os.path.join("runs", "tables", spec.stem)
+    return args.out if count == 1 else os.path.join(args.out, spec.stem)
+
+
+def run(specs, args) -> None:
+    """One process of the tables (under torchrun, every rank calls this)."""
     from rebm.cli import import_libraries, user_errors_exit
 
     import_libraries()  # first: its collector pause covers importing torch
@@ -264,8 +371,17 @@ def run(spec, args) -> None:
         with user_errors_exit():
             runtime = setup_distributed()
             try:
-                setup_logging(runtime, args.out or os.path.join("runs", "tables", spec.stem))
-                TableRun(spec, args, runtime).run()
+                setup_logging(runtime, out_dir(specs[0], args, 1) if len(specs) == 1
+                              else args.out or os.path.join("runs", "tables"))
+                skipped: List[str] = []
+                for spec in specs:
+                    table = TableRun(spec, args, runtime, out_dir(spec, args, len(specs)))
+                    table.run()
+                    skipped += table.skipped
+                if skipped:  # every rank knows them (decided on rank 0, broadcast)
+                    raise RowsSkipped(f"{len(skipped)} row(s) skipped, checkpoint missing: "
+                                      f"{', '.join(skipped)}; the table of the other rows is "
+                                      "written")
             finally:
                 teardown(runtime)
 
@@ -276,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rebm.eval.table", description=__doc__.splitlines()[0],
         epilog="launch on N processes with: torchrun --nproc_per_node=N -m rebm.eval.table ...")
-    parser.add_argument("table", help="table YAML (experiments/paper/*.yaml)")
+    parser.add_argument("table", help="table YAML (experiments/paper/*.yaml), or an original "
+                        "model config (model_configs/*.yaml of the original code) or a folder "
+                        "of them")
     parser.add_argument("--checkpoints", required=True, metavar="DIR",
                         help="folder the rows' checkpoint paths are relative to")
     parser.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (names or "
@@ -285,18 +403,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output folder (default runs/tables/<table name>)")
     parser.add_argument("--force", action="store_true",
                         help="recompute the selected metrics even when they are cached")
+    parser.add_argument("--check", action="store_true",
+                        help="compute nothing: load every row's config, list the files each "
+                        "row needs as present or missing, exit non-zero if one is missing")
+    parser.add_argument("--protocol", metavar="TABLE",
+                        help="original model configs: the table whose metrics, batch size and "
+                        "overrides they are evaluated with (default: the shipped paper table "
+                        "of their dataset)")
     return parser
 
 
+def select_all(specs, args) -> None:
+    """A bad --rows/--metrics: one line, at once. With several tables (a folder of original
+    configs), a name must be in one of them; each table runs the rows it has."""
+    from rebm.eval.table_spec import TableError
+
+    if len(specs) == 1:
+        specs[0].select(args.rows, args.metrics)
+        return
+    names = {n for s in specs for r in s.rows for n in (r.name, r.group)}
+    unknown = [r for r in args.rows or () if r not in names]
+    if unknown:
+        raise TableError(f"--rows '{unknown[0]}' is neither a row name nor a group of "
+                         f"{args.table}")
+    for spec in specs:
+        spec.select(None, args.metrics)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    from rebm.cli import user_errors_exit
-    from rebm.eval.table_spec import load_table
+    from rebm.cli import collector_paused, user_errors_exit
+    from rebm.eval.table_spec import TableError
 
     args = build_parser().parse_args(argv)
-    with user_errors_exit():
-        spec = load_table(args.table)
-        spec.select(args.rows, args.metrics)  # a bad --rows/--metrics: one line, at once
-    run(spec, args)
+    with user_errors_exit(), collector_paused():  # loading configs imports torch
+        specs = load_tables(args.table, args.protocol)
+        select_all(specs, args)
+        if args.rows:  # several tables: each runs the named rows it has
+            specs = [s for s in specs if own_rows(s, args.rows)]
+        if os.environ.get("RANK", "0") == "0":
+            for notice in (n for s in specs for n in s.notices):
+                print(f"note: {notice}", file=sys.stderr, flush=True)
+        if args.check:
+            return check(specs, args)
+        if not os.path.isdir(args.checkpoints):
+            raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "
+                             "the folder the rows' checkpoint paths are relative to")
+    run(specs, args)
     return 0
 
 

@@ -4,12 +4,19 @@
      "metrics": {METRIC: {"key": SHA256, "results": {...}, "settings": {...},
                           "seconds": ..., "world_size": ..., "finished": ISO time}}}
 
-A metric's entry counts as computed when its key equals the key of the current run:
-`metric_key` hashes the checkpoint file's identity (name, size, modification time), the row's
-model (the config's `model` section and `use_ema`), the evaluation batch size and the metric's
-own settings (everything that decides its value, `Metric.settings`). Other config changes (a
-FID step count, say) do not invalidate the metrics they do not affect. Files are written
-through a temporary file and os.replace, so a run killed at any point leaves a readable cache.
+A metric's entry counts as computed when its key equals the key of the current run. The key
+(`metric_key`) is a hash of everything the value depends on:
+- the checkpoint's content (sha256 of the file, not its name, size or modification time);
+- the row's model settings (the `model` section but its path, and `use_ema`) and data settings
+  (the `data` section but the loader's worker count and the download switch);
+- the content of every file the metric reads (`Metric.files`: statistics, seeds, reference
+  batch, feature-network weights); folders (dataset roots) count by their absolute path, a
+  missing file as missing;
+- the table's evaluation batch size, the metric's `protocol` version and its `settings`.
+Other config changes (a FID step count, say) do not invalidate the metrics they do not affect.
+Each file is hashed once per run (`FileHashes`). Files are written through a temporary file and
+os.replace, so a run killed at any point leaves a readable cache. A cache file that cannot be
+read as one is set aside as `<file>.corrupt` with one warning line, and its metrics recomputed.
 """
 
 from __future__ import annotations
@@ -17,41 +24,113 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 from typing import Any, Dict, Optional
 
 from rebm.eval.report import jsonable
 
+LOGGER = logging.getLogger("rebm")
 
-def checkpoint_identity(path: str, name: str) -> Dict[str, Any]:
-    """What identifies a checkpoint file without reading it: its name in the table (relative
-    to --checkpoints, so a moved checkpoint folder keeps its cache), size and mtime."""
-    stat = os.stat(path)
-    return {"name": name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+# data.* fields that decide how the data is read, never which values come out
+DATA_FIELDS_WITHOUT_EFFECT = ("num_workers", "download")
+# model.* fields that are not settings of the network: its file (hashed by content instead) and
+# whether that file may be unpickled
+MODEL_FIELDS_WITHOUT_EFFECT = ("ckpt_path", "trust_checkpoint")
+_CHUNK = 1 << 22
 
 
-def metric_key(identity: Dict[str, Any], model: Dict[str, Any], batch_size: int,
-               settings: Dict[str, Any]) -> str:
-    """The hash under which a metric's result is stored (see the module docstring)."""
-    payload = json.dumps({"checkpoint": identity, "model": model, "batch_size": batch_size,
-                          "settings": settings}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
+class FileHashes:
+    """sha256 digests of files, each file read once for the lifetime of this object (one table
+    run): a 1 GB checkpoint costs its read once, however many metrics and rows name it."""
+
+    def __init__(self):
+        self._digests: Dict[str, str] = {}
+
+    def sha256(self, path: str) -> str:
+        real = os.path.realpath(path)
+        if real not in self._digests:
+            digest = hashlib.sha256()
+            with open(real, "rb") as fh:
+                for block in iter(lambda: fh.read(_CHUNK), b""):
+                    digest.update(block)
+            self._digests[real] = digest.hexdigest()
+        return self._digests[real]
+
+    def identity(self, path: Optional[str]) -> Optional[str]:
+        """What a `Metric.files` entry contributes to a key: the file's content hash, a folder's
+        absolute path, or that it is missing (None: the entry is not configured)."""
+        if path is None:
+            return None
+        if os.path.isdir(path):
+            return f"folder {os.path.abspath(path)}"
+        if os.path.isfile(path):
+            return f"sha256 {self.sha256(path)}"
+        return f"missing {os.path.abspath(path)}"
+
+
+def model_settings(cfg) -> Dict[str, Any]:
+    """The resolved settings that decide the row's network apart from its weights file."""
+    from rebm.config import to_dict
+
+    model = to_dict(cfg)["model"]
+    return {"model": {k: v for k, v in model.items() if k not in MODEL_FIELDS_WITHOUT_EFFECT},
+            "use_ema": cfg.use_ema}
+
+
+def data_settings(cfg) -> Dict[str, Any]:
+    """The resolved `data` section but the fields that cannot change a value."""
+    from rebm.config import to_dict
+
+    data = to_dict(cfg)["data"]
+    return {k: v for k, v in data.items() if k not in DATA_FIELDS_WITHOUT_EFFECT}
+
+
+def metric_key(cfg, metric_cls, checkpoint_sha256: str, batch_size: int,
+               hashes: FileHashes) -> str:
+    """The hash under which `metric_cls`'s value for config `cfg` is stored (module docstring)."""
+    files = {label: hashes.identity(path) for label, path in metric_cls.files(cfg).items()}
+    payload = {"checkpoint": checkpoint_sha256, **model_settings(cfg), "data": data_settings(cfg),
+               "files": files, "batch_size": batch_size, "metric": metric_cls.name,
+               "protocol": metric_cls.protocol, "settings": metric_cls.settings(cfg)}
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def cache_path(out_dir: str, row: str) -> str:
     return os.path.join(out_dir, "rows", f"{row}.json")
 
 
-def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
-    """The row's cache, or an empty one when there is none (or it cannot be parsed)."""
-    try:
-        with open(cache_path(out_dir, row)) as fh:
-            cache = json.load(fh)
-    except (OSError, ValueError):
-        return {"metrics": {}}
+def _shape_problem(cache: Any) -> Optional[str]:
+    """Why `cache` is not a results cache (None: it is one)."""
     if not isinstance(cache, dict) or not isinstance(cache.get("metrics"), dict):
+        return "no 'metrics' mapping"
+    for name, entry in cache["metrics"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("key"), str)
+                and isinstance(entry.get("results"), dict)):
+            return f"metric '{name}' has no key and results"
+    return None
+
+
+def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
+    """The row's cache, or an empty one when there is none. A file that cannot be read as a
+    cache is moved to `<file>.corrupt` (nothing is lost) with one warning line; its metrics are
+    then recomputed. Rank 0 only."""
+    path = cache_path(out_dir, row)
+    try:
+        with open(path) as fh:
+            cache = json.load(fh)
+        problem = _shape_problem(cache)
+    except FileNotFoundError:
         return {"metrics": {}}
-    return cache
+    except (OSError, ValueError) as err:
+        problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if problem is None:
+        return cache
+    os.replace(path, f"{path}.corrupt")
+    LOGGER.warning("table cache %s is not a results cache (%s); kept as %s.corrupt, and its "
+                   "metrics are computed again", path, problem, path)
+    return {"metrics": {}}
 
 
 def cached_results(cache: Dict[str, Any], metric: str, key: str) -> Optional[Dict[str, Any]]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rebm.errors import UserError
@@ -67,10 +67,12 @@ class TableSpec:
     overrides: Tuple[str, ...] = ()
     metric_overrides: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     columns: Dict[str, str] = field(default_factory=dict)
+    name: str = ""  # names the output folder; default: the file name without extension
+    notices: Tuple[str, ...] = ()  # one line each, shown before the run (original model configs)
 
     @property
     def stem(self) -> str:
-        return os.path.splitext(os.path.basename(self.path))[0]
+        return self.name or os.path.splitext(os.path.basename(self.path))[0]
 
     def row_overrides(self, row: RowSpec, metric: str) -> List[str]:
         """Overrides of `row` when computing `metric`: the table's, the row's, the metric's."""
@@ -93,8 +95,7 @@ class TableSpec:
                 raise TableError(f"{self.path}: --metrics '{unknown[0]}' is not a metric of this "
                                  f"table; its metrics: {', '.join(self.metrics)}")
             chosen_metrics = tuple(m for m in self.metrics if m in metrics)
-        return TableSpec(self.path, self.title, chosen_metrics, chosen_rows, self.batch_size,
-                         self.overrides, self.metric_overrides, self.columns)
+        return replace(self, metrics=chosen_metrics, rows=chosen_rows)
 
 
 def _overrides(value: Any, where: str) -> Tuple[str, ...]:
@@ -144,21 +145,32 @@ def _metric_overrides(raw: Any, metrics: Sequence[str], path: str) -> Dict[str, 
     return {m: _overrides(v, f"{path}: metric_overrides.{m}") for m, v in raw.items()}
 
 
-def load_table(path: str) -> TableSpec:
-    """The table at `path`, checked (metric names are checked against the registry by the
-    runner)."""
+def read_mapping(path: str, what: str = "table file") -> Dict[str, Any]:
+    """The YAML mapping in `path`; TableError (one line) when it cannot be read or is not one."""
     import yaml
 
     try:
         with open(path) as fh:
             raw = yaml.safe_load(fh)
     except OSError as err:
-        raise TableError(f"table file '{path}' cannot be read ({err.strerror or err})") from None
+        raise TableError(f"{what} '{path}' cannot be read ({err.strerror or err})") from None
     except yaml.YAMLError as err:
         first = str(err).strip().splitlines()[0]
         raise TableError(f"{path} is not valid YAML ({first})") from None
     if not isinstance(raw, dict):
-        raise TableError(f"{path} must be a mapping with metrics and rows")
+        raise TableError(f"{path} must be a YAML mapping: a table (metrics, rows) or an "
+                         "original model config (method, dataset, checkpoint, model_type, ...)")
+    return raw
+
+
+def load_table(path: str) -> TableSpec:
+    """The table at `path`, checked (metric names are checked against the registry by the
+    runner)."""
+    return table_from_mapping(read_mapping(path), path)
+
+
+def table_from_mapping(raw: Dict[str, Any], path: str) -> TableSpec:
+    """The table of a table file's mapping `raw` (read from `path`), checked."""
     unknown = [k for k in raw if k not in TABLE_KEYS]
     if unknown:
         raise TableError(f"{path}: unknown key '{unknown[0]}'; table keys: {', '.join(TABLE_KEYS)}")

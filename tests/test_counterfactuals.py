@@ -1,6 +1,7 @@
-"""Counterfactual explanations (rebm/eval/counterfactuals.py): targets, the confidence reached,
-per-class FID against per-class statistics written by the real entry point, the grid files, and
-the same numbers on 1 and 2 real processes."""
+"""Counterfactual explanations (rebm/eval/counterfactuals.py), both protocols: the original's
+(training images, one seeded random target class each, FID per target class, checked against a
+direct computation) and the grid (test images toward every other class); per-class statistics
+written by the real entry point; the same numbers on 1 and 2 real processes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from PIL import Image
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.eval.counterfactuals import class_image_set, target_classes
+from rebm.eval.counterfactuals import (
+    Counterfactuals,
+    class_chunks,
+    class_image_set,
+    random_targets,
+    target_classes,
+    train_image_set,
+)
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
@@ -83,12 +91,16 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
 
     runtime = rd.setup_distributed()
     base = [*OVERRIDES, f"data.indist_ds_dir={root}", f"model.ckpt_path={root}/model.pth",
-            "image_log.num_steps=5", "image_log.step_size=0.5"]
+            "image_log.num_steps=5", "image_log.step_size=0.5", "eval.counterfactual_protocol=grid"]
     cfg = load_config(None, [*base, "eval.counterfactual_num_images=7",
                              f"eval.counterfactual_fid_stats={stats}"])
     model = load_eval_model(cfg, runtime)
     folder = os.path.join(out, f"run{runtime.world_size}")
     result = evaluate_model(model, cfg, runtime, EvalSpec(("counterfactuals",), 20, folder))
+    original = load_config(None, [*base, "eval.counterfactual_protocol=original",
+                                  f"eval.counterfactual_fid_stats={stats}"])
+    result["original"] = evaluate_model(model, original, runtime, EvalSpec(
+        ("counterfactuals",), 4, os.path.join(out, f"original{runtime.world_size}")))
     few = load_config(None, [*base, "eval.counterfactual_num_images=3",
                              "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])
     result["few"] = evaluate_model(model, few, runtime,
@@ -113,8 +125,13 @@ def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid
     for world in (1, 2):
         spawn_ranks(_cf_worker, world, str(root), stats, str(tmp_path))
     single = torch.load(tmp_path / "w1_r0.pt")
+    original = single.pop("original")
     for rank in (0, 1):
-        assert torch.load(tmp_path / f"w2_r{rank}.pt") == single  # bit for bit
+        other = torch.load(tmp_path / f"w2_r{rank}.pt")
+        other_original = other.pop("original")
+        assert other == single  # bit for bit
+        _assert_same_original(other_original, original)
+    _check_original(original, tmp_path)
     assert single["n_counterfactuals"] == 7 * 9
     assert single["counterfactual_confidence"] > single["clean"]  # the ascent moved them
     assert 0.0 <= single["counterfactual_success"] <= 1.0
@@ -135,3 +152,113 @@ def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid
             single["counterfactual_fid_standin"])
     grid = os.path.join("counterfactuals", "3.png")
     assert (tmp_path / "run1" / grid).read_bytes() == (tmp_path / "run2" / grid).read_bytes()
+
+
+def _assert_same_original(got: dict, expected: dict) -> None:
+    """Bit for bit but the FIDs, whose feature sums add up in another order over 2 ranks."""
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        if key.startswith("counterfactual_fid"):
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+        else:
+            assert got[key] == value, key
+
+
+def _check_original(result: dict, tmp_path) -> None:
+    assert result["n_counterfactuals"] == 60  # every training image, once
+    per_class_keys = sorted(k for k in result if k.startswith("counterfactual_fid_standin/"))
+    assert per_class_keys == sorted(f"counterfactual_fid_standin/{c}" for c in range(10))
+    assert result["counterfactual_fid_standin"] == pytest.approx(
+        np.mean([result[k] for k in per_class_keys]))
+    assert "counterfactual_fid" not in result  # stand-in features: never stored as FID
+    for world in (1, 2):
+        folder = tmp_path / f"original{world}" / "counterfactuals"
+        per_class = json.loads((folder / "per_class.json").read_text())
+        assert sum(per_class["count"].values()) == 60 and len(per_class["count"]) == 10
+        assert np.mean(list(per_class["confidence"].values())) == pytest.approx(
+            result["counterfactual_confidence"])
+        # a row of 10 tiles per class: the first 10 counterfactuals toward it, then black
+        assert Image.open(folder / "counterfactuals.png").size == (10 * 17 + 1, 10 * 17 + 1)
+        assert Image.open(folder / "sources.png").size == (10 * 17 + 1, 10 * 17 + 1)
+    same = ("counterfactuals.png", "sources.png")
+    for name in same:
+        assert ((tmp_path / "original1" / "counterfactuals" / name).read_bytes()
+                == (tmp_path / "original2" / "counterfactuals" / name).read_bytes())
+
+
+def test_original_targets_one_seeded_other_class_per_training_image(setup):
+    root, _ = setup
+    cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}"])
+    sources = train_image_set(cfg, None)
+    labels = sources.labels(np.arange(len(sources)))
+    targets = random_targets(labels, sources.indices, 10, seed=1)
+    assert len(sources) == 60 and (targets != labels).all()
+    assert set(targets.tolist()) == set(range(10))  # every class is a target
+    assert targets.tolist() == random_targets(labels, sources.indices, 10, 1).tolist()
+    assert targets.tolist() != random_targets(labels, sources.indices, 10, 2).tolist()
+    # image i's target depends on (seed, i) alone: the same in any subset, batch or rank
+    first = train_image_set(cfg, 25)
+    assert random_targets(first.labels(np.arange(25)), first.indices, 10, 1).tolist() == \
+        targets[:25].tolist()
+    # over many images the shift y -> target is uniform over the K - 1 other classes
+    many = torch.zeros(20000, dtype=torch.int64)
+    shifts = random_targets(many, np.arange(20000), 10, seed=0)
+    counts = np.bincount(shifts.numpy(), minlength=10)
+    assert counts[0] == 0 and abs(counts[1:] / 20000 - 1 / 9).max() < 0.01
+    # chunks: one target class each, class after class, every position once
+    chunks = class_chunks(targets.numpy(), 10, 4)
+    assert [c for c, _ in chunks] == sorted(c for c, _ in chunks)
+    assert sorted(np.concatenate([p for _, p in chunks]).tolist()) == list(range(60))
+    assert all((targets[torch.from_numpy(p)] == c).all() and len(p) <= 4 for c, p in chunks)
+
+
+def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setup, monkeypatch):
+    """One process, the metric's numbers against a direct computation: attack each class's
+    images toward it, round to 8 bits, features, FID against the class's statistics file."""
+    from rebm.attacks.pgd import pgd_attack
+    from rebm.distributed import Runtime
+    from rebm.eval.counterfactuals import counterfactual_settings, evaluate_original_counterfactuals
+    from rebm.eval.fid import feature_statistics, frechet_distance, load_reference
+    from rebm.models import build_model
+    from tests.standins import standin_features
+
+    root, stats = setup
+    monkeypatch.setenv("REBM_FID_FEATURES", STANDIN)
+    cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}", "image_log.num_steps=3",
+                             "image_log.step_size=0.5", f"eval.counterfactual_fid_stats={stats}"])
+    torch.manual_seed(0)
+    model = build_model("WideResNet10x1", 10).eval()
+    sources = train_image_set(cfg, 40)
+    labels = sources.labels(np.arange(40))
+    targets = random_targets(labels, sources.indices, 10, cfg.rand_seed)
+    result = evaluate_original_counterfactuals(
+        model, sources, targets, counterfactual_settings(cfg), Runtime(), num_classes=10,
+        batch_size=40)  # one chunk per class: the same batches as below
+    for c in range(10):
+        where = np.flatnonzero(targets.numpy() == c)
+        if len(where) < 2:
+            assert f"counterfactual_fid/{c}" not in result
+            continue
+        x = sources.images(where)
+        adv = pgd_attack(model, x, steps=3, step_size=0.5, norm="L2", objective="logit",
+                         y=torch.full((len(where),), c))
+        pixels = adv.mul(255).add(0.5).clamp(0, 255).to(torch.uint8)  # save_image's rounding
+        mu, sigma = feature_statistics(standin_features(pixels.float() / 255).numpy())
+        expected = frechet_distance(mu, sigma, *load_reference(stats.format(label=c)))
+        assert result[f"counterfactual_fid/{c}"] == pytest.approx(expected, rel=1e-6, abs=1e-8)
+
+
+def test_original_settings_and_files_name_the_protocol_and_every_statistics_file(tmp_path):
+    stats = str(tmp_path / "class{label}.npz")
+    cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={tmp_path}",
+                             f"eval.counterfactual_fid_stats={stats}"])
+    settings = Counterfactuals.settings(cfg)
+    assert settings["protocol"] == "original" and settings["split"] == "train"
+    assert settings["num_images"] == "all" and settings["pixels"] == "round"
+    files = Counterfactuals.files(cfg)
+    assert files["data.indist_ds_dir"] == str(tmp_path)
+    assert [files[f"eval.counterfactual_fid_stats[{c}]"] for c in range(10)] == [
+        stats.format(label=c) for c in range(10)]
+    grid = load_config(None, [*OVERRIDES, "eval.counterfactual_protocol=grid"])
+    assert Counterfactuals.settings(grid)["num_images"] == 10
+    assert Counterfactuals.settings(grid)["split"] == "test"

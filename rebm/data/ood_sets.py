@@ -2,14 +2,17 @@
 scores against the in-distribution test set (rebm/eval/ood.py, docs/evaluation.md).
 
 A set is named by `spec`: one of `OOD_SET_NAMES`, read from its root (`roots[name]`, default
-`DEFAULT_ROOTS`), or the path of an image folder. Every set is brought to the model's image size
+`DEFAULT_ROOTS`), or the path of an image folder. Every set is brought to the evaluation size
 the way the original OOD evaluation did (no augmentation: 32 px sets resized whole, full-size
-files through the fixed `none` resize) and evaluated on a fixed subset of `num_samples` images:
-positions 0 .. n-1 of a keyed permutation of the set (seed `rand_seed`), the same images on any
-number of processes. Procedural noise is generated per index from the seed.
+files through the fixed `none` resize, PIL bicubic to S x S) and evaluated on a fixed subset of
+`num_samples` images: positions 0 .. n-1 of a keyed permutation of the set (seed `rand_seed`),
+the same images on any number of processes. `noise` is the original's noise itself: its first
+n images, in order.
 
 Splits follow the original: SVHN, CIFAR-10 and CIFAR-100 their training split, ImageNet its
-validation split, OpenImage-O the folder given (by default its `val` part).
+validation split, `restricted_imagenet` the validation images outside the Restricted-ImageNet
+classes (the original's `imagenet` set), OpenImage-O the folder given (by default its `val`
+part).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,7 +37,6 @@ from rebm.data.sampling import KeyedPermutation
 from rebm.data.sources import (
     DataError,
     ImageSource,
-    NoiseSource,
     TensorSource,
     TinyImagesSource,
     log_replaced_once,
@@ -50,7 +52,19 @@ DEFAULT_ROOTS = {
     "tinyimages": "data/tiny_images.bin",
     "OpenImageO": "data/OpenImage-O-large/val",
     "ImageNet": "data/ImageNet",
+    "restricted_imagenet": "data/ImageNet",  # the original's path="./data/ImageNet"
 }
+# The Restricted-ImageNet classes as inclusive ranges of ImageNet class indices (torchvision's
+# numbering, sorted wnids): RESTRICTED_IMAGNET_RANGES of the original's
+# InNOutRobustness/utils/datasets/imagenet_subsets.py (lines 94-96, taken from MadryLab's
+# robustness/tools/constants.py): dog, cat, frog, turtle, bird, monkey, fish, crab, insect.
+# Its RestrictedImageNetOD keeps the images of every other class (797 of 1000).
+RESTRICTED_IMAGENET_RANGES = ((151, 268), (281, 285), (30, 32), (33, 37), (80, 100),
+                              (365, 382), (389, 397), (118, 121), (300, 319))
+# The original's noise set: InNOutRobustness/utils/datasets/noise_datasets.py seeds numpy with
+# 123, draws np.random.rand(length, 3, S, S) as float32, and each image goes through
+# ToPILImage (float -> uint8 by truncation of 255 x) and ToTensor.
+ORIGINAL_NOISE_SEED = 123
 SUBSET_EPOCH = 1  # the keyed permutation's epoch slot for OOD subsets (0 is training's first)
 _warned_unchecked: set = set()
 
@@ -122,20 +136,47 @@ class FixedImageSet:
         return batch.images
 
 
-def _named_source(name: str, root: str, size: int, seed: int, num_samples: int
-                  ) -> ImageSource:
-    if name == "noise":  # the original: uniform noise of the evaluation size
-        return NoiseSource(num_samples, size, seed)
+def restricted_imagenet_outside(root: str, size: int) -> Tuple[ImageSource, np.ndarray]:
+    """(ImageNet's validation split, the indices of its images outside the Restricted-ImageNet
+    classes): the original's RestrictedImageNetOD(path, split='val')."""
+    source = load_imagenet(root, "test", size, 1000)
+    labels = source.labels(np.arange(len(source))).numpy()
+    inside = np.zeros(len(labels), dtype=bool)
+    for first, last in RESTRICTED_IMAGENET_RANGES:
+        inside |= (labels >= first) & (labels <= last)
+    return source, np.flatnonzero(~inside)
+
+
+def original_noise(length: int, size: int) -> TensorSource:
+    """The first `length` images of the original's uniform noise at `size` px, bit for bit
+    (ORIGINAL_NOISE_SEED): numpy's stream is drawn image by image, which is the same stream as
+    the original's single draw."""
+    rng = np.random.RandomState(ORIGINAL_NOISE_SEED)
+    images = torch.empty((length, 3, size, size), dtype=torch.uint8)
+    for i in range(length):
+        uniform = rng.random_sample((3, size, size)).astype(np.float32)
+        images[i] = torch.from_numpy((uniform * np.float32(255)).astype(np.uint8))
+    return TensorSource(images, None, "uniform noise")
+
+
+def _named_source(name: str, root: str, size: int, num_samples: int
+                  ) -> Tuple[ImageSource, Optional[np.ndarray]]:
+    """(source, the indices a subset is drawn from, None: all of them)."""
+    if name == "noise":
+        return original_noise(num_samples, size), None
     if name == "svhn":
-        return load_svhn(root, "train", size)
+        return load_svhn(root, "train", size), None
     if name in ("cifar10", "cifar100"):
-        return _resized(load_cifar(root, 10 if name == "cifar10" else 100, True, False), size)
+        return _resized(load_cifar(root, 10 if name == "cifar10" else 100, True, False),
+                        size), None
     if name == "tinyimages":
         path = os.path.join(root, "tiny_images.bin") if os.path.isdir(root) else root
-        return TinyImagesSource(path, size)
+        return TinyImagesSource(path, size), None
     if name == "OpenImageO":
-        return load_openimage_o(root, size, None)
-    return load_imagenet(root, "test", size, 1000)  # ImageNet: the validation split
+        return load_openimage_o(root, size, None), None
+    if name == "restricted_imagenet":
+        return restricted_imagenet_outside(root, size)
+    return load_imagenet(root, "test", size, 1000), None  # ImageNet: the validation split
 
 
 def ood_set_name(spec: str) -> str:
@@ -145,8 +186,8 @@ def ood_set_name(spec: str) -> str:
 
 def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
                  roots: Optional[Mapping[str, str]] = None) -> FixedImageSet:
-    """The OOD set named by `spec` (a name of OOD_SET_NAMES or an image folder), first
-    `num_samples` images of its keyed permutation. DataError (one line naming the set, the
+    """The OOD set named by `spec` (a name of OOD_SET_NAMES or an image folder) at `size` px:
+    the first `num_samples` images of its keyed permutation (noise: its first images). DataError (one line naming the set, the
     path and the config key) when it cannot be read."""
     roots = {**DEFAULT_ROOTS, **(roots or {})}
     name = ood_set_name(spec)
@@ -159,14 +200,20 @@ def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
                         f"{', '.join(OOD_SET_NAMES)} or the path of an image folder")
     try:
         if spec in OOD_SET_NAMES:
-            source = _named_source(name, root, size, seed, num_samples)
+            source, eligible = _named_source(name, root, size, num_samples)
         else:
-            source = load_unlabelled_folder(root, size)
+            source, eligible = load_unlabelled_folder(root, size), None
     except DataError as err:
         key = f"eval.ood_roots.{name}" if spec in OOD_SET_NAMES else "eval.ood_datasets"
         raise DataError(f"OOD set '{name}' ({key}): {err}") from None
-    n = min(num_samples, len(source))
-    indices = KeyedPermutation(len(source), seed, "eval", SUBSET_EPOCH)(np.arange(n))
+    if eligible is None:
+        eligible = np.arange(len(source), dtype=np.int64)
+    n = min(num_samples, len(eligible))
+    if spec == "noise":  # the original's noise images, in order
+        indices = eligible[:n]
+    else:
+        indices = eligible[KeyedPermutation(len(eligible), seed, "eval", SUBSET_EPOCH)(
+            np.arange(n))]
     transform = None if source.is_procedural else build_augmentation(
         "none", size, source.full_images)
     return FixedImageSet(name, source, transform, indices, size)

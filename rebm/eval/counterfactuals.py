@@ -1,21 +1,32 @@
-"""Counterfactual explanations: how a test image must change for the model to see another class.
+"""Counterfactual explanations: how an image must change for the model to see another class.
 
-Each of the first `num_images` test images is moved by targeted PGD ascent on the logit of every
-other class (or of `num_targets` of them: the classes y+1, y+2, ... mod K), with the generation
-threat model by default (`image_log`: L2 normalised-gradient steps, radius, step count). For each
-(image, target) the model's softmax probability of the target is the confidence reached; the
-share of counterfactuals classified as their target is the success rate. With per-class FID
-statistics (`fid_stats`, a path with `{label}`, made by `python -m rebm.eval.counterfactuals
-CONFIG --class-stats TEMPLATE`), the counterfactuals toward class c are compared with class c's
-real images by FID, class by class; classes without a statistics file are left out.
+Two protocols (`eval.counterfactual_protocol`):
 
-Files (rank 0, when a folder is given): `<folder>/<position>.png`, one grid per source image (one
-tile per class in class order, the source image in the tile of its own class; with
-`num_targets` set, the source then its counterfactuals in target order), and
-`<folder>/per_class.json` (confidence, success and FID per target class).
+- `original` (default), the original's `generate_counterfactuals` (rebm/eval/eval_utils.py
+  there): every training image (or the first `eval.counterfactual_num_images`) is moved by
+  targeted PGD ascent on the logit of ONE random other class, drawn from (rand_seed, dataset
+  index) alone (`random_targets`). The counterfactuals toward class c (about 5,000 of the
+  50,000 CIFAR-10 images) are compared by FID with class c's statistics; the results are the
+  per-class FIDs, their mean, and the per-class mean confidence averaged over the classes, as
+  the original reported them. Work goes class by class (`class_chunks`) and each class keeps
+  only running feature sums, so memory does not grow with the number of images.
+- `grid`: each of the first `num_images` test images (default 10) toward every other class (or
+  `num_targets` of them: y+1, y+2, ... mod K); one grid per image (`evaluate_counterfactuals`).
 
-Sharded like every evaluation: sources in fixed chunks, chunk k on rank k % W, results gathered
-by position, so the numbers are the same on any number of processes.
+Both use the generation threat model by default (`image_log`: L2 normalised-gradient steps,
+radius, step count). Counterfactual pixels are rounded to 8 bits as torchvision's `save_image`
+wrote the original's counterfactual PNGs. Per-class statistics (`fid_stats`, a path with
+`{label}`) come from `python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE`; by
+default of the training split, as the original's reference folders
+(./datasets/cifar10_images_by_classes/train/<c>). Classes without a file have no FID.
+
+Files (rank 0, when a folder is given), original: `counterfactuals.png` / `sources.png` (the first
+10 counterfactuals toward each of the first 10 classes, a row per class, and their sources) and
+`per_class.json`; grid: `<position>.png`, one grid per source image, and `per_class.json`.
+
+Sharded like every evaluation: sources in fixed chunks, chunk k on rank k % W, per-image results
+gathered by position, so the numbers are the same on any number of processes (the FID up to the
+float64 summation order of the feature sums).
 """
 
 from __future__ import annotations
@@ -30,37 +41,47 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_attack
 from rebm.data.ood_sets import FixedImageSet, indist_test_set
+from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.eval.accuracy import eval_mode
 from rebm.eval.fid import (
+    FEATURES_ENV,
     FIDError,
+    MomentSums,
     feature_extractor,
     feature_network_name,
     feature_problems,
     feature_statistics,
     frechet_distance,
+    hub_weights_path,
     load_reference,
     standin_key,
     to_8bit,
 )
-from rebm.eval.metric import TEST_SET, Metric
+from rebm.eval.metric import TEST_SET, EvalError, Metric, to_pixels
 from rebm.eval.ood import chunk_loader, gather_by_position
-from rebm.eval.test_set import test_indices, test_set_settings
+from rebm.eval.test_set import test_indices, test_set_files, test_set_settings
 
 LOGGER = logging.getLogger("rebm")
+# 8-bit counterfactuals as the original wrote them: torchvision's save_image rounds
+# (eval_utils.py's generate_counterfactuals, vutils.save_image)
+COUNTERFACTUAL_PIXELS = "round"
+GRID_NUM_IMAGES = 10  # grid: test images explained when eval.counterfactual_num_images is null
 
 
 @dataclass(frozen=True)
 class CounterfactualSettings:
-    """What `evaluate_counterfactuals` computes (the `eval.counterfactual_*` fields)."""
+    """What the counterfactuals compute (the `eval.counterfactual_*` fields)."""
 
-    num_images: int = 10
+    protocol: str = "grid"
+    num_images: Optional[int] = GRID_NUM_IMAGES  # original: None = every training image
     num_targets: Optional[int] = None  # None: every other class
     steps: int = 20
     step_size: float = 0.1
@@ -237,11 +258,212 @@ def _write(folder: str, sources: FixedImageSet, pixels: Tensor, labels: Tensor,
     LOGGER.info("counterfactual grids of %d images written to %s", pixels.shape[0], folder)
 
 
+# --------------------------------------------------------------------------------------------
+# The original protocol: training images, one seeded random target class each, FID per class
+# --------------------------------------------------------------------------------------------
+TARGET_STREAM = "counterfactual"  # key stream of the random target classes
+PREVIEW = 10  # the preview grid: PREVIEW counterfactuals toward each of the first PREVIEW classes
+
+
+def random_targets(labels: Tensor, indices: np.ndarray, num_classes: int, seed: int) -> Tensor:
+    """One target class per image, never its own: (y + 1 + r) mod K, r uniform in [0, K - 2]
+    from (seed, dataset index) alone, so the same on any world size and batch size. (The
+    original drew r per batch with torch.randint(1, K) on the device's generator, which its
+    counterfactual entry point never seeds.)"""
+    if num_classes < 2:
+        raise EvalError("counterfactuals need at least 2 classes (data.num_classes)")
+    keys = sample_keys(seed, TARGET_STREAM, 0, indices)
+    shift = torch.from_numpy(keys % (num_classes - 1)).to(labels.dtype)
+    return (labels + 1 + shift) % num_classes
+
+
+def class_chunks(targets: np.ndarray, num_classes: int, batch_size: int
+                 ) -> List[Tuple[int, np.ndarray]]:
+    """(class c, positions) of every chunk: the positions targeted at c in order, cut into
+    chunks of `batch_size`, class after class. Chunk g goes to rank g % W."""
+    chunks = []
+    for c in range(num_classes):
+        where = np.flatnonzero(targets == c)
+        chunks += [(c, where[s:s + batch_size]) for s in range(0, len(where), batch_size)]
+    return chunks
+
+
+class _ClassChunks(Dataset):
+    """Item j = (images, positions, class) of this rank's j-th chunk."""
+
+    def __init__(self, sources: FixedImageSet, chunks: List[Tuple[int, np.ndarray]]):
+        self.sources, self.chunks = sources, chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, j: int):
+        c, positions = self.chunks[j]
+        return self.sources.images(positions), torch.from_numpy(positions), c
+
+
+def _preview_slots(targets: np.ndarray, num_classes: int) -> Dict[int, int]:
+    """{position: grid slot} of the first PREVIEW counterfactuals toward each of the first
+    PREVIEW classes (slot = PREVIEW * class + rank within the class: a row per class)."""
+    slots = {}
+    for c in range(min(PREVIEW, num_classes)):
+        for k, p in enumerate(np.flatnonzero(targets == c)[:PREVIEW]):
+            slots[int(p)] = PREVIEW * c + k
+    return slots
+
+
+class _OriginalRun:
+    """One rank's state of `evaluate_original_counterfactuals`: per-image results, preview
+    pixels, and the running feature sums of the class in progress."""
+
+    def __init__(self, settings: CounterfactualSettings, runtime: Runtime, targets: np.ndarray,
+                 num_classes: int, fid_classes: List[int]):
+        self.settings, self.runtime, self.num_classes = settings, runtime, num_classes
+        self.counts = np.bincount(targets, minlength=num_classes)
+        self.fid_classes = set(fid_classes)
+        self.features = (feature_extractor(runtime.device, settings.inception_weights)
+                         if fid_classes else None)
+        self.slots = _preview_slots(targets, num_classes)
+        self.scores: List[Tuple[Tensor, Tensor]] = []  # (positions, (b, 2) confidence, success)
+        self.preview: List[Tuple[Tensor, Tensor]] = []  # (slots, uint8 pixels)
+        self.sums: Dict[int, MomentSums] = {}
+        self.fids: Dict[int, float] = {}
+        self.finished = 0  # classes whose FID is done (on every rank, in class order)
+
+    def attack(self, model: nn.Module, images: Tensor, positions: Tensor, c: int) -> None:
+        self.finish_classes(c)
+        rt, st = self.runtime, self.settings
+        x = images.to(rt.device)
+        y = torch.full((x.shape[0],), c, dtype=torch.int64, device=rt.device)
+        adv = pgd_attack(model, x, steps=st.steps, step_size=st.step_size, eps=st.eps,
+                         norm=st.norm, objective="logit", y=y)
+        pixels = to_pixels(adv, COUNTERFACTUAL_PIXELS)
+        with torch.no_grad():
+            logits = model(adv).double()
+            confidence = logits.softmax(dim=1)[:, c]
+            success = (logits.argmax(dim=1) == c).double()
+            if c in self.fid_classes:
+                self.sums.setdefault(c, MomentSums()).add(
+                    self.features(pixels.float().div(255)))
+        self.scores.append((positions.to(rt.device), torch.stack([confidence, success], 1)))
+        shown = [k for k, p in enumerate(positions.tolist()) if p in self.slots]
+        if shown:
+            slots = [self.slots[int(positions[k])] for k in shown]
+            self.preview.append((torch.tensor(slots, device=rt.device), pixels[shown]))
+
+    def finish_classes(self, before: int) -> None:
+        """The FID of every class below `before` not done yet. Every rank reaches every class
+        in order (its collectives), whether or not it attacked images of that class."""
+        while self.finished < before:
+            c, self.finished = self.finished, self.finished + 1
+            if c not in self.fid_classes or self.counts[c] < 2:
+                continue
+            mu, sigma = self.sums.pop(c, MomentSums()).statistics(self.runtime)
+            fid = decide_on_main(self.runtime, lambda c=c, m=mu, s=sigma: _class_fid(
+                c, m, s, self.settings.fid_stats), f"compute the counterfactual FID of class {c}")
+            if fid is not None:
+                self.fids[c] = fid
+
+
+def _class_fid(c: int, mu: np.ndarray, sigma: np.ndarray, template: str) -> Optional[float]:
+    try:
+        return frechet_distance(mu, sigma, *load_reference(template.format(label=c),
+                                                           mu.shape[0]))
+    except (FIDError, ValueError) as err:
+        LOGGER.warning("counterfactual FID of class %d skipped: %s", c, err)
+        return None
+
+
+def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
+                                      targets: Tensor, settings: CounterfactualSettings,
+                                      runtime: Runtime, *, num_classes: int, batch_size: int,
+                                      folder: Optional[str] = None, num_workers: int = 0
+                                      ) -> Dict[str, Any]:
+    """Every image of `sources` toward its class of `targets` (the module docstring):
+    {"counterfactual_confidence", "counterfactual_success" (means over the target classes of
+    the per-class means), "n_counterfactuals", and with statistics "counterfactual_fid" (mean
+    over the classes) and "counterfactual_fid/<c>"}. Every rank must call this."""
+    model = unwrap(model)
+    n, wanted = len(sources), targets.numpy()
+    fid_classes = decide_on_main(runtime, lambda: stats_classes(settings.fid_stats, num_classes),
+                                 "look for the per-class FID statistics")
+    run = _OriginalRun(settings, runtime, wanted, num_classes, fid_classes)
+    mine = class_chunks(wanted, num_classes, batch_size)[runtime.rank::runtime.world_size]
+    loader = DataLoader(_ClassChunks(sources, mine), batch_size=None, num_workers=num_workers)
+    with eval_mode(model):
+        for images, positions, c in progress(loader, runtime, "counterfactuals", len(loader)):
+            run.attack(model, images, positions, int(c))
+        run.finish_classes(num_classes)
+    scores = _gather_rows(runtime, run.scores, n, (torch.float64, 2)).cpu()
+    per_class: Dict[str, Dict[int, float]] = {"confidence": {}, "success": {}, "count": {}}
+    for c in np.flatnonzero(run.counts):
+        hit = torch.from_numpy(wanted == c)
+        per_class["confidence"][int(c)] = float(scores[hit, 0].mean())
+        per_class["success"][int(c)] = float(scores[hit, 1].mean())
+        per_class["count"][int(c)] = int(run.counts[c])
+    per_class["fid"] = dict(run.fids)
+    if folder is not None:
+        pixels = _gather_rows(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
+                              (torch.uint8, 3, sources.size, sources.size)).cpu()
+        on_main(runtime, lambda: _write_original(folder, sources, pixels, run.slots, per_class),
+                f"write the counterfactuals into {folder}")
+    result = {"counterfactual_confidence": float(np.mean(list(per_class["confidence"].values()))),
+              "counterfactual_success": float(np.mean(list(per_class["success"].values()))),
+              "n_counterfactuals": n}
+    if run.fids:
+        result["counterfactual_fid"] = float(np.mean(list(run.fids.values())))
+        result.update({f"counterfactual_fid/{c}": v for c, v in sorted(run.fids.items())})
+    return result
+
+
+def _gather_rows(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int, shape: tuple
+                 ) -> Tensor:
+    """(positions, rows) parts of every rank, rows put at their positions of [0, n)."""
+    empty = torch.zeros((0, *shape[1:]), dtype=shape[0], device=runtime.device)
+    positions = torch.cat([p for p, _ in parts] or [empty.new_zeros(0, dtype=torch.int64)])
+    rows = torch.cat([r for _, r in parts] or [empty])
+    return gather_by_position(runtime, rows, positions, n)
+
+
+def _write_original(folder: str, sources: FixedImageSet, pixels: Tensor,
+                    slots: Dict[int, int], per_class: Dict[str, Any]) -> None:
+    from torchvision.utils import save_image
+
+    os.makedirs(folder, exist_ok=True)
+    if slots:  # a row per class; a class with fewer than PREVIEW counterfactuals ends in black
+        originals = torch.zeros(pixels.shape, dtype=torch.float32)
+        positions = np.array(sorted(slots))
+        originals[[slots[p] for p in positions]] = sources.images(positions).float()
+        save_image(pixels.float() / 255, os.path.join(folder, "counterfactuals.png"),
+                   nrow=PREVIEW, padding=1)
+        save_image(originals, os.path.join(folder, "sources.png"), nrow=PREVIEW, padding=1)
+    with open(os.path.join(folder, "per_class.json"), "w") as fh:
+        json.dump({k: {str(c): v for c, v in d.items()} for k, d in per_class.items()}, fh,
+                  indent=2)
+    LOGGER.info("counterfactual previews and per-class results written to %s", folder)
+
+
+def train_image_set(cfg, num_images: Optional[int]) -> FixedImageSet:
+    """The first `num_images` (None: all) training images, un-augmented, in dataset order."""
+    from rebm.data.augmentations import build_augmentation
+    from rebm.data.pipeline import indist_source
+
+    source = indist_source(cfg, "train")
+    n = len(source) if num_images is None else min(num_images, len(source))
+    transform = build_augmentation("test", cfg.data.image_size, source.full_images)
+    return FixedImageSet(f"{source.name} (train)", source, transform, np.arange(n),
+                         cfg.data.image_size)
+
+
 def counterfactual_settings(cfg) -> CounterfactualSettings:
     """The `eval.counterfactual_*` fields; unset attack fields take `image_log`'s."""
     ev, log = cfg.eval, cfg.image_log
+    num_images = ev.counterfactual_num_images
+    if num_images is None and ev.counterfactual_protocol == "grid":
+        num_images = GRID_NUM_IMAGES
     return CounterfactualSettings(
-        num_images=ev.counterfactual_num_images, num_targets=ev.counterfactual_num_targets,
+        protocol=ev.counterfactual_protocol, num_images=num_images,
+        num_targets=ev.counterfactual_num_targets,
         steps=log.num_steps if ev.counterfactual_steps is None else ev.counterfactual_steps,
         step_size=(log.step_size if ev.counterfactual_step_size is None
                    else ev.counterfactual_step_size),
@@ -250,21 +472,50 @@ def counterfactual_settings(cfg) -> CounterfactualSettings:
 
 
 class Counterfactuals(Metric):
-    """Counterfactual explanations of the first `eval.counterfactual_num_images` test images
-    (the module docstring); grids into <run_dir>/counterfactuals/ when the spec has a run_dir."""
+    """Counterfactual explanations, by `eval.counterfactual_protocol` (the module docstring);
+    previews or grids into <run_dir>/counterfactuals/ when the spec has a run_dir."""
 
     name = "counterfactuals"
     source = TEST_SET
+    # 2: the original protocol (training images, one seeded random target each, per-class FID)
+    # is the default; settings name the protocol
+    protocol = 2
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
         cf = counterfactual_settings(cfg)
-        found = {"num_images": cf.num_images, "num_targets": cf.num_targets or "all others",
-                 "steps": cf.steps, "step_size": cf.step_size, "eps": cf.eps, "norm": cf.norm,
-                 "objective": "target logit", **test_set_settings(cfg)}
+        found: Dict[str, Any] = {
+            "protocol": cf.protocol, "steps": cf.steps, "step_size": cf.step_size,
+            "eps": cf.eps, "norm": cf.norm, "objective": "target logit",
+            "pixels": COUNTERFACTUAL_PIXELS}
+        if cf.protocol == "original":
+            found.update(dataset=cfg.data.indist_dataset, split="train",
+                         num_images=cf.num_images or "all", image_size=cfg.data.image_size,
+                         targets="one random other class per image", target_seed=cfg.rand_seed)
+        else:
+            found.update(test_set_settings(cfg))  # its num_images: of the test set
+            found.update(test_num_images=found["num_images"], num_images=cf.num_images,
+                         num_targets=cf.num_targets or "all others")
         if cf.fid_stats:
             found.update(fid_stats=cf.fid_stats, features=feature_network_name(),
                          inception_weights=cf.inception_weights)
+        return found
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        """The dataset root (and ids file), each class's statistics file and, for Inception
+        features, their weights."""
+        ev = cfg.eval
+        found: Dict[str, Optional[str]] = (
+            {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+            if ev.counterfactual_protocol == "original" else test_set_files(cfg))
+        template = ev.counterfactual_fid_stats
+        if template:
+            for c in range(cfg.data.num_classes):
+                found[f"eval.counterfactual_fid_stats[{c}]"] = template.format(label=c)
+            if not os.environ.get(FEATURES_ENV):
+                found["image_log.inception_weights"] = (cfg.image_log.inception_weights
+                                                        or hub_weights_path())
         return found
 
     @classmethod
@@ -280,22 +531,36 @@ class Counterfactuals(Metric):
         return found
 
     def finish(self) -> Dict[str, Any]:
-        ctx = self.ctx
+        ctx, cfg = self.ctx, self.ctx.cfg
         folder = (os.path.join(ctx.spec.run_dir, "counterfactuals") if ctx.spec.run_dir
                   else None)
-        sources = indist_test_set(ctx.cfg, test_indices(ctx.cfg))
-        results = evaluate_counterfactuals(ctx.model, sources, counterfactual_settings(ctx.cfg),
-                                           ctx.runtime, num_classes=ctx.cfg.data.num_classes,
-                                           batch_size=ctx.batch_size, folder=folder)
-        if "counterfactual_fid" in results:
-            results[standin_key("counterfactual_fid")] = results.pop("counterfactual_fid")
-        return results
+        settings = counterfactual_settings(cfg)
+        if settings.protocol == "original":
+            from rebm.data.pipeline import loader_workers
+
+            sources = train_image_set(cfg, settings.num_images)
+            targets = random_targets(sources.labels(np.arange(len(sources))), sources.indices,
+                                     cfg.data.num_classes, cfg.rand_seed)
+            results = evaluate_original_counterfactuals(
+                ctx.model, sources, targets, settings, ctx.runtime,
+                num_classes=cfg.data.num_classes, batch_size=ctx.batch_size, folder=folder,
+                num_workers=loader_workers(cfg, ctx.runtime))
+        else:
+            sources = indist_test_set(cfg, test_indices(cfg))
+            results = evaluate_counterfactuals(ctx.model, sources, settings, ctx.runtime,
+                                               num_classes=cfg.data.num_classes,
+                                               batch_size=ctx.batch_size, folder=folder)
+        return {(standin_key("counterfactual_fid") + key[len("counterfactual_fid"):]
+                 if key.startswith("counterfactual_fid") else key): value
+                for key, value in results.items()}
 
     @classmethod
     def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]
                  ) -> List[Tuple[str, str, str]]:
+        images = ("training images, one random target each"
+                  if settings.get("protocol") == "original" else "test images")
         how = (f"{results['n_counterfactuals']} counterfactuals of {settings['num_images']} "
-               f"test images, {settings['steps']} PGD steps ({settings['norm']}, step "
+               f"{images}, {settings['steps']} PGD steps ({settings['norm']}, step "
                f"{settings['step_size']:g}, eps {settings['eps']:g})")
         rows = [("counterfactual confidence", f"{results['counterfactual_confidence']:.4f}", how),
                 ("counterfactual success", f"{results['counterfactual_success']:.4f}", how)]

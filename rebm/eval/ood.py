@@ -5,7 +5,9 @@
 Adversarial OOD: each OOD image is first moved by PGD to *raise* its score, as the original
 evaluation did: "lse" ascends logsumexp, "msp" ascends KL(uniform || softmax), which pushes the
 softmax away from uniform and so raises its maximum. L2 steps, no random start; the original's
-budgets by image size (`original_ood_attack`). In-distribution images are not attacked.
+budgets by the side of the OOD images (`original_ood_attack`), which the original read at 32 px
+for CIFAR models and at 224 px for every ImageNet model (`ood_image_size`). In-distribution
+images are not attacked.
 
 Two entry points:
 - metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_attack, pgd_from_config
+from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import loader_workers
 from rebm.data.sampling import eval_chunks, eval_shard
@@ -43,7 +46,8 @@ from rebm.eval.test_set import test_set_settings
 SCORES = ("msp", "lse")
 SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
 OOD_ATTACK_EPOCH = 1  # key stream of the OOD attack, distinct from the robust-accuracy attack
-LARGE_IMAGE_SIZE = 128  # from here on the ImageNet budget (224 and 256 px models)
+LARGE_IMAGE_SIZE = 128  # from here on ImageNet-size models: OOD sets at 224 px, ImageNet budget
+ORIGINAL_IMAGENET_OOD_SIZE = 224  # the original's OOD side for ImageNet models of any size
 TPR_PERCENT = 95
 
 
@@ -56,9 +60,22 @@ class OODAttack:
     step_size: float
 
 
+def ood_image_size(cfg) -> int:
+    """The side the OOD sets are read at: eval.ood_image_size, else the original's. The original
+    chose it by the in-distribution dataset (eval_ood_detection.py: 32 for CIFAR-10/100, 224 for
+    ImageNet whatever the model's own size), so rebm reads them at data.image_size below 128 px
+    and at 224 px from 128 px on."""
+    if cfg.eval.ood_image_size is not None:
+        return cfg.eval.ood_image_size
+    size = cfg.data.image_size
+    return ORIGINAL_IMAGENET_OOD_SIZE if size >= LARGE_IMAGE_SIZE else size
+
+
 def original_ood_attack(image_size: int) -> OODAttack:
-    """The original's adversarial-OOD budget: L2 3.0 in 10 steps of 1.0 for ImageNet-size
-    images, L2 1.0 in 20 steps of 0.1 for 32 px ones."""
+    """The original's adversarial-OOD budget for OOD images of side `image_size`: L2 3.0 in 10
+    steps of 1.0 for ImageNet-size images, L2 1.0 in 20 steps of 0.1 for 32 px ones. (The
+    original tested `side == 224`; its OOD images were only ever 32 or 224 px, so from 128 px
+    on gives the same budgets and keeps the ImageNet one for any other large side.)"""
     if image_size >= LARGE_IMAGE_SIZE:
         return OODAttack(eps=3.0, steps=10, step_size=1.0)
     return OODAttack(eps=1.0, steps=20, step_size=0.1)
@@ -180,8 +197,9 @@ class OODSettings:
 
 
 def ood_settings(cfg) -> OODSettings:
-    """The `eval.ood_*` fields; attack budget fields left null take the original's."""
-    ev, default = cfg.eval, original_ood_attack(cfg.data.image_size)
+    """The `eval.ood_*` fields; attack budget fields left null take the original's for the
+    side the sets are read at (`ood_image_size`)."""
+    ev, default = cfg.eval, original_ood_attack(ood_image_size(cfg))
     attack = OODAttack(
         eps=default.eps if ev.ood_attack_eps is None else ev.ood_attack_eps,
         steps=default.steps if ev.ood_attack_steps is None else ev.ood_attack_steps,
@@ -197,7 +215,7 @@ def evaluate_ood_sets(model: nn.Module, in_scores: Tensor, settings: OODSettings
     """{"ood/<set>/auroc", "ood/<set>/fpr95", and with settings.adversarial "ood/<set>/adv_auroc",
     "ood/<set>/adv_fpr95"} for every set of settings.datasets, plus their means over the sets
     ("ood/mean/..."). `in_scores`: the in-distribution test scores (all ranks'); the OOD sets
-    are read at `image_size`. Every rank must call this."""
+    are read at `image_size` (`ood_image_size`). Every rank must call this."""
     model = unwrap(model)
     score = canonical_score(settings.score)
     attack = settings.attack or original_ood_attack(image_size)
@@ -326,6 +344,9 @@ class OODSets(Metric):
 
     name = "ood_sets"
     source = TEST_SET
+    # 2: noise is the original's noise; ImageNet-size models read the sets at 224 px;
+    # restricted_imagenet
+    protocol = 2
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
@@ -340,12 +361,24 @@ class OODSets(Metric):
         return {"datasets": list(ood.datasets), "num_samples": ood.num_samples,
                 "roots": {d: roots[d] for d in ood.datasets if d in roots},
                 "score": canonical_score(ood.score), "subset_seed": cfg.rand_seed,
-                "image_size": cfg.data.image_size,
+                "image_size": ood_image_size(cfg), "model_image_size": cfg.data.image_size,
                 "attack": ({"norm": "L2", "eps": attack.eps, "steps": attack.steps,
                             "step_size": attack.step_size, "objective": attack_objective(
                                 ood.score), "random_start": False}
                            if ood.adversarial else None),
                 **test_set_settings(cfg)}
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        """The root of every set (named sets: eval.ood_roots.<set>; folders: the folder)."""
+        roots = {**DEFAULT_ROOTS, **cfg.eval.ood_roots}
+        found: Dict[str, Optional[str]] = {}
+        for spec in cfg.eval.ood_datasets:
+            if spec in roots:
+                found[f"eval.ood_roots.{spec}"] = roots[spec]
+            elif spec not in OOD_SET_NAMES:  # an image folder
+                found[f"eval.ood_datasets[{ood_set_name(spec)}]"] = spec
+        return found
 
     @classmethod
     def problems(cls, cfg) -> List[str]:
@@ -361,7 +394,7 @@ class OODSets(Metric):
         local = (torch.cat(self.scores) if self.scores
                  else torch.zeros(0, dtype=torch.float64, device=rt.device))
         return evaluate_ood_sets(ctx.model, gather_scores(rt, local), self.ood, rt,
-                                 image_size=ctx.cfg.data.image_size, seed=ctx.cfg.rand_seed,
+                                 image_size=ood_image_size(ctx.cfg), seed=ctx.cfg.rand_seed,
                                  batch_size=ctx.batch_size,
                                  num_workers=loader_workers(ctx.cfg, rt))
 
@@ -370,7 +403,8 @@ class OODSets(Metric):
                  ) -> List[Tuple[str, str, str]]:
         rows = []
         attack = settings["attack"]
-        how = f"{settings['num_samples']} images, score {settings['score']}" + (
+        how = (f"{settings['num_samples']} images at {settings.get('image_size')} px, score "
+               f"{settings['score']}") + (
             f", attack L2 {attack['eps']:g} in {attack['steps']} steps of {attack['step_size']:g}"
             if attack else "")
         for name in [*(ood_set_name(n) for n in settings["datasets"]), "mean"]:

@@ -8,7 +8,7 @@ the scores, the padded gather). The score is logsumexp of the logits for energy 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,6 +18,8 @@ from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.ood import build_ood_data, gather_scores, ood_score
 from rebm.eval.test_set import describe_test_set, test_set_settings
+
+PROCEDURAL_OUTDISTS = ("noise", "uniform-noise", "lowfreq-noise")  # rebm.data.pipeline.outdist_source
 
 
 def score_name(cfg) -> str:
@@ -38,6 +40,13 @@ class OODDetection(Metric):
         return {"out_distribution": cfg.data.outdist_dataset, "out_dir": cfg.data.outdist_std_dir,
                 "score": score_name(cfg), "ood_images": "as many as test images",
                 **test_set_settings(cfg)}
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        """The out-distribution's file or folder (none for procedural noise)."""
+        if cfg.data.outdist_dataset in PROCEDURAL_OUTDISTS:
+            return {}
+        return {"data.outdist_std_dir": cfg.data.outdist_std_dir}
 
     def update(self, batch: TestBatch) -> None:
         self.scores.append(ood_score(batch.logits(), self.score).double())

@@ -1,7 +1,8 @@
 """OOD detection (rebm/eval/ood.py, rebm/data/ood_sets.py): the metrics against scikit-learn,
-the original's attacks, the OOD sets read from real on-disk formats (SVHN .mat files written
-with scipy in torchvision's layout, CIFAR pickles, image folders), and the table's numbers
-identical on 1 and 2 real processes."""
+the original's attacks and their budget by the OOD image side, the OOD sets read from real
+on-disk formats (SVHN .mat files written with scipy in torchvision's layout, CIFAR pickles,
+image folders, a 1000-class ImageNet validation folder for restricted_imagenet), the original's
+noise bit for bit, and the table's numbers identical on 1 and 2 real processes."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.data.ood_sets import DataError, load_ood_set, load_svhn
-from rebm.eval.ood import OODSets, fpr_at_tpr, ood_score, original_ood_attack
+from rebm.data.ood_sets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
+from rebm.eval.ood import OODSets, fpr_at_tpr, ood_image_size, ood_score, original_ood_attack
+from rebm.eval.ood_metric import OODDetection
 from tests.fake_data import (
+    imagenet_wnids,
     write_fake_cifar10,
     write_fake_cifar100,
     write_fake_svhn,
@@ -189,3 +192,91 @@ def test_settings_resolve_the_original_attack_and_problems_name_missing_roots(tm
     assert settings["roots"] == {"svhn": f"{tmp_path}/absent"}
     assert OODSets.problems(cfg) == [
         f"OOD set 'svhn': eval.ood_roots.svhn '{tmp_path}/absent' does not exist"]
+
+
+IMAGENET = ["data.indist_dataset=ImageNet", "data.num_classes=1000"]
+
+
+@pytest.mark.parametrize("model_size, overrides, side, budget", [
+    (32, [], 32, (1.0, 20, 0.1)),  # CIFAR models: 32 px sets, the 32 px budget
+    (224, IMAGENET, 224, (3.0, 10, 1.0)),
+    (256, IMAGENET, 224, (3.0, 10, 1.0)),  # never the 32 px budget: its sets are read at 224
+    (256, [*IMAGENET, "eval.ood_image_size=256"], 256, (3.0, 10, 1.0)),  # rebm's option
+    (16, [], 16, (1.0, 20, 0.1)),
+])
+def test_the_original_reads_ood_sets_by_model_kind_and_budgets_by_their_side(
+        model_size, overrides, side, budget):
+    """The original (eval_ood_detection.py, eval_utils.ood_detection): OOD images at 32 px for
+    CIFAR models and 224 px for ImageNet models of any size; the 3.0 budget for 224 px images,
+    the 1.0 one otherwise."""
+    cfg = load_config(None, [f"data.image_size={model_size}", *overrides])
+    assert ood_image_size(cfg) == side
+    attack = OODSets.settings(cfg)["attack"]
+    assert (attack["eps"], attack["steps"], attack["step_size"]) == budget
+    assert OODSets.settings(cfg)["image_size"] == side
+
+
+def test_files_are_the_set_roots(tmp_path):
+    cfg = load_config(None, [f"eval.ood_datasets=[noise,svhn,restricted_imagenet,{tmp_path}/f]",
+                             f"eval.ood_roots.svhn={tmp_path}/svhn"])
+    assert OODSets.files(cfg) == {"eval.ood_roots.svhn": f"{tmp_path}/svhn",
+                                  "eval.ood_roots.restricted_imagenet": "data/ImageNet",
+                                  "eval.ood_datasets[f]": f"{tmp_path}/f"}
+    outdist = load_config(None, ["data.outdist_dataset=tinyimages",
+                                 f"data.outdist_std_dir={tmp_path}/tiny.bin"])
+    assert OODDetection.files(outdist) == {"data.outdist_std_dir": f"{tmp_path}/tiny.bin"}
+    assert OODDetection.files(load_config(None, ["data.outdist_dataset=noise"])) == {}
+
+
+def test_noise_is_the_originals_bit_for_bit():
+    """The original's NoiseDataset: numpy seeded with 123, rand(length, 3, S, S) as float32,
+    each image through ToPILImage and ToTensor (torchvision's own transforms here)."""
+    from torchvision import transforms
+
+    n, size = 6, 12
+    drawn = np.random.RandomState(123).rand(n, 3, size, size).astype(np.float32)
+    to_pil, to_tensor = transforms.ToPILImage(), transforms.ToTensor()
+    expected = torch.stack([to_tensor(to_pil(torch.from_numpy(drawn[i]))) for i in range(n)])
+    noise = load_ood_set("noise", size, 7, n)  # any rand_seed: the original's noise is fixed
+    assert noise.indices.tolist() == list(range(n))
+    assert torch.equal(noise.images(np.arange(n)), expected)
+    assert torch.equal(load_ood_set("noise", size, 0, 2).images(np.arange(2)), expected[:2])
+
+
+def _write_val_only_imagenet(root, height: int = 6, width: int = 9) -> None:
+    """ImageNet's validation split in torchvision's layout (meta.bin, val/<wnid>/*.JPEG), one
+    small JPEG in each of the 1000 class folders (wnids in sorted order = class index)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    wnids = imagenet_wnids(1000)
+    torch.save(({w: (f"class {i}",) for i, w in enumerate(wnids)}, wnids), root / "meta.bin")
+    for i, wnid in enumerate(wnids):
+        (root / "val" / wnid).mkdir(parents=True)
+        pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "val" / wnid / f"ILSVRC2012_val_{i + 1:08d}.JPEG")
+
+
+def test_restricted_imagenet_is_the_validation_split_outside_the_restricted_classes(tmp_path):
+    from PIL import Image
+    from torchvision import transforms
+
+    _write_val_only_imagenet(tmp_path)
+    roots = {"restricted_imagenet": str(tmp_path)}
+    everything = load_ood_set("restricted_imagenet", 16, 0, 5000, roots)
+    labels = everything.labels(np.arange(len(everything))).numpy()
+    inside = {c for first, last in RESTRICTED_IMAGENET_RANGES for c in range(first, last + 1)}
+    assert len(inside) == 203 and len(everything) == 1000 - 203
+    assert sorted(labels.tolist()) == sorted(set(range(1000)) - inside)
+    subset = load_ood_set("restricted_imagenet", 16, 0, 40, roots)
+    assert len(subset) == 40 and not inside & set(subset.labels(np.arange(40)).tolist())
+    # read as the original did: Resize((S, S), bicubic) of the file, then ToTensor
+    original = transforms.Compose([
+        transforms.Resize((16, 16), interpolation=transforms.InterpolationMode.BICUBIC),
+        transforms.ToTensor()])
+    label = int(subset.labels(np.array([0]))[0])
+    wnid = imagenet_wnids(1000)[label]
+    path = tmp_path / "val" / wnid / f"ILSVRC2012_val_{label + 1:08d}.JPEG"
+    with Image.open(path) as image:
+        expected = original(image.convert("RGB"))
+    assert torch.equal(subset.images(np.array([0]))[0], expected)

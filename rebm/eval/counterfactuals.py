@@ -1,32 +1,25 @@
 """Counterfactual explanations: how an image must change for the model to see another class.
 
-Two protocols (`eval.counterfactual_protocol`):
-
-- `original` (default), the original's `generate_counterfactuals` (rebm/eval/eval_utils.py
-  there): every training image (or the first `eval.counterfactual_num_images`) is moved by
-  targeted PGD ascent on the logit of ONE random other class, drawn from (rand_seed, dataset
-  index) alone (`random_targets`). The counterfactuals toward class c (about 5,000 of the
-  50,000 CIFAR-10 images) are compared by FID with class c's statistics; the results are the
-  per-class FIDs, their mean, and the per-class mean confidence averaged over the classes, as
-  the original reported them. Work goes class by class (`class_chunks`) and each class keeps
-  only running feature sums, so memory does not grow with the number of images.
+Protocols (`eval.counterfactual_protocol`), both by targeted PGD ascent on the target logit with
+the generation threat model by default (`image_log`), counterfactuals rounded to 8 bits as the
+original's `save_image` wrote them:
+- `original` (default; the original's `generate_counterfactuals`, rebm/eval/eval_utils.py
+  there): every training image (or the first `num_images`) toward ONE random other class drawn
+  from (rand_seed, dataset index) (`random_targets`); FID per target class against that class's
+  statistics, the per-class mean confidence averaged over the classes. Work goes class by class
+  (`class_chunks`) keeping only running feature sums: memory does not grow with the images.
 - `grid`: each of the first `num_images` test images (default 10) toward every other class (or
-  `num_targets` of them: y+1, y+2, ... mod K); one grid per image (`evaluate_counterfactuals`).
+  `num_targets` of them: y+1, y+2, ... mod K).
+Per-class statistics (`fid_stats`, a path with `{label}`): `python -m rebm.eval.counterfactuals
+CONFIG --class-stats TEMPLATE`, by default of the training split like the original's reference
+folders (./datasets/cifar10_images_by_classes/train/<c>). Classes without a file have no FID.
 
-Both use the generation threat model by default (`image_log`: L2 normalised-gradient steps,
-radius, step count). Counterfactual pixels are rounded to 8 bits as torchvision's `save_image`
-wrote the original's counterfactual PNGs. Per-class statistics (`fid_stats`, a path with
-`{label}`) come from `python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE`; by
-default of the training split, as the original's reference folders
-(./datasets/cifar10_images_by_classes/train/<c>). Classes without a file have no FID.
+Files (rank 0, with a folder): original: `counterfactuals.png` / `sources.png` (the first 10
+counterfactuals toward each of the first 10 classes, a row per class, and their sources) and
+`per_class.json`; grid: `<position>.png` (one grid per image) and `per_class.json`.
 
-Files (rank 0, when a folder is given), original: `counterfactuals.png` / `sources.png` (the first
-10 counterfactuals toward each of the first 10 classes, a row per class, and their sources) and
-`per_class.json`; grid: `<position>.png`, one grid per source image, and `per_class.json`.
-
-Sharded like every evaluation: sources in fixed chunks, chunk k on rank k % W, per-image results
-gathered by position, so the numbers are the same on any number of processes (the FID up to the
-float64 summation order of the feature sums).
+Sources go in fixed chunks, chunk k on rank k % W, per-image results gathered by position: the
+same numbers on any number of processes (the FID up to the order of its float64 sums).
 """
 
 from __future__ import annotations
@@ -62,6 +55,7 @@ from rebm.eval.fid import (
     frechet_distance,
     hub_weights_path,
     load_reference,
+    moments_statistics,
     standin_key,
     to_8bit,
 )
@@ -171,7 +165,8 @@ def evaluate_counterfactuals(model: nn.Module, sources: FixedImageSet,
             targets = target_classes(labels, num_classes, settings.num_targets)
             parts = _attack_chunk(model, images.to(runtime.device), targets, settings, features)
             chunks.append(_Chunk(positions.to(runtime.device), *parts))
-    gathered = {name: _gather(runtime, chunks, name, n, shape)
+    gathered = {name: _gather(runtime, [(c.positions, getattr(c, name)) for c in chunks], n,
+                              shape)
                 for name, shape in _row_shapes(sources, m, dims).items()}
     labels = sources.labels(np.arange(n))
     targets = target_classes(labels, num_classes, settings.num_targets)
@@ -192,14 +187,14 @@ def evaluate_counterfactuals(model: nn.Module, sources: FixedImageSet,
     return result
 
 
-def _gather(runtime: Runtime, chunks: List[_Chunk], name: str, n: int, shape: tuple
+def _gather(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int, shape: tuple
             ) -> Tensor:
-    """One field of every rank's chunks, by source position, on every rank (cpu). `shape`:
-    (dtype, *row shape), for a rank without chunks."""
+    """Every rank's (positions, rows) parts, rows put at their positions of [0, n), on every
+    rank (cpu). `shape`: (dtype, *row shape), for a rank without parts."""
     empty = torch.zeros((0, *shape[1:]), dtype=shape[0], device=runtime.device)
-    positions = [c.positions for c in chunks] or [empty.new_zeros(0, dtype=torch.int64)]
-    values = [getattr(c, name) for c in chunks] or [empty]
-    return gather_by_position(runtime, torch.cat(values), torch.cat(positions), n).cpu()
+    positions = torch.cat([p for p, _ in parts] or [empty.new_zeros(0, dtype=torch.int64)])
+    rows = torch.cat([r for _, r in parts] or [empty])
+    return gather_by_position(runtime, rows, positions, n).cpu()
 
 
 def _per_class(gathered: Dict[str, Tensor], targets: Tensor, num_classes: int
@@ -394,7 +389,7 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
         for images, positions, c in progress(loader, runtime, "counterfactuals", len(loader)):
             run.attack(model, images, positions, int(c))
         run.finish_classes(num_classes)
-    scores = _gather_rows(runtime, run.scores, n, (torch.float64, 2)).cpu()
+    scores = _gather(runtime, run.scores, n, (torch.float64, 2))
     per_class: Dict[str, Dict[int, float]] = {"confidence": {}, "success": {}, "count": {}}
     for c in np.flatnonzero(run.counts):
         hit = torch.from_numpy(wanted == c)
@@ -403,8 +398,8 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
         per_class["count"][int(c)] = int(run.counts[c])
     per_class["fid"] = dict(run.fids)
     if folder is not None:
-        pixels = _gather_rows(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
-                              (torch.uint8, 3, sources.size, sources.size)).cpu()
+        pixels = _gather(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
+                              (torch.uint8, 3, sources.size, sources.size))
         on_main(runtime, lambda: _write_original(folder, sources, pixels, run.slots, per_class),
                 f"write the counterfactuals into {folder}")
     result = {"counterfactual_confidence": float(np.mean(list(per_class["confidence"].values()))),
@@ -414,15 +409,6 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
         result["counterfactual_fid"] = float(np.mean(list(run.fids.values())))
         result.update({f"counterfactual_fid/{c}": v for c, v in sorted(run.fids.items())})
     return result
-
-
-def _gather_rows(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int, shape: tuple
-                 ) -> Tensor:
-    """(positions, rows) parts of every rank, rows put at their positions of [0, n)."""
-    empty = torch.zeros((0, *shape[1:]), dtype=shape[0], device=runtime.device)
-    positions = torch.cat([p for p, _ in parts] or [empty.new_zeros(0, dtype=torch.int64)])
-    rows = torch.cat([r for _, r in parts] or [empty])
-    return gather_by_position(runtime, rows, positions, n)
 
 
 def _write_original(folder: str, sources: FixedImageSet, pixels: Tensor,
@@ -588,22 +574,13 @@ def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
 
 def class_statistics(images: FixedImageSet, runtime: Runtime, features, batch_size: int
                      ) -> tuple:
-    """(mu, sigma) of the features of every image of the set, the same on every rank (the rows
-    are gathered by position and reduced in one fixed order). Every rank must call this."""
-    rows = []
-    positions = []
+    """(mu, sigma) of the features of every image of the set (8-bit images read as pytorch-fid
+    reads their files, k / 255), from running sums over all ranks. Every rank must call this."""
     loader = chunk_loader(images.images, len(images), batch_size, runtime)
     with torch.no_grad():
-        for x, pos in progress(loader, runtime, images.name, total=len(loader)):
-            rows.append(features(to_8bit(x.to(runtime.device))).double())
-            positions.append(pos.to(runtime.device))
-    dims = rows[0].shape[1] if rows else None
-    dims = decide_on_main(runtime, lambda: dims, "share the feature size")
-    empty = torch.zeros(0, dims, dtype=torch.float64, device=runtime.device)
-    everything = gather_by_position(runtime, torch.cat(rows or [empty]),
-                                    torch.cat(positions or [empty.new_zeros(0).long()]),
-                                    len(images))
-    return feature_statistics(everything.cpu().numpy())
+        return moments_statistics(
+            (features(to_8bit(x.to(runtime.device), COUNTERFACTUAL_PIXELS))
+             for x, _ in progress(loader, runtime, images.name, total=len(loader))), runtime)
 
 
 def run_class_stats(cfg, runtime: Runtime, args) -> Dict[str, Any]:

@@ -119,9 +119,11 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     table, ckpts = tiny
     two = ckpts / "out2"
     result = run_command(_table_cmd(table, ckpts, two, nproc=2), timeout=400, env=_env())
-    result.assert_ok()
     expected = str(ckpts / "dat2" / "model_final.pth")
     assert f"dat-s2: checkpoint missing: expected {expected}" in result.output
+    # the table of the other rows is written, and the exit code says a row was skipped
+    assert result.returncode != 0
+    assert "1 row(s) skipped, checkpoint missing: dat-s2" in result.output
     header, *groups = _read_csv(two / "table.csv")
     assert [g[:2] for g in groups] == [["AT", "1"], ["DAT", "2"]]
     for column in FRACTIONS + POSITIVE:  # every metric has its value in the table
@@ -130,13 +132,14 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     markdown = (two / "table.md").read_text()
     assert "| AT † | 0 |" in markdown and "| DAT | 0, 1 |" in markdown
     assert f"- dat-s2: expected `{expected}`" in markdown
-    assert (two / "dat-s0" / "counterfactuals" / "0.png").is_file()
+    assert (two / "dat-s0" / "counterfactuals" / "per_class.json").is_file()
     assert (two / "at" / "samples" / "samples.png").is_file()
 
     one = ckpts / "out1"
     killed = _kill_after(_table_cmd(table, ckpts, one), "dat-s0: autoattack done", 400)
     assert "at: fid done" in killed and "table written" not in killed
-    rerun = run_command(_table_cmd(table, ckpts, one), timeout=400, env=_env()).assert_ok()
+    rerun = run_command(_table_cmd(table, ckpts, one), timeout=400, env=_env())
+    assert rerun.returncode != 0 and "table written" in rerun.output
     assert "[1/4] at: 11 of 11 metrics already computed" in rerun.output
     done = [line for line in rerun.output.splitlines() if "[2/4] dat-s0:" in line][0]
     assert "metrics already computed; computing" in done and "accuracy," not in done
@@ -153,17 +156,34 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
 
 def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does_not(tiny,
                                                                                     tmp_path):
-    from rebm.eval.table_cache import checkpoint_identity
+    """The key holds the checkpoint's content, not its path: the same file under another
+    --checkpoints folder has the same keys; other bytes of the same size and mtime do not."""
+    from rebm.eval.registry import metric_classes
+    from rebm.eval.table import row_configs
+    from rebm.eval.table_cache import FileHashes, metric_key
 
     table, ckpts = tiny
+    spec = load_table(str(table)).select(["dat-s0"], ["accuracy", "fid"])
     path = ckpts / "dat0" / "model_final.pth"
     moved = tmp_path / "dat0" / "model_final.pth"
     moved.parent.mkdir()
     shutil.copy2(path, moved)
-    rel = "dat0/model_final.pth"
-    assert checkpoint_identity(str(path), rel) == checkpoint_identity(str(moved), rel)
-    os.utime(moved, ns=(0, 0))
-    assert checkpoint_identity(str(path), rel) != checkpoint_identity(str(moved), rel)
+
+    def keys(root: Path, checkpoint: Path) -> list:
+        hashes = FileHashes()
+        configs = row_configs(spec, str(root))["dat-s0"]
+        return [metric_key(configs[c.name], c, hashes.sha256(str(checkpoint)), spec.batch_size,
+                           hashes) for c in metric_classes(spec.metrics)]
+
+    assert keys(ckpts, path) == keys(tmp_path, moved)
+    stat = moved.stat()
+    data = bytearray(moved.read_bytes())
+    data[-1] ^= 1
+    moved.write_bytes(bytes(data))
+    os.utime(moved, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert moved.stat().st_mtime_ns == stat.st_mtime_ns
+    changed, same = keys(tmp_path, moved), keys(ckpts, path)
+    assert all(a != b for a, b in zip(changed, same, strict=True))
 
 
 # --------------------------------------------------------------------------------------------

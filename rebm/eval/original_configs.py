@@ -95,7 +95,8 @@ def _number(raw: Dict[str, Any], key: str, path: str, kind: type) -> Any:
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             kind is int and not isinstance(value, int)):
-        raise TableError(f"{path}: '{key}' must be a {kind.__name__}, got {value!r}")
+        what = "an integer" if kind is int else "a number"
+        raise TableError(f"{path}: '{key}' must be {what}, got {value!r}")
     return value
 
 

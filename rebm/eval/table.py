@@ -136,9 +136,7 @@ class TableRun:
 
     def run_row(self, row, label: str) -> None:
         from rebm.distributed.collectives import decide_on_main
-        from rebm.eval.metric import SAMPLES
-        from rebm.eval.registry import metric_classes
-        from rebm.eval.table_cache import cached_results, read_cache
+        from rebm.eval.table_cache import cached_results, model_settings, read_cache
 
         def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str]]]:
             keys = self.keys(row, self.selected.metrics)
@@ -160,14 +158,27 @@ class TableRun:
                     else "")
         if not pending:
             return
-        model = self.load_model(row, pending[0])
-        for cls in metric_classes(pending):
+        by_model: Dict[str, List[str]] = {}  # metric_overrides may change the model settings
+        for name in pending:
+            settings = model_settings(self.configs[row.name][name])
+            by_model.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(name)
+        for names in by_model.values():
+            self.run_metrics(row, names, cache, keys, label)
+
+    def run_metrics(self, row, names: List[str], cache, keys: Dict[str, str], label: str
+                    ) -> None:
+        """Compute and store `names` (metrics of one model) of the row."""
+        from rebm.eval.metric import SAMPLES
+        from rebm.eval.registry import metric_classes
+
+        model = self.load_model(row, names[0])
+        for cls in metric_classes(names):
             if cls.source == SAMPLES:
                 continue
             start = time.monotonic()
             results = self.test_metric(model, row, cls.name)
             self.store(cache, row, cls.name, keys[cls.name], results, start, label)
-        samples = [c.name for c in metric_classes(pending) if c.source == SAMPLES]
+        samples = [c.name for c in metric_classes(names) if c.source == SAMPLES]
         if samples:
             start = time.monotonic()
             for name, results in self.sample_metrics(model, row, samples).items():

@@ -5,6 +5,7 @@ written by the real entry point; the same numbers on 1 and 2 real processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -87,6 +88,7 @@ def test_class_statistics_are_those_of_the_class_images(setup):
 
 def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.data.ood_sets import indist_test_set
+    from rebm.distributed.signals import PreemptionFlag
     from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
 
     runtime = rd.setup_distributed()
@@ -99,7 +101,10 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
     result = evaluate_model(model, cfg, runtime, EvalSpec(("counterfactuals",), 20, folder))
     original = load_config(None, [*base, "eval.counterfactual_protocol=original",
                                   f"eval.counterfactual_fid_stats={stats}"])
-    result["original"] = evaluate_model(model, original, runtime, EvalSpec(
+    # as inside training: every loop polls the preemption flag through a collective, which
+    # must line up with the per-class FID collectives on ranks with different chunk counts
+    polled = dataclasses.replace(runtime, preemption=PreemptionFlag().install())
+    result["original"] = evaluate_model(model, original, polled, EvalSpec(
         ("counterfactuals",), 4, os.path.join(out, f"original{runtime.world_size}")))
     few = load_config(None, [*base, "eval.counterfactual_num_images=3",
                              "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])

@@ -24,6 +24,7 @@ same numbers on any number of processes (the FID up to the order of its float64 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -309,7 +310,7 @@ def _preview_slots(targets: np.ndarray, num_classes: int) -> Dict[int, int]:
 
 class _OriginalRun:
     """One rank's state of `evaluate_original_counterfactuals`: per-image results, preview
-    pixels, and the running feature sums of the class in progress."""
+    pixels, the running feature sums of the class in progress, the per-class FIDs."""
 
     def __init__(self, settings: CounterfactualSettings, runtime: Runtime, targets: np.ndarray,
                  num_classes: int, fid_classes: List[int]):
@@ -321,12 +322,10 @@ class _OriginalRun:
         self.slots = _preview_slots(targets, num_classes)
         self.scores: List[Tuple[Tensor, Tensor]] = []  # (positions, (b, 2) confidence, success)
         self.preview: List[Tuple[Tensor, Tensor]] = []  # (slots, uint8 pixels)
-        self.sums: Dict[int, MomentSums] = {}
+        self.sums = MomentSums()  # of the class in progress
         self.fids: Dict[int, float] = {}
-        self.finished = 0  # classes whose FID is done (on every rank, in class order)
 
     def attack(self, model: nn.Module, images: Tensor, positions: Tensor, c: int) -> None:
-        self.finish_classes(c)
         rt, st = self.runtime, self.settings
         x = images.to(rt.device)
         y = torch.full((x.shape[0],), c, dtype=torch.int64, device=rt.device)
@@ -338,26 +337,24 @@ class _OriginalRun:
             confidence = logits.softmax(dim=1)[:, c]
             success = (logits.argmax(dim=1) == c).double()
             if c in self.fid_classes:
-                self.sums.setdefault(c, MomentSums()).add(
-                    self.features(pixels.float().div(255)))
+                self.sums.add(self.features(pixels.float().div(255)))
         self.scores.append((positions.to(rt.device), torch.stack([confidence, success], 1)))
         shown = [k for k, p in enumerate(positions.tolist()) if p in self.slots]
         if shown:
             slots = [self.slots[int(positions[k])] for k in shown]
             self.preview.append((torch.tensor(slots, device=rt.device), pixels[shown]))
 
-    def finish_classes(self, before: int) -> None:
-        """The FID of every class below `before` not done yet. Every rank reaches every class
-        in order (its collectives), whether or not it attacked images of that class."""
-        while self.finished < before:
-            c, self.finished = self.finished, self.finished + 1
-            if c not in self.fid_classes or self.counts[c] < 2:
-                continue
-            mu, sigma = self.sums.pop(c, MomentSums()).statistics(self.runtime)
-            fid = decide_on_main(self.runtime, lambda c=c, m=mu, s=sigma: _class_fid(
-                c, m, s, self.settings.fid_stats), f"compute the counterfactual FID of class {c}")
-            if fid is not None:
-                self.fids[c] = fid
+    def finish_class(self, c: int) -> None:
+        """Class c's FID from every rank's sums. Every rank calls this for every class, in
+        order, after its chunks of the class, so the collectives line up."""
+        sums, self.sums = self.sums, MomentSums()
+        if c not in self.fid_classes or self.counts[c] < 2:
+            return
+        mu, sigma = sums.statistics(self.runtime)
+        fid = decide_on_main(self.runtime, lambda: _class_fid(c, mu, sigma, self.settings.fid_stats),
+                             f"compute the counterfactual FID of class {c}")
+        if fid is not None:
+            self.fids[c] = fid
 
 
 def _class_fid(c: int, mu: np.ndarray, sigma: np.ndarray, template: str) -> Optional[float]:
@@ -384,11 +381,16 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
                                  "look for the per-class FID statistics")
     run = _OriginalRun(settings, runtime, wanted, num_classes, fid_classes)
     mine = class_chunks(wanted, num_classes, batch_size)[runtime.rank::runtime.world_size]
-    loader = DataLoader(_ClassChunks(sources, mine), batch_size=None, num_workers=num_workers)
+    per_class_chunks = np.bincount([c for c, _ in mine], minlength=num_classes)
+    items = iter(DataLoader(_ClassChunks(sources, mine), batch_size=None,
+                            num_workers=num_workers))
     with eval_mode(model):
-        for images, positions, c in progress(loader, runtime, "counterfactuals", len(loader)):
-            run.attack(model, images, positions, int(c))
-        run.finish_classes(num_classes)
+        for c in range(num_classes):  # one loop per class: its collectives come after it
+            count = int(per_class_chunks[c])
+            for images, positions, _ in progress(itertools.islice(items, count), runtime,
+                                                 f"counterfactuals toward class {c}", count):
+                run.attack(model, images, positions, c)
+            run.finish_class(c)
     scores = _gather(runtime, run.scores, n, (torch.float64, 2))
     per_class: Dict[str, Dict[int, float]] = {"confidence": {}, "success": {}, "count": {}}
     for c in np.flatnonzero(run.counts):
@@ -399,7 +401,7 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
     per_class["fid"] = dict(run.fids)
     if folder is not None:
         pixels = _gather(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
-                              (torch.uint8, 3, sources.size, sources.size))
+                         (torch.uint8, 3, sources.size, sources.size))
         on_main(runtime, lambda: _write_original(folder, sources, pixels, run.slots, per_class),
                 f"write the counterfactuals into {folder}")
     result = {"counterfactual_confidence": float(np.mean(list(per_class["confidence"].values()))),

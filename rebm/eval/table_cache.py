@@ -29,6 +29,7 @@ import os
 from typing import Any, Dict, Optional
 
 from rebm.eval.report import jsonable
+from rebm.eval.table_spec import TableError
 
 LOGGER = logging.getLogger("rebm")
 
@@ -123,7 +124,10 @@ def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
         problem = _shape_problem(cache)
     except FileNotFoundError:
         return {"metrics": {}}
-    except (OSError, ValueError) as err:
+    except OSError as err:  # a permission, a folder in its place: not something to set aside
+        raise TableError(f"table cache {path} cannot be read ({err.strerror or err}); fix its "
+                         "permissions or remove it") from None
+    except ValueError as err:  # not JSON, not UTF-8
         problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if problem is None:
         return cache

@@ -1,9 +1,10 @@
 """The registered evaluation metrics against the libraries they come from, and world-size
 invariance of the streaming passes (rebm/eval/registry.py, samples.py, test_set.py).
 
-- AutoAttack equals pyautoattack called on the same test chunks; IS and precision/recall equal
-  torch-fidelity called on the `keep_samples` PNGs and the same real images (with the tests'
-  stand-in feature network, and with torch-fidelity's Inception from a local random-weights file);
+- AutoAttack equals pyautoattack called on the same test chunks; IS (eval.is_resize=fidelity)
+  and precision/recall equal torch-fidelity called on the `keep_samples` PNGs and the same real
+  images (with the tests' stand-in feature network, and with torch-fidelity's Inception from a
+  local random-weights file; the original's IS path is tested in test_sample_protocol.py);
 - every metric gives the same numbers (and the same files) on 1, 2 and 3 ranks (real processes,
   gloo);
 - `eval.image_ids` / `eval.num_images` choose the test images; unconditional samples ascend
@@ -83,12 +84,16 @@ def data(tmp_path_factory):
 
 
 def _real_dataset(cfg, n: int):
-    """The first n train images as uint8 tensors: what rebm's precision/recall compares with."""
+    """The train images rebm's precision/recall compares with, as uint8 tensors: the seeded
+    class-balanced subset of n."""
     from rebm.data.pipeline import load_indist
     from rebm.eval.metric import to_pixels
+    from rebm.eval.precision_recall import reference_indices
 
     dataset = load_indist(cfg, cfg.eval.pr_reference_split, "test")
-    images = to_pixels(torch.stack([dataset[i][0] for i in range(n)]))
+    labels = np.array([dataset[i][1] for i in range(len(dataset))])
+    chosen = reference_indices(labels, n, cfg.rand_seed)
+    images = to_pixels(torch.stack([dataset[int(i)][0] for i in chosen]))
 
     class Real(torch.utils.data.Dataset):
         def __len__(self):
@@ -202,7 +207,7 @@ def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monke
 
     args = [str(data / "config.yaml"), *_overrides(data),
             "keep_samples=true", "robust_eval=false", "per_device_eval_batch_size=4",
-            f"run_dir={tmp_path}", "--samples", "--no-ece",
+            f"run_dir={tmp_path}", "eval.is_resize=fidelity", "--samples", "--no-ece",
             "--metrics", "inception_score,precision_recall"]
     env = base_env(1, {FEATURES_ENV: STANDIN, "PYTHONPATH": str(REPO)})
     result = run_command(torchrun_cmd("rebm.eval.evaluate", args, 2), timeout=300, env=env)
@@ -235,7 +240,7 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
         raise AssertionError("tried to download")
 
     monkeypatch.setattr(tf_inception, "load_state_dict_from_url", no_network)
-    cfg = _cfg(data, f"image_log.inception_weights={weights}")
+    cfg = _cfg(data, f"image_log.inception_weights={weights}", "eval.is_resize=fidelity")
     spec = EvalSpec(("keep_samples", "inception_score", "precision_recall"), batch_size=4,
                     run_dir=str(tmp_path))
     ours = evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
@@ -356,7 +361,8 @@ def test_console_table_and_eval_json_name_every_setting(data, tmp_path):
         f"calibration error \\(ECE\\) .* 20 equal-width bins of the max softmax; {N_TEST}",
         f"OOD AUROC .* vs noise \\({N_TEST} images\\), score lse; {N_TEST} test images",
         f"FID, STAND-IN features \\(not Inception\\) .* {N_SAMPLES} conditional samples, 2 PGD "
-        f"steps \\(L2, step 0.5, eps inf\\) from noise; vs stats.npz; stand-in {STANDIN}",
+        f"steps \\(L2, step 0.5, eps inf\\) from noise, floor pixels; vs stats.npz; stand-in "
+        f"{STANDIN}",
     ]
 
 

@@ -26,7 +26,7 @@ class EvalConfig(OODCounterfactualFields):
     metrics: List[str] = field(default_factory=list)  # metrics added to every evaluation (training's and rebm.eval.evaluate's), names of rebm.eval.registry, e.g. [inception_score, precision_recall]
     image_ids: Optional[str] = None  # file of test images to evaluate on, one per line: a 0-based index or a path relative to the split folder (ImageNet: wnid/ILSVRC2012_val_….JPEG); robustbench: RobustBench's 5000 ImageNet val images; null: the whole split
     num_images: Optional[int] = None  # evaluate on the first N test images (of image_ids when set); null: all
-    unconditional_samples: bool = False  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS)
+    unconditional_samples: Optional[bool] = None  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS); null: as logsumexp_sampling (the original's compute_fid), true/false: always/never
     grid_num_samples: int = 100  # samples shown in the PNG grid (the first ones)
     pr_reference_split: str = "train"  # precision/recall: in-distribution split of the real images
     pr_num_real: Optional[int] = None  # precision/recall: real images of the reference; null: as many as samples

@@ -99,8 +99,9 @@ class ImageLogConfig(LegacyImageLogFields):
     step_sweep_range: Optional[List[int]] = None  # step counts the sweep tries (default: see sweep_radius)
     sweep_radius: int = 3  # without step_sweep_range: try num_steps - r ... num_steps + r (the original's default 3)
     sweep_num_samples: int = 500  # samples per candidate of the sweep
-    blur_kernel_size: int = 0  # Gaussian blur of the seed images (odd kernel size; 0 = none)
-    adaptive_blur: bool = False  # scale blur_kernel_size with data.image_size / 32
+    blur_kernel_size: int = 0  # Gaussian blur kernel of the seed images (odd size; 0 = none), applied only with blur_fid_seeds (the original reads it nowhere but in a code path that asserts it is 0)
+    adaptive_blur: bool = False  # with blur_fid_seeds: scale blur_kernel_size with data.image_size / 32 (the original reads it nowhere)
+    blur_fid_seeds: bool = False  # rebm's option: blur the evaluation samples' seeds (FID, IS, P-R, grid) by blur_kernel_size / adaptive_blur; the original's compute_fid never blurs them
     seed_images: str = "noise"  # generation starts from: noise, lowfreq-noise, gaussian (fitted to the data), a .pt/.npz file or a folder
 
 

@@ -272,6 +272,20 @@ def load_reference(path: Optional[str], dims: Optional[int] = None
     return mu, sigma
 
 
+def weights_in_use(configured: Optional[str]) -> Optional[str]:
+    """The Inception weights file a feature-network metric reads (`image_log.inception_weights`,
+    else the hub cache), or None when REBM_FID_FEATURES names a stand-in (no file)."""
+    if os.environ.get(FEATURES_ENV):
+        return None
+    return configured or hub_weights_path()
+
+
+def weights_files(configured: Optional[str]) -> Dict[str, Optional[str]]:
+    """{'image_log.inception_weights': the file in use}, or {} with a stand-in (Metric.files)."""
+    path = weights_in_use(configured)
+    return {} if path is None else {"image_log.inception_weights": path}
+
+
 def feature_problems(weights: Optional[str]) -> List[str]:
     """The missing Inception weights file (none when REBM_FID_FEATURES names a stand-in)."""
     if os.environ.get(FEATURES_ENV):

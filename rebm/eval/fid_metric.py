@@ -19,15 +19,19 @@ from rebm.eval.fid import (
     fid_scorer,
     reference_problems,
     standin_key,
+    weights_files,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import describe_samples, sample_settings
+from rebm.eval.samples import describe_samples, sample_files, sample_settings
 from rebm.eval.sweep import sweep_candidates, sweep_steps
 
 
 class FID(Metric):
     name = "fid"
     source = SAMPLES
+    # 2: floor pixels by default (eval.sample_pixels), unblurred seeds unless
+    # image_log.blur_fid_seeds, unconditional samples under logsumexp_sampling
+    protocol = 2
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -37,6 +41,11 @@ class FID(Metric):
         return {"features": feature_network_name(), "reference": log.data_dir,
                 "inception_weights": log.inception_weights, "quantized": "8 bit",
                 "adaptive_steps": sweep, **sample_settings(cfg)}
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        return {"image_log.data_dir": cfg.image_log.data_dir, **sample_files(cfg),
+                **weights_files(cfg.image_log.inception_weights)}
 
     @classmethod
     def problems(cls, cfg) -> List[str]:

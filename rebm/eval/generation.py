@@ -10,8 +10,12 @@ Seeds (`image_log.seed_images`):
   "gaussian": a normal distribution fitted to the training images (mean, full covariance),
   sampled from the same per-index keys;
 - a .pt/.npz/.npy image tensor file, or a folder of images: image i is seed i (cycled when there
-  are fewer seeds than samples), resized to data.image_size.
-With `image_log.blur_kernel_size` k > 0 every seed is then blurred by a k x k Gaussian (sigma by
+  are fewer seeds than samples), at data.image_size. A folder is read as the original's
+  compute_fid reads its seed folder (torchvision ImageFolder + Resize((S, S)) + ToTensor): files
+  in sorted order, each decoded as RGB and resized to S x S by PIL's bilinear filter (no crop,
+  the aspect ratio is not kept).
+With `image_log.blur_fid_seeds: true` (rebm's option; the original never blurs its FID seeds) and
+`image_log.blur_kernel_size` k > 0 every seed is then blurred by a k x k Gaussian (sigma by
 torchvision's default rule for k, reflect padding); `adaptive_blur` first scales k by
 data.image_size / 32 and rounds it to the nearest odd size. The blur is a pure function of each
 image, so seeds stay a function of the sample index alone.
@@ -21,8 +25,10 @@ Evaluation generates the samples in chunks of one evaluation batch, chunk k (sam
 sample's seed, label and batch neighbours depend on its index only, so the samples are the same
 on any world size, and no rank ever holds all of them.
 
-With `eval.unconditional_samples` the ascent is on logsumexp_k f_k(x) (the energy) instead of
-f_y(x): samples of the unconditional model (their labels only lay out the grid).
+Unconditional samples ascend logsumexp_k f_k(x) (the energy) instead of f_y(x) (their labels only
+lay out the grid): with `eval.unconditional_samples: true`, or, when it is null (the default),
+with `logsumexp_sampling: true`, as the original's compute_fid passes logsumexp_sampling to its
+generation (`sampling_mode`).
 """
 
 from __future__ import annotations
@@ -84,6 +90,12 @@ def _resize(images: Tensor, size: int) -> Tensor:
                          antialias=True).clamp(0.0, 1.0)
 
 
+def seed_blur_kernel_size(cfg) -> int:
+    """The blur of the evaluation samples' seeds: `blur_kernel_size(cfg)` with
+    `image_log.blur_fid_seeds`, else 0 (the original never blurs its FID seeds)."""
+    return blur_kernel_size(cfg) if cfg.image_log.blur_fid_seeds else 0
+
+
 def blur_kernel_size(cfg) -> int:
     """The seeds' Gaussian kernel size: `image_log.blur_kernel_size` (0 = no blur), with
     `adaptive_blur` scaled by data.image_size / 32 and rounded to the nearest odd size (a tie goes
@@ -131,6 +143,34 @@ def gaussian_blur(images: Tensor, kernel_size: int) -> Tensor:
     return images
 
 
+class SeedFolder:
+    """Seed images from files as the original reads its seed folder: torchvision's ImageFolder
+    loader (PIL, RGB) and `Resize((S, S))`, which on a PIL image is PIL's bilinear resize to
+    S x S (a no-op at S x S); uint8 (k, 3, S, S), so k / 255 is what ToTensor gives."""
+
+    def __init__(self, files, size: int):
+        self.files, self.size = list(files), size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _decode(self, path: str) -> Tensor:
+        from PIL import Image
+
+        try:
+            with Image.open(path) as img:
+                rgb = img.convert("RGB")
+        except OSError as err:
+            raise SeedImageError(f"image_log.seed_images: cannot decode {path} "
+                                 f"({str(err).splitlines()[0] if str(err) else err})") from None
+        if rgb.size != (self.size, self.size):
+            rgb = rgb.resize((self.size, self.size), Image.BILINEAR)
+        return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
+
+    def images(self, indices: np.ndarray) -> Tensor:
+        return torch.stack([self._decode(self.files[int(i)]) for i in indices])
+
+
 class SeedImages:
     """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source, blurred
     when blur_kernel_size > 1 (see `blur_kernel_size(cfg)` for the configured size)."""
@@ -156,7 +196,6 @@ class SeedImages:
     def _open(self, path: str) -> None:
         # Imported here: the data module is heavy and only file/folder seeds need it.
         from rebm.data.files import image_tensor_file, list_image_files
-        from rebm.data.sources import ImageFileSource
 
         if os.path.isdir(path):
             files = list_image_files(path)
@@ -164,7 +203,7 @@ class SeedImages:
                 raise SeedImageError(
                     f"image_log.seed_images: folder '{path}' holds no images; put .png/.jpg "
                     "files in it, or set image_log.seed_images=noise")
-            self._folder = ImageFileSource(files, None, self.size, f"seed images {path}")
+            self._folder = SeedFolder(files, self.size)
         elif os.path.isfile(path):
             try:
                 images = image_tensor_file(path)
@@ -190,8 +229,7 @@ class SeedImages:
         if self._tensor is not None:
             return self._tensor[torch.from_numpy(idx % self._tensor.shape[0])]
         if self._folder is not None:
-            images = self._folder.images(idx % len(self._folder))
-            return images.float().div(255.0) if images.dtype == torch.uint8 else images.float()
+            return self._folder.images(idx % len(self._folder)).float().div(255.0)
         keys = torch.from_numpy(sample_keys(self.rand_seed, "eval", 0, idx, SEED_PURPOSE))
         if self.spec == "gaussian":
             return self._gaussian(keys)
@@ -240,18 +278,57 @@ def gather_by_index(runtime: Runtime, values: Tensor, indices: Tensor, total: in
     return out
 
 
+_NOTICES: set = set()  # sampling notices already logged by this process
+
+
+def sampling_mode(cfg) -> Tuple[bool, str]:
+    """(unconditional, the reason): `eval.unconditional_samples` when set, else
+    `logsumexp_sampling` (the original's compute_fid generates with logsumexp=logsumexp_sampling,
+    and run_fid_eval.py --unconditional sets it)."""
+    explicit = cfg.eval.unconditional_samples
+    if explicit is not None:
+        return bool(explicit), f"eval.unconditional_samples={str(bool(explicit)).lower()}"
+    if cfg.logsumexp_sampling:
+        return True, "logsumexp_sampling=true"
+    return False, "class-conditional by default"
+
+
+def unconditional_samples(cfg) -> bool:
+    return sampling_mode(cfg)[0]
+
+
+def sampling_notice(cfg) -> Optional[str]:
+    """The line that says the samples' kind where logsumexp_sampling decides it (or an explicit
+    eval.unconditional_samples overrules it); None otherwise."""
+    unconditional, _ = sampling_mode(cfg)
+    if not cfg.logsumexp_sampling:
+        return None
+    if unconditional and cfg.eval.unconditional_samples is None:
+        return ("samples are unconditional (ascending logsumexp_k f_k) because "
+                "logsumexp_sampling=true, as in the original's compute_fid; set "
+                "eval.unconditional_samples=false for class-conditional samples")
+    if not unconditional:
+        return ("samples are class-conditional (eval.unconditional_samples=false) although "
+                "logsumexp_sampling=true; the original's would be unconditional")
+    return None
+
+
 class SampleGenerator:
     """Sample i for any index i: seed image i, label i % num_classes, and `num_steps` PGD steps
-    ascending f_y (conditional) or logsumexp_k f_k (`eval.unconditional_samples`)."""
+    ascending f_y (conditional) or logsumexp_k f_k (unconditional, `sampling_mode`)."""
 
     def __init__(self, model: nn.Module, cfg, runtime: Runtime, num_steps: Optional[int] = None):
         self.model = unwrap(model)  # defensive: never a rank-local forward through DDP
         self.cfg, self.runtime = cfg, runtime
         log = cfg.image_log
         self.num_steps = log.num_steps if num_steps is None else num_steps
-        self.objective = "lse" if cfg.eval.unconditional_samples else "logit"
+        self.objective = "lse" if unconditional_samples(cfg) else "logit"
+        notice = sampling_notice(cfg)
+        if notice and runtime.is_main and notice not in _NOTICES:
+            _NOTICES.add(notice)
+            LOGGER.info(notice)
         self.seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
-                                blur_kernel_size=blur_kernel_size(cfg))
+                                blur_kernel_size=seed_blur_kernel_size(cfg))
 
     def __call__(self, indices: Tensor) -> SampleChunk:
         """The samples of `indices` (cpu int64) as a SampleChunk; the model must be in eval mode."""

@@ -1,26 +1,41 @@
 """Precision and recall of the generated samples against real images (registered metric
 "precision_recall"; Kynkäänniemi et al. 2019), through torch-fidelity.
 
-The real images are the first `eval.pr_num_real` (default: as many as samples) of the
-in-distribution split `eval.pr_reference_split`, at data.image_size without augmentation, in
-8 bits; their features and the samples' (torch-fidelity's Inception pool 2048-d, or the
-stand-in's) are kept as rows, gathered on every rank, and rank 0 computes torch-fidelity's
+The real images (the reference) are, by `eval.pr_reference`:
+- an .npz in OpenAI's format (`arr_0`: uint8 N x H x W x 3, e.g. guided-diffusion's
+  VIRTUAL_imagenet256_labeled.npz, the reference batch the original's README evaluates against),
+  all its rows, or the first `eval.pr_num_real`; an uncompressed npz (as np.savez writes it) is
+  memory-mapped, so each rank reads only its own rows;
+- otherwise a seeded random subset of the in-distribution split `eval.pr_reference_split`,
+  balanced over the classes (`reference_indices`: the same count per class, the remainder to the
+  lowest labels; seeded by rand_seed, so the same on any world size), of `eval.pr_num_real`
+  images (default: as many as samples), at data.image_size without augmentation, in 8 bits
+  (`eval.sample_pixels`; 8-bit images are unchanged by it).
+
+Their features and the samples' (torch-fidelity's Inception pool 2048-d, or the stand-in's) are
+kept as rows, gathered on every rank, and rank 0 computes torch-fidelity's
 `calculate_precision_recall_part` with its default neighbourhood k = 3 (the memory-saving variant
 of the library's computation, the same numbers). Precision: the fraction of samples inside the
 real images' k-NN balls; recall: the fraction of real images inside the samples' balls. Stored
-as "precision" and "recall".
+as "precision", "recall" and "n_real". The original computed these with OpenAI's TensorFlow
+evaluator on the same reference batch; rebm uses torch-fidelity's Inception features instead,
+so its numbers are comparable with torch-fidelity's, not with that evaluator's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import os
+import struct
+import zipfile
+from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.collectives import decide_on_main
 from rebm.distributed.logs import progress
-from rebm.eval.fid import feature_problems, standin_key
+from rebm.eval.fid import feature_problems, standin_key, weights_files
 from rebm.eval.fidelity import (
     FeatureRows,
     chunk_features,
@@ -31,50 +46,183 @@ from rebm.eval.fidelity import (
     shared_extractor,
     text_order,
 )
-from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk, to_pixels
-from rebm.eval.samples import describe_samples, sample_settings
+from rebm.eval.metric import SAMPLES, EvalContext, EvalError, Metric, SampleChunk, to_pixels
+from rebm.eval.samples import describe_samples, sample_files, sample_settings
 
 NEIGHBORHOOD = 3  # torch-fidelity's default prc_neighborhood
 DISTANCE_BATCH = 10000  # torch-fidelity's default prc_batch_size
+REFERENCE_SALT = 0x5052  # keeps the reference's draw apart from other uses of rand_seed
+NPZ_KEY = "arr_0"
 
 
-def num_real(cfg, split_size: int) -> int:
-    wanted = cfg.eval.pr_num_real or cfg.image_log.num_samples
-    return min(wanted, split_size)
+# --------------------------------------------------------------------------------------------
+# The reference: a class-balanced random subset of a split, or an OpenAI reference batch
+# --------------------------------------------------------------------------------------------
+def reference_indices(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """`n` indices (ascending) of a split whose images have `labels`: a random subset drawn with
+    `seed`, balanced over the classes. Every class gives floor(n / C) images and the lowest
+    labels one more for the remainder; a class with too few images gives all it has and the
+    others fill in, round-robin by label. Images are drawn in a seeded random order within each
+    class (round r takes each class's r-th image), so the subset never depends on the split's
+    order or on the world size."""
+    labels = np.asarray(labels)
+    n = min(int(n), len(labels))
+    order = np.random.default_rng([int(seed), REFERENCE_SALT]).permutation(len(labels))
+    _, cls = np.unique(labels[order], return_inverse=True)  # class rank of each drawn image
+    by_class = np.argsort(cls, kind="stable")  # grouped by class, in draw order inside a class
+    grouped = cls[by_class]
+    rank = np.empty(len(order), dtype=np.int64)  # position of each image within its class
+    rank[by_class] = np.arange(len(order)) - np.searchsorted(grouped, grouped, side="left")
+    pick = np.lexsort((cls, rank))[:n]  # round-robin: by rank, then by class
+    return np.sort(order[pick])
+
+
+def _npy_header(path: str, key: str) -> Tuple[tuple, np.dtype, bool, Optional[int]]:
+    """(shape, dtype, fortran order, byte offset of the data or None when compressed) of the
+    `key` array of an .npz, read from its zip headers only."""
+    with zipfile.ZipFile(path) as archive:
+        member = f"{key}.npy"
+        if member not in archive.namelist():
+            keys = sorted(name[:-4] for name in archive.namelist() if name.endswith(".npy"))
+            raise EvalError(f"eval.pr_reference '{path}' has no '{key}' array (it has "
+                            f"{', '.join(keys) or 'none'}); use a reference batch in OpenAI's "
+                            "format (arr_0: uint8 N x H x W x 3)")
+        info = archive.getinfo(member)
+        with archive.open(member) as fh:
+            version = np.lib.format.read_magic(fh)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read(fh)
+            header_bytes = fh.tell()
+    if info.compress_type != zipfile.ZIP_STORED:
+        return shape, dtype, fortran, None
+    with open(path, "rb") as fh:  # the local header's name and extra fields precede the data
+        fh.seek(info.header_offset)
+        name_len, extra_len = struct.unpack("<HH", fh.read(30)[26:30])
+    return shape, dtype, fortran, info.header_offset + 30 + name_len + extra_len + header_bytes
+
+
+def check_reference_batch(path: str, image_size: int) -> Tuple[tuple, Optional[int]]:
+    """(shape, data offset) of the reference batch at `path`; EvalError, one line, when it is
+    missing, not an .npz, or not uint8 N x S x S x 3 with S = data.image_size."""
+    if not os.path.isfile(path):
+        raise EvalError(f"eval.pr_reference '{path}' does not exist; point it at a reference "
+                        "batch .npz (arr_0: uint8 N x H x W x 3), or unset it to use a "
+                        "class-balanced subset of eval.pr_reference_split")
+    try:
+        shape, dtype, fortran, offset = _npy_header(path, NPZ_KEY)
+    except (zipfile.BadZipFile, ValueError, OSError) as err:
+        raise EvalError(f"eval.pr_reference '{path}' is not a readable .npz "
+                        f"({type(err).__name__}: {err})") from None
+    if dtype != np.uint8 or len(shape) != 4 or shape[3] != 3 or fortran:
+        raise EvalError(f"eval.pr_reference '{path}': arr_0 is {dtype} {'x'.join(map(str, shape))}"
+                        "; a reference batch is uint8 N x H x W x 3 (OpenAI's format)")
+    if shape[1:3] != (image_size, image_size):
+        raise EvalError(f"eval.pr_reference '{path}' holds {shape[1]} x {shape[2]} images but the "
+                        f"samples are {image_size} x {image_size} (data.image_size); use a "
+                        f"reference batch of {image_size} px images")
+    if shape[0] == 0:
+        raise EvalError(f"eval.pr_reference '{path}' holds no images")
+    return shape, offset
+
+
+def open_reference_batch(path: str, image_size: int) -> np.ndarray:
+    """The arr_0 rows of a reference batch (N, S, S, 3) uint8: memory-mapped when stored
+    uncompressed, else read whole."""
+    shape, offset = check_reference_batch(path, image_size)
+    if offset is not None:
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=shape)
+    with np.load(path) as archive:
+        return archive[NPZ_KEY]
+
+
+def num_real(cfg, available: int) -> int:
+    """Real images of the reference: eval.pr_num_real, else all rows of a reference batch or as
+    many as samples from a split; at most `available`."""
+    if cfg.eval.pr_num_real:
+        return min(cfg.eval.pr_num_real, available)
+    return available if cfg.eval.pr_reference else min(cfg.image_log.num_samples, available)
+
+
+class _Reference:
+    """The reference images by position 0..n-1, as uint8 NCHW."""
+
+    def __init__(self, cfg):
+        self.pixels = cfg.eval.sample_pixels
+        if cfg.eval.pr_reference:
+            self.batch = open_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
+            self.n = num_real(cfg, self.batch.shape[0])
+            return
+        from rebm.data.pipeline import load_indist
+
+        split = cfg.eval.pr_reference_split
+        self.batch = None
+        self.dataset = load_indist(cfg, split, "test")
+        labels = self.dataset.source.labels(np.arange(len(self.dataset))).numpy()
+        self.indices = reference_indices(labels, num_real(cfg, len(labels)), cfg.rand_seed)
+        self.n = len(self.indices)
+
+    def images(self, positions: range) -> torch.Tensor:
+        if self.batch is not None:
+            rows = np.array(self.batch[positions.start:positions.stop])  # a copy, writable
+            return torch.from_numpy(rows).permute(0, 3, 1, 2)
+        images = torch.stack([self.dataset[int(self.indices[p])][0] for p in positions])
+        return to_pixels(images, self.pixels)
 
 
 def real_features(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
-    """Features of the reference images (index order), on every rank: chunk k on rank k % W."""
-    from rebm.data.pipeline import load_indist
-
-    rt, cfg = ctx.runtime, ctx.cfg
-    dataset = load_indist(cfg, cfg.eval.pr_reference_split, "test")
-    total = num_real(cfg, len(dataset))
+    """Features of the reference images (position order), on every rank: chunk k on rank
+    k % W."""
+    rt = ctx.runtime
+    reference = _Reference(ctx.cfg)
     rows = FeatureRows()
-    chunks = eval_chunks(total, ctx.batch_size, rt.rank, rt.world_size)
+    chunks = eval_chunks(reference.n, ctx.batch_size, rt.rank, rt.world_size)
     for chunk in progress(chunks, rt, "real features", total=len(chunks)):
-        images = torch.stack([dataset[i][0] for i in chunk])
-        features = extract(extractor, to_pixels(images).to(rt.device))[layer]
+        features = extract(extractor, reference.images(chunk).to(rt.device))[layer]
         rows.add(torch.arange(chunk.start, chunk.stop), features)
-    return rows.gather(rt, total)
+    return rows.gather(rt, reference.n)
 
 
+# --------------------------------------------------------------------------------------------
+# The metric
+# --------------------------------------------------------------------------------------------
 class PrecisionRecall(Metric):
     name = "precision_recall"
     source = SAMPLES
+    # 2: the reference (an OpenAI batch, or a seeded class-balanced subset, never the first N),
+    # eval.sample_pixels, unblurred seeds, logsumexp_sampling -> unconditional
+    protocol = 2
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
+        ev = cfg.eval
+        if ev.pr_reference:
+            reference = {"reference": "npz", "reference_batch": ev.pr_reference}
+        else:
+            reference = {"reference": "class-balanced random subset",
+                         "reference_dataset": cfg.data.indist_dataset,
+                         "reference_split": ev.pr_reference_split, "reference_seed": cfg.rand_seed}
         return {"library": library_version(), "neighborhood": NEIGHBORHOOD,
-                "features": fidelity_network_name(), "quantized": "8 bit",
-                "reference_dataset": cfg.data.indist_dataset,
-                "reference_split": cfg.eval.pr_reference_split,
-                "num_real": cfg.eval.pr_num_real or "as many as samples",
+                "features": fidelity_network_name(), "quantized": "8 bit", **reference,
+                "num_real": ev.pr_num_real or ("all" if ev.pr_reference else "as many as samples"),
                 **sample_settings(cfg)}
 
     @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        reference = ({"eval.pr_reference": cfg.eval.pr_reference} if cfg.eval.pr_reference
+                     else {"data.indist_ds_dir": cfg.data.indist_ds_dir})
+        return {**reference, **sample_files(cfg),
+                **weights_files(cfg.image_log.inception_weights)}
+
+    @classmethod
     def problems(cls, cfg) -> List[str]:
-        return feature_problems(cfg.image_log.inception_weights)
+        problems = feature_problems(cfg.image_log.inception_weights)
+        if cfg.eval.pr_reference:
+            try:
+                check_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
+            except EvalError as err:
+                problems.append(str(err))
+        return problems
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
@@ -104,8 +252,12 @@ class PrecisionRecall(Metric):
         standin = settings["features"].startswith("stand-in")
         suffix = "_standin" if standin else ""
         note = ", STAND-IN features" if standin else ""
-        where = (f"k = {settings['neighborhood']}, vs {results.get('n_real')} "
-                 f"{settings['reference_split']} images; {settings['features']}; "
-                 + describe_samples(settings))
+        if settings["reference"] == "npz":
+            against = os.path.basename(settings["reference_batch"])
+        else:
+            against = (f"{settings['reference_split']} images (class-balanced, seed "
+                       f"{settings['reference_seed']})")
+        where = (f"k = {settings['neighborhood']}, vs {results.get('n_real')} {against}; "
+                 f"{settings['features']}; " + describe_samples(settings))
         return [(f"precision{note}", f"{results['precision' + suffix]:.4f}", where),
                 (f"recall{note}", f"{results['recall' + suffix]:.4f}", where)]

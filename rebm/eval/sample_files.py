@@ -2,10 +2,12 @@
 from the generation pass without holding every sample.
 
 - sample_grid: the first `eval.grid_num_samples` samples as one PNG, num_classes per row (so
-  each class is a column): each rank keeps only its grid samples; they are gathered at the end
-  and rank 0 writes <run_dir>/samples/samples.png (samples_step<8-digit step>.png in training).
+  each class is a column), of the same 8-bit pixels as the other files: each rank keeps only its
+  grid samples; they are gathered at the end and rank 0 writes <run_dir>/samples/samples.png
+  (samples_step<8-digit step>.png in training).
 - keep_samples: sample i as <run_dir>/samples/step_<8-digit step>/<i>.png (samples/eval/ for a
-  checkpoint evaluation), 8-bit like the images FID sees; every rank writes its own samples as
+  checkpoint evaluation), the 8-bit pixels FID, IS and precision/recall see
+  (`eval.sample_pixels`); every rank writes its own samples as
   they are generated (the run directory must be shared by the ranks, as for checkpoints).
 - samples_npz: every sample in one <run_dir>/samples/samples.npz (samples_step<step>.npz), arr_0
   uint8 N x S x S x 3 in index order, for OpenAI's evaluator; ranks write their rows into one
@@ -27,7 +29,7 @@ from torch import Tensor
 from rebm.distributed.collectives import decide_on_main, on_every_rank, on_main
 from rebm.eval.generation import gather_by_index, save_grid
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import sample_settings
+from rebm.eval.samples import sample_files, sample_settings
 
 LOGGER = logging.getLogger("rebm")
 
@@ -48,9 +50,19 @@ def write_pngs(pixels: Tensor, indices: Tensor, folder: str) -> None:
         Image.fromarray(image).save(os.path.join(folder, f"{index}.png"))
 
 
-class SampleGrid(Metric):
-    name = "sample_grid"
+class SampleFileMetric(Metric):
+    """A sample file: written from the samples, whose files are the seeds'."""
+
     source = SAMPLES
+    protocol = 2  # 2: eval.sample_pixels (floor by default), unblurred seeds, logsumexp_sampling
+
+    @classmethod
+    def files(cls, cfg) -> Dict[str, Optional[str]]:
+        return sample_files(cfg)
+
+
+class SampleGrid(SampleFileMetric):
+    name = "sample_grid"
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -65,7 +77,8 @@ class SampleGrid(Metric):
     def update(self, chunk: SampleChunk) -> None:
         keep = chunk.indices < self.total
         if bool(keep.any()):
-            self.images.append(chunk.images[keep.to(chunk.images.device)].cpu())
+            pixels = chunk.pixels()
+            self.images.append(pixels[keep.to(pixels.device)].cpu())
             self.indices.append(chunk.indices[keep])
 
     def finish(self) -> Dict[str, Any]:
@@ -73,7 +86,9 @@ class SampleGrid(Metric):
         if ctx.spec.run_dir is None or self.total == 0:
             return {}
         size = ctx.cfg.data.image_size
-        mine = torch.cat(self.images) if self.images else torch.zeros(0, 3, size, size)
+        # k / 255: save_image writes back exactly the pixels k
+        mine = (torch.cat(self.images).float().div(255) if self.images
+                else torch.zeros(0, 3, size, size))
         idx = torch.cat(self.indices) if self.indices else torch.zeros(0, dtype=torch.int64)
         device = ctx.runtime.device  # the gather runs on the communication device
         grid = gather_by_index(ctx.runtime, mine.to(device), idx.to(device), self.total)
@@ -86,9 +101,8 @@ class SampleGrid(Metric):
         return {}
 
 
-class KeepSamples(Metric):
+class KeepSamples(SampleFileMetric):
     name = "keep_samples"
-    source = SAMPLES
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -147,14 +161,13 @@ def _npy_into_npz(npy: str, path: str) -> None:
     os.remove(npy)
 
 
-class SamplesNpz(Metric):
+class SamplesNpz(SampleFileMetric):
     """Every sample as one .npz (`arr_0`, uint8, N x S x S x 3, index order), the input of
     OpenAI's guided-diffusion evaluator. Every rank writes its chunks straight into one shared
     .npy (plain file writes at the rows' offsets: no rank holds the array); rank 0 then stores
     it as the npz."""
 
     name = "samples_npz"
-    source = SAMPLES
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:

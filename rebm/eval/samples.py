@@ -49,19 +49,35 @@ def run_sample_pass(ctx: EvalContext, metrics: List[Metric]) -> Dict[str, Any]:
 
 
 def sample_settings(cfg) -> Dict[str, Any]:
-    """How the samples are drawn (part of every sample metric's settings)."""
+    """How the samples are drawn and quantised (part of every sample metric's settings)."""
+    from rebm.eval.generation import sampling_mode, seed_blur_kernel_size
+
     log = cfg.image_log
-    return {"num_samples": log.num_samples, "conditional": not cfg.eval.unconditional_samples,
+    unconditional, why = sampling_mode(cfg)
+    return {"num_samples": log.num_samples, "conditional": not unconditional,
+            "conditional_because": why, "pixels": cfg.eval.sample_pixels,
             "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
             "norm": log.norm, "seed_images": log.seed_images,
-            "blur_kernel_size": log.blur_kernel_size, "adaptive_blur": log.adaptive_blur,
-            "seed": cfg.rand_seed}
+            "seed_blur_kernel_size": seed_blur_kernel_size(cfg), "seed": cfg.rand_seed}
+
+
+def sample_files(cfg) -> Dict[str, Optional[str]]:
+    """The files the samples are generated from: the seed file or folder, and the dataset root
+    that 'gaussian' seeds are fitted to."""
+    from rebm.eval.generation import NOISE_SEEDS
+
+    seeds = cfg.image_log.seed_images
+    if seeds == "gaussian":
+        return {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+    return {} if seeds in NOISE_SEEDS else {"image_log.seed_images": seeds}
 
 
 def describe_samples(settings: Dict[str, Any], steps: Any = None) -> str:
-    """'500 conditional samples, 40 PGD steps (L2, step 1, eps inf) from noise'."""
+    """'500 conditional samples, 40 PGD steps (L2, step 1, eps inf) from noise, floor pixels'."""
     kind = "conditional" if settings["conditional"] else "unconditional"
     steps = settings["num_steps"] if steps is None else steps
+    blur = settings.get("seed_blur_kernel_size") or 0
+    blurred = f" blurred {blur}x{blur}" if blur > 1 else ""
     return (f"{settings['num_samples']} {kind} samples, {steps} PGD steps ({settings['norm']}, "
             f"step {settings['step_size']:g}, eps {settings['eps']:g}) from "
-            f"{settings['seed_images']}")
+            f"{settings['seed_images']}{blurred}, {settings.get('pixels', 'round')} pixels")

@@ -13,8 +13,10 @@
   `fid_stats` alike (and for IS and precision/recall, rebm/eval/fidelity.py). Its results are
   stored under `<key>_standin` (`standin_key`) and labelled as such.
 
-Samples are quantised to 8 bits before the features (as if written to and read from PNG files,
-which is what the original DAT code fed pytorch-fid). The features are computed sharded, chunk by
+Samples are quantised to 8 bits before the features, as if written to and read from PNG files
+(what the original DAT code fed pytorch-fid): by `eval.sample_pixels`, floor(255 x) by default,
+byte for byte the PNGs the original wrote with torchvision's `to_pil_image`
+(rebm.eval.metric.to_pixels), or rounded. The features are computed sharded, chunk by
 chunk as the samples are generated (rebm/eval/fid_metric.py; chunk k on rank k % W, so an
 image's features do not depend on the world size); only float64 sums of the features and of
 their outer products are kept (`MomentSums`), and all-reduced, so every rank gets the same mu and

@@ -12,9 +12,11 @@
   the values are then stored under `<key>_standin`.
 
 Features are computed once per generated chunk for all metrics (`chunk_features`), on the
-8-bit samples (uint8, as torch-fidelity reads PNG files). `FeatureRows` keeps a rank's rows by
-sample index and gathers them in the order torch-fidelity reads the `keep_samples` folder (file
-names `<index>.png` sorted as text), so the numbers equal `fidelity --input1 <that folder>`.
+8-bit samples (uint8, as torch-fidelity reads PNG files; the Inception Score's default protocol
+feeds its own PIL-resized copy instead, rebm/eval/inception_score.py). `FeatureRows` keeps a
+rank's rows by sample index and gathers them in index order; `text_order` is the order in which
+torch-fidelity reads the `keep_samples` folder (file names `<index>.png` sorted as text), so
+rows taken in that order give the numbers of `fidelity --input1 <that folder>`.
 """
 
 from __future__ import annotations

@@ -210,6 +210,12 @@ def test_original_targets_one_seeded_other_class_per_training_image(setup):
     shifts = random_targets(many, np.arange(20000), 10, seed=0)
     counts = np.bincount(shifts.numpy(), minlength=10)
     assert counts[0] == 0 and abs(counts[1:] / 20000 - 1 / 9).max() < 0.01
+    # CIFAR-10's 50,000 training images (5,000 per class): about 5,000 targets per class, as
+    # the original's one random target per image gave (not the ~900 of a 1,000-image subset)
+    labels_50k = torch.arange(50000) % 10
+    targets_50k = random_targets(labels_50k, np.arange(50000), 10, seed=0)
+    assert (targets_50k != labels_50k).all()
+    assert abs(np.bincount(targets_50k.numpy(), minlength=10) - 5000).max() < 250
     # chunks: one target class each, class after class, every position once
     chunks = class_chunks(targets.numpy(), 10, 4)
     assert [c for c, _ in chunks] == sorted(c for c, _ in chunks)

@@ -128,6 +128,35 @@ def test_ood_subset_is_a_fixed_keyed_choice(tmp_path):
     assert noise.images(np.arange(7)).shape == (7, 3, 16, 16)
 
 
+def test_32px_sets_at_224_px_are_the_originals_pil_bilinear_resize(tmp_path):
+    """An ImageNet model reads CIFAR and SVHN at 224 px as the original did: each 32 px image
+    through PIL's bilinear Resize(224) and ToTensor (its cifar/svhn 'none' augmentation), byte
+    for byte; resized per batch, never as a whole set."""
+    import pickle
+
+    from PIL import Image
+    from scipy.io import loadmat
+    from torchvision import transforms
+
+    from rebm.data.ood_sets import ResizedSource
+
+    original = transforms.Compose([
+        transforms.Resize(224, interpolation=transforms.InterpolationMode.BILINEAR),
+        transforms.ToTensor()])
+    write_fake_cifar100(str(tmp_path / "c100"), n_train=30, n_test=2)
+    with open(tmp_path / "c100" / "cifar-100-python" / "train", "rb") as fh:
+        raw = pickle.load(fh, encoding="latin1")["data"].reshape(-1, 3, 32, 32)
+    write_fake_svhn(str(tmp_path / "svhn"), 30)
+    svhn_raw = loadmat(tmp_path / "svhn" / "train_32x32.mat")["X"].transpose(3, 2, 0, 1)
+    for name, pixels in (("cifar100", raw), ("svhn", svhn_raw)):
+        subset = load_ood_set(name, 224, 5, 4, {name: str(tmp_path / name.replace(
+            "cifar100", "c100"))})
+        assert isinstance(subset.source, ResizedSource)  # not 30 x 3 x 224 x 224 in memory
+        expected = torch.stack([original(Image.fromarray(pixels[i].transpose(1, 2, 0)))
+                                for i in subset.indices])
+        assert torch.equal(subset.images(np.arange(4)), expected), name
+
+
 # --------------------------------------------------------------------------------------------
 # The OOD table on 1 and 2 processes
 # --------------------------------------------------------------------------------------------

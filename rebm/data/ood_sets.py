@@ -3,11 +3,13 @@ scores against the in-distribution test set (rebm/eval/ood.py, docs/evaluation.m
 
 A set is named by `spec`: one of `OOD_SET_NAMES`, read from its root (`roots[name]`, default
 `DEFAULT_ROOTS`), or the path of an image folder. Every set is brought to the evaluation size
-the way the original OOD evaluation did (no augmentation: 32 px sets resized whole, full-size
-files through the fixed `none` resize, PIL bicubic to S x S) and evaluated on a fixed subset of
-`num_samples` images: positions 0 .. n-1 of a keyed permutation of the set (seed `rand_seed`),
-the same images on any number of processes. `noise` is the original's noise itself: its first
-n images, in order.
+the way the original OOD evaluation did (no augmentation: 32 px sets resized bilinearly, as
+PIL does, full-size files through the fixed `none` resize, PIL bicubic to S x S) and evaluated
+on a fixed subset of `num_samples` images: positions 0 .. n-1 of a keyed permutation of the
+set (seed `rand_seed`), the same images on any number of processes. (The original's subset, the
+first 1024 of a shuffled loader after torch.manual_seed(rand_seed), also depends on the random
+draws of building its model, so it cannot be reproduced image for image.) `noise` is the
+original's noise itself: its first n images, in order.
 
 Splits follow the original: SVHN, CIFAR-10 and CIFAR-100 their training split, ImageNet its
 validation split, `restricted_imagenet` the validation images outside the Restricted-ImageNet
@@ -78,7 +80,7 @@ class _UncheckedSVHN(tv_datasets.SVHN):
                   tv_datasets.SVHN.split_list.items()}
 
 
-def load_svhn(root: str, split: str, size: int) -> TensorSource:
+def load_svhn(root: str, split: str, size: int) -> ImageSource:
     """SVHN `split` (train, test, extra) from `<root>/<split>_32x32.mat` through torchvision."""
     path = os.path.join(root, f"{split}_32x32.mat")
     if not os.path.isfile(path):
@@ -105,10 +107,28 @@ def load_svhn(root: str, split: str, size: int) -> TensorSource:
     return _resized(source, size)
 
 
-def _resized(source: TensorSource, size: int) -> TensorSource:
-    if source.data.shape[-1] != size:  # resized once here, as the in-distribution CIFAR
-        source.data = TF.resize(source.data, [size, size], antialias=True)
-    return source
+class ResizedSource(ImageSource):
+    """A set of small images (32 px SVHN, CIFAR) read at another side: each batch resized on
+    access, bilinear with antialiasing: on uint8 images the bytes of PIL's bilinear Resize, the
+    original's (InNOutRobustness/utils/datasets/augmentations/cifar_augmentation.py:100,
+    svhn_augmentation.py:55). Per batch, not the whole set at once: CIFAR-100 at 224 px would
+    hold 7.5 GB per process."""
+
+    def __init__(self, source: TensorSource, size: int):
+        self.source, self.size, self.name = source, size, source.name
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def images(self, indices: np.ndarray) -> Tensor:
+        return TF.resize(self.source.images(indices), [self.size, self.size], antialias=True)
+
+    def labels(self, indices: np.ndarray) -> Tensor:
+        return self.source.labels(indices)
+
+
+def _resized(source: TensorSource, size: int) -> ImageSource:
+    return source if source.data.shape[-1] == size else ResizedSource(source, size)
 
 
 @dataclass

@@ -259,7 +259,8 @@ def test_blurred_seeds_are_deterministic_and_shard_invariant():
             assert torch.equal(shard, full[r::world])
     wide = gaussian_blur(plain, 41)  # wider than the image: reflect padding still defined
     assert wide.shape == plain.shape and wide.std() < plain.std()
-    cfg = _generation_cfg("image_log.blur_kernel_size=5", "image_log.num_steps=0")
+    cfg = _generation_cfg("image_log.blur_kernel_size=5", "image_log.blur_fid_seeds=true",
+                          "image_log.num_steps=0")
     images, _ = generate_samples(build_model("WideResNet10x1", 10), cfg, Runtime(), batch_size=5)
     expected = SeedImages("noise", 16, cfg.rand_seed, blur_kernel_size=5)(torch.arange(12))
     assert torch.equal(images, expected)

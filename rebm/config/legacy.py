@@ -50,8 +50,9 @@ class LegacyImageLogFields(Frozen):
                                "rebm generates by PGD only")
     img_extension: Optional[str] = refused(
         None, "file format of the samples it writes for pytorch-fid "
-        "(rebm/eval/eval_utils.py:compute_fid); rebm's FID rounds the samples to 8 bits as PNG "
-        "stores them, and a lossy format would change the FID", accepted=("png",))
+        "(rebm/eval/eval_utils.py:compute_fid); rebm's FID takes the 8-bit pixels a PNG of the "
+        "sample stores (eval.sample_pixels), and a lossy format would change the FID",
+        accepted=("png",))
     save_dir: Optional[str] = ignored(None, "folder of the temporary sample files and grids "
                                       "(rebm/eval/eval_utils.py:compute_fid); rebm writes grids "
                                       "to <run_dir>/samples")

@@ -32,10 +32,12 @@ AUDIT: Tuple[Tuple[str, str, str, str], ...] = (
      "states it"),
     ("image_log.sweep_radius", "3", "3", "rebm takes the original's (it was 5)"),
     ("image_log.blur_kernel_size, adaptive_blur", "0, false", "0, false",
-     "same defaults; the original's compute_fid never blurs the FID seeds, and rebm's sample "
-     "metrics do not either unless rebm's own option asks (docs/evaluation.md)"),
+     "same defaults; the original never blurs the FID seeds (its only reader of "
+     "blur_kernel_size starts with `assert False`, eval_utils.py:325-330), and rebm's sample "
+     "metrics do not either unless `image_log.blur_fid_seeds: true` asks"),
     ("logsumexp_sampling", "false", "false", "same; true also makes the evaluation's samples "
-     "unconditional, as the original's compute_fid does"),
+     "unconditional, as the original's compute_fid does (`eval.unconditional_samples: null` "
+     "follows it; true/false overrule it, with a notice)"),
     ("attack.step_size, image_log.step_size", "null", "0.1",
      "the original's null fails in its PGD step (a step of None), so no config that ran relied "
      "on it"),

@@ -223,7 +223,13 @@ class TableRun:
         spec = EvalSpec(tuple(names), self.spec.batch_size, os.path.join(self.out, row.name))
         ctx = EvalContext(model, cfg, self.runtime, spec, self.spec.batch_size)
         with eval_mode(model):
-            recorded = [_Recorded(cls(ctx)) for cls in metric_classes(names)]
+            # one pass draws the samples (their settings are equal); each metric still reads
+            # its own config (e.g. a metric_overrides entry for eval.pr_reference), and they
+            # share the feature networks through the context's resources
+            recorded = [_Recorded(cls(EvalContext(model, self.configs[row.name][cls.name],
+                                                  self.runtime, spec, self.spec.batch_size,
+                                                  ctx.resources)))
+                        for cls in metric_classes(names)]
             if cfg.image_log.num_samples > 0:
                 run_sample_pass(ctx, recorded)
         return {r.metric.name: r.results for r in recorded}

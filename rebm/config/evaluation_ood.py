@@ -49,8 +49,8 @@ def validate_ood_counterfactuals(ev, source: str) -> None:
     if unknown:
         raise ConfigError(f"{source}: 'eval.ood_roots.{unknown[0]}' is not a named OOD set; "
                           f"use one of {', '.join(OOD_SET_NAMES[1:])}")
-    positive = ("ood_num_samples", "ood_image_size", "counterfactual_num_images", "counterfactual_num_targets",
-                "ood_attack_eps", "ood_attack_steps", "ood_attack_step_size",
+    positive = ("ood_num_samples", "ood_image_size", "ood_attack_eps", "ood_attack_steps",
+                "ood_attack_step_size", "counterfactual_num_images", "counterfactual_num_targets",
                 "counterfactual_steps", "counterfactual_step_size", "counterfactual_eps")
     for key in positive:
         value = getattr(ev, key)

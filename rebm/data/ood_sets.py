@@ -207,8 +207,8 @@ def ood_set_name(spec: str) -> str:
 def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
                  roots: Optional[Mapping[str, str]] = None) -> FixedImageSet:
     """The OOD set named by `spec` (a name of OOD_SET_NAMES or an image folder) at `size` px:
-    the first `num_samples` images of its keyed permutation (noise: its first images). DataError (one line naming the set, the
-    path and the config key) when it cannot be read."""
+    the first `num_samples` images of its keyed permutation (noise: its first images).
+    DataError (one line naming the set, the path and the config key) when it cannot be read."""
     roots = {**DEFAULT_ROOTS, **(roots or {})}
     name = ood_set_name(spec)
     if spec in OOD_SET_NAMES:

@@ -351,7 +351,8 @@ class _OriginalRun:
         if c not in self.fid_classes or self.counts[c] < 2:
             return
         mu, sigma = sums.statistics(self.runtime)
-        fid = decide_on_main(self.runtime, lambda: _class_fid(c, mu, sigma, self.settings.fid_stats),
+        template = self.settings.fid_stats
+        fid = decide_on_main(self.runtime, lambda: _class_fid(c, mu, sigma, template),
                              f"compute the counterfactual FID of class {c}")
         if fid is not None:
             self.fids[c] = fid

@@ -283,8 +283,8 @@ def test_config_fields_of_the_original_imagenet_configs(tmp_path):
         "augm_type_classification: default\naugm_type_generation: generation_id\n"
         "openimages_max_samples: 300000\nbatch_size: 512\n")
     cfg = load_config(str(path))
-    assert cfg.data.image_size == 224 and cfg.openimages_max_samples == 300000
-    assert load_config(str(path), ["data.image_size=256"]).data.image_size == 256
+    assert cfg.data.image_size == 256 and cfg.openimages_max_samples == 300000
+    assert load_config(str(path), ["data.image_size=224"]).data.image_size == 224
     assert load_config(str(path), ["openimages_augm=generation_od"]).openimages_augm
     with pytest.raises(ConfigError, match="openimages_augm: fancy' is not a valid choice"):
         load_config(str(path), ["openimages_augm=fancy"])

@@ -140,6 +140,23 @@ def test_file_hashes_read_each_file_once_and_count_folders_by_path(tmp_path):
     assert hashes.identity(None) is None
 
 
+def test_a_seed_folder_counts_by_its_files_a_dataset_root_by_its_path(tmp_path):
+    """A seed image replaced in place changes the key of the sample metrics; a dataset root
+    (1.3M ImageNet files) is not listed."""
+    from rebm.eval.table_cache import FileHashes
+
+    seeds = tmp_path / "seeds"
+    (seeds / "a").mkdir(parents=True)
+    (seeds / "a" / "0.png").write_bytes(b"one")
+    first = FileHashes().identity(str(seeds), "image_log.seed_images")
+    assert first.startswith("folder manifest ")
+    (seeds / "a" / "0.png").write_bytes(b"other")
+    assert FileHashes().identity(str(seeds), "image_log.seed_images") != first
+    (seeds / "a" / "1.png").write_bytes(b"new")
+    assert FileHashes().identity(str(seeds), "image_log.seed_images") != first
+    assert FileHashes().identity(str(seeds), "data.indist_ds_dir") == f"folder {seeds}"
+
+
 def test_skipped_rows_still_write_the_table_and_exit_non_zero(tiny, tmp_path):
     tmp, ckpts = tiny
     table = _table(tmp, "skip", ["accuracy"], ["a", "b"])

@@ -280,3 +280,24 @@ def test_protocol_goes_with_original_configs_only(project):
     assert result.returncode == 2
     assert result.output.strip() == (f"error: --protocol goes with original model configs; "
                                      f"{tmp / 'protocol.yaml'} is a table (its own protocol)")
+
+
+def test_rows_pick_the_tables_before_metrics_are_checked(tmp_path):
+    """A folder of several datasets: `--rows` picks the tables first, so a metric that only the
+    CIFAR-10 protocol has works for a CIFAR-10 row, and a wrong one names the selected tables."""
+    import argparse
+
+    from rebm.eval.table import load_tables, select_all
+    from rebm.eval.table_spec import TableError
+
+    folder = _write(tmp_path / "model_configs", ORIGINALS)
+    specs = load_tables(str(folder))
+    assert len(specs) == 2  # cifar10 and imagenet
+    row = "cifar10-dat-WideResNet34x10-T40-seed0"
+    args = argparse.Namespace(table=str(folder), rows=[row], metrics=["counterfactuals"])
+    chosen = select_all(specs, args)
+    assert [s.stem for s in chosen] == [specs[0].stem] and "counterfactuals" in chosen[0].metrics
+    args.rows = ["imagenet-at-ConvNeXtLarge-convst-256x256"]
+    with pytest.raises(TableError, match="'counterfactuals' is not a metric of the selected "
+                                         "tables"):
+        select_all(specs, args)

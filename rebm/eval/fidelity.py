@@ -105,9 +105,12 @@ def build_extractor(weights, device):
 
 
 def shared_extractor(ctx: EvalContext):
-    """The evaluation's one torch-fidelity feature network (built on first use)."""
-    return ctx.shared("fidelity extractor", lambda: build_extractor(
-        ctx.cfg.image_log.inception_weights, ctx.runtime.device))
+    """The evaluation's torch-fidelity feature network for this metric's weights (built on
+    first use). Keyed by the weights setting: metrics of one sample pass may name different
+    weights files (the table's metric_overrides)."""
+    weights = ctx.cfg.image_log.inception_weights
+    return ctx.shared(f"fidelity extractor {weights}", lambda: build_extractor(
+        weights, ctx.runtime.device))
 
 
 def feature_layer(extractor, metric: str) -> str:
@@ -122,7 +125,8 @@ def extract(extractor, pixels: Tensor) -> Dict[str, Tensor]:
 
 def chunk_features(chunk: SampleChunk, extractor) -> Dict[str, Tensor]:
     """The chunk's torch-fidelity features, computed once for every metric."""
-    return chunk.cached("fidelity features", lambda: extract(extractor, chunk.pixels()))
+    return chunk.cached(f"fidelity features {id(extractor)}",
+                        lambda: extract(extractor, chunk.pixels()))
 
 
 def text_order(n: int) -> List[int]:

@@ -58,7 +58,11 @@ def sample_settings(cfg) -> Dict[str, Any]:
             "conditional_because": why, "pixels": cfg.eval.sample_pixels,
             "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
             "norm": log.norm, "seed_images": log.seed_images,
-            "seed_blur_kernel_size": seed_blur_kernel_size(cfg), "seed": cfg.rand_seed}
+            "seed_blur_kernel_size": seed_blur_kernel_size(cfg), "seed": cfg.rand_seed,
+            # with FID in the pass, its adaptive sweep picks the steps of every sample metric
+            "step_sweep": ({"range": log.step_sweep_range, "radius": log.sweep_radius,
+                            "num_samples": log.sweep_num_samples}
+                           if log.adaptive_steps else None)}
 
 
 def sample_files(cfg) -> Dict[str, Optional[str]]:

@@ -37,36 +37,13 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.errors import UserError
+from rebm.eval.table_spec import own_metrics, own_rows, row_configs
 
 LOGGER = logging.getLogger("rebm")
-EXIT_MISSING = 1  # --check found a missing file
 
 
 class RowsSkipped(UserError, RuntimeError):
     """Rows were skipped (checkpoint missing); the table of the others is written. One line."""
-
-
-def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
-    """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
-    override or key stops the table at once, naming the row."""
-    from rebm.config import ConfigError, load_config
-    from rebm.eval.registry import metric_classes
-
-    metric_classes(spec.metrics)  # EvalError on an unknown metric name
-    configs: Dict[str, Dict[str, Any]] = {}
-    for row in spec.rows:
-        path = os.path.join(checkpoints, row.checkpoint)
-        loaded: Dict[tuple, Any] = {}  # most metrics share the row's overrides: load those once
-        configs[row.name] = {}
-        for metric in spec.metrics:
-            overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
-            if overrides not in loaded:
-                try:
-                    loaded[overrides] = load_config(row.config, overrides)
-                except ConfigError as err:
-                    raise ConfigError(f"row {row.name}: {err}") from None
-            configs[row.name][metric] = loaded[overrides]
-    return configs
 
 
 class _Recorded:
@@ -92,7 +69,7 @@ class TableRun:
 
         self.spec, self.runtime, self.out = spec, runtime, out
         self.checkpoints, self.force = args.checkpoints, args.force
-        self.selected = spec.select(own_rows(spec, args.rows), args.metrics)
+        self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
         self.configs = row_configs(spec, self.checkpoints)
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
@@ -274,82 +251,8 @@ class TableRun:
 
 
 # --------------------------------------------------------------------------------------------
-# --check: what each row needs, present or missing (no process group, nothing computed)
-# --------------------------------------------------------------------------------------------
-Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that read it
-
-
-def row_needs(spec, row, configs, checkpoints: str) -> Tuple[Needs, Dict[str, List[str]]]:
-    """(needs, {problem: metrics}) of one row: its checkpoint and every file of its metrics
-    (`Metric.files`), and what its metrics report this machine lacks (`Metric.problems`)."""
-    from rebm.eval.registry import metric_classes
-
-    needs: Needs = {("checkpoint", os.path.join(checkpoints, row.checkpoint)): []}
-    problems: Dict[str, List[str]] = {}
-    for cls in metric_classes(spec.metrics):
-        cfg = configs[row.name][cls.name]
-        for label, path in cls.files(cfg).items():
-            if path is not None:
-                needs.setdefault((label, str(path)), []).append(cls.name)
-        for problem in cls.problems(cfg):
-            problems.setdefault(problem, []).append(cls.name)
-    return needs, problems
-
-
-def check_table(spec, checkpoints: str) -> Tuple[int, int, int, List[str]]:
-    """Print what every row of `spec` needs; (files listed, files missing, other problems,
-    rows lacking something)."""
-    configs = row_configs(spec, checkpoints)
-    print(f"{spec.path}: {len(spec.rows)} row(s); metrics {', '.join(spec.metrics)}")
-    listed, missing, other, rows = 0, 0, 0, []
-    for row in spec.rows:
-        needs, problems = row_needs(spec, row, configs, checkpoints)
-        absent = [path for (_, path) in needs if not os.path.exists(path)]
-        print(f"row {row.name}:")
-        for (label, path), metrics in needs.items():
-            state = "present" if os.path.exists(path) else "MISSING"
-            kind = " (folder)" if os.path.isdir(path) else ""
-            used = f"  [{', '.join(metrics)}]" if metrics else ""
-            print(f"  {state:8} {label}: {path}{kind}{used}")
-        # what a real run would refuse, but those that repeat a missing file
-        problems = {p: m for p, m in problems.items() if not any(f in p for f in absent)}
-        for problem, metrics in problems.items():
-            print(f"  problem  [{', '.join(metrics)}] {problem}")
-        listed, missing, other = listed + len(needs), missing + len(absent), other + len(problems)
-        rows += [row.name] if absent or problems else []
-    return listed, missing, other, rows
-
-
-def check(specs, args) -> int:
-    """--check: 0 when every file of every selected row is present and no metric reports a
-    problem (what the real run would refuse), else EXIT_MISSING."""
-    if not os.path.isdir(args.checkpoints):
-        print(f"note: --checkpoints folder '{args.checkpoints}' does not exist")
-    listed = missing = other = 0
-    rows: List[str] = []
-    for spec in specs:
-        counts = check_table(spec.select(own_rows(spec, args.rows), args.metrics),
-                             args.checkpoints)
-        listed, missing, other = listed + counts[0], missing + counts[1], other + counts[2]
-        rows += counts[3]
-    if rows:
-        print(f"check: {missing} of {listed} files missing, {other} other problem(s), in row(s) "
-              f"{', '.join(rows)}; nothing was computed")
-        return EXIT_MISSING
-    print(f"check: all {listed} files present; nothing was computed")
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
 # The entry point
 # --------------------------------------------------------------------------------------------
-def own_rows(spec, rows: Optional[List[str]]) -> Optional[List[str]]:
-    """The names of --rows that are rows or groups of `spec` (several tables share --rows)."""
-    if not rows:
-        return None
-    return [r for r in rows if any(r in (x.name, x.group) for x in spec.rows)]
-
-
 def load_tables(path: str, protocol: Optional[str] = None) -> List[Any]:
     """The tables of `path`: a table YAML, an original model config, or a folder of those."""
     from rebm.eval.original_configs import is_original_config, original_tables
@@ -430,21 +333,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def select_all(specs, args) -> None:
-    """A bad --rows/--metrics: one line, at once. With several tables (a folder of original
-    configs), a name must be in one of them; each table runs the rows it has."""
+def select_all(specs, args) -> List[Any]:
+    """The tables to run, narrowed by --rows and --metrics; a bad name is one line, at once.
+    With several tables (a folder of original configs) --rows first picks the tables that have
+    the rows, then a --metrics name must be a metric of one of those, and each table runs the
+    named metrics it has."""
     from rebm.eval.table_spec import TableError
 
     if len(specs) == 1:
         specs[0].select(args.rows, args.metrics)
-        return
+        return specs
     names = {n for s in specs for r in s.rows for n in (r.name, r.group)}
     unknown = [r for r in args.rows or () if r not in names]
     if unknown:
         raise TableError(f"--rows '{unknown[0]}' is neither a row name nor a group of "
                          f"{args.table}")
-    for spec in specs:
-        spec.select(None, args.metrics)
+    chosen = [s for s in specs if not args.rows or own_rows(s, args.rows)]
+    metrics = {m for s in chosen for m in s.metrics}
+    unknown = [m for m in args.metrics or () if m not in metrics]
+    if unknown:
+        raise TableError(f"--metrics '{unknown[0]}' is not a metric of the selected tables "
+                         f"({', '.join(s.stem for s in chosen)}); their metrics: "
+                         f"{', '.join(sorted(metrics))}")
+    if args.metrics:
+        chosen = [s for s in chosen if set(args.metrics) & set(s.metrics)]
+    return chosen
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -454,13 +367,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     with user_errors_exit(), collector_paused():  # loading configs imports torch
         specs = load_tables(args.table, args.protocol)
-        select_all(specs, args)
-        if args.rows:  # several tables: each runs the named rows it has
-            specs = [s for s in specs if own_rows(s, args.rows)]
+        specs = select_all(specs, args)
         if os.environ.get("RANK", "0") == "0":
             for notice in (n for s in specs for n in s.notices):
                 print(f"note: {notice}", file=sys.stderr, flush=True)
         if args.check:
+            from rebm.eval.table_check import check
+
             return check(specs, args)
         if not os.path.isdir(args.checkpoints):
             raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "

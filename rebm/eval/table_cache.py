@@ -41,6 +41,11 @@ MODEL_FIELDS_WITHOUT_EFFECT = ("ckpt_path", "trust_checkpoint")
 _CHUNK = 1 << 22
 
 
+# Folders whose files are inputs of the value, counted by a manifest of their files (a dataset
+# root counts by its path: hashing ImageNet's 1.3M files at every run would cost minutes)
+FOLDERS_BY_CONTENT = ("image_log.seed_images",)
+
+
 class FileHashes:
     """sha256 digests of files, each file read once for the lifetime of this object (one table
     run): a 1 GB checkpoint costs its read once, however many metrics and rows name it."""
@@ -58,12 +63,32 @@ class FileHashes:
             self._digests[real] = digest.hexdigest()
         return self._digests[real]
 
-    def identity(self, path: Optional[str]) -> Optional[str]:
-        """What a `Metric.files` entry contributes to a key: the file's content hash, a folder's
-        absolute path, or that it is missing (None: the entry is not configured)."""
+    def folder_manifest(self, path: str) -> str:
+        """sha256 of a folder's file list: every file's relative path, size and modification
+        time, in sorted order (seed image folders: 50,000 files are listed in about a second,
+        where reading them all would take minutes on a network file system)."""
+        real = os.path.realpath(path)
+        if real not in self._digests:
+            digest = hashlib.sha256()
+            for root, dirs, names in os.walk(real):
+                dirs.sort()
+                for name in sorted(names):
+                    full = os.path.join(root, name)
+                    stat = os.stat(full)
+                    digest.update(f"{os.path.relpath(full, real)}\0{stat.st_size}\0"
+                                  f"{stat.st_mtime_ns}\n".encode())
+            self._digests[real] = digest.hexdigest()
+        return self._digests[real]
+
+    def identity(self, path: Optional[str], label: str = "") -> Optional[str]:
+        """What a `Metric.files` entry contributes to a key: the file's content hash, a seed
+        folder's manifest hash, another folder's (a dataset root's) absolute path, or that it is
+        missing (None: the entry is not configured)."""
         if path is None:
             return None
         if os.path.isdir(path):
+            if label in FOLDERS_BY_CONTENT:
+                return f"folder manifest {self.folder_manifest(path)}"
             return f"folder {os.path.abspath(path)}"
         if os.path.isfile(path):
             return f"sha256 {self.sha256(path)}"
@@ -90,7 +115,8 @@ def data_settings(cfg) -> Dict[str, Any]:
 def metric_key(cfg, metric_cls, checkpoint_sha256: str, batch_size: int,
                hashes: FileHashes) -> str:
     """The hash under which `metric_cls`'s value for config `cfg` is stored (module docstring)."""
-    files = {label: hashes.identity(path) for label, path in metric_cls.files(cfg).items()}
+    files = {label: hashes.identity(path, label)
+             for label, path in metric_cls.files(cfg).items()}
     payload = {"checkpoint": checkpoint_sha256, **model_settings(cfg), "data": data_settings(cfg),
                "files": files, "batch_size": batch_size, "metric": metric_cls.name,
                "protocol": metric_cls.protocol, "settings": metric_cls.settings(cfg)}

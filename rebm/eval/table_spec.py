@@ -196,3 +196,40 @@ def table_from_mapping(raw: Dict[str, Any], path: str) -> TableSpec:
                      metric_overrides=_metric_overrides(raw.get("metric_overrides"), metrics,
                                                         path),
                      columns={str(k): str(v) for k, v in columns.items()})
+
+
+def own_rows(spec, rows: Optional[List[str]]) -> Optional[List[str]]:
+    """The names of --rows that are rows or groups of `spec` (several tables share --rows)."""
+    if not rows:
+        return None
+    return [r for r in rows if any(r in (x.name, x.group) for x in spec.rows)]
+
+
+def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
+    """The names of --metrics that are metrics of `spec` (several tables share --metrics)."""
+    if not metrics:
+        return None
+    return [m for m in metrics if m in spec.metrics]
+
+
+def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
+    """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
+    override or key stops the table at once, naming the row."""
+    from rebm.config import ConfigError, load_config
+    from rebm.eval.registry import metric_classes
+
+    metric_classes(spec.metrics)  # EvalError on an unknown metric name
+    configs: Dict[str, Dict[str, Any]] = {}
+    for row in spec.rows:
+        path = os.path.join(checkpoints, row.checkpoint)
+        loaded: Dict[tuple, Any] = {}  # most metrics share the row's overrides: load those once
+        configs[row.name] = {}
+        for metric in spec.metrics:
+            overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
+            if overrides not in loaded:
+                try:
+                    loaded[overrides] = load_config(row.config, overrides)
+                except ConfigError as err:
+                    raise ConfigError(f"row {row.name}: {err}") from None
+            configs[row.name][metric] = loaded[overrides]
+    return configs

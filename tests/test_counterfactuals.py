@@ -1,4 +1,5 @@
-"""Counterfactual explanations (rebm/eval/counterfactuals.py), both protocols: the original's
+"""Counterfactual explanations (rebm/eval/counterfactuals.py and the counterfactual_* modules
+it uses), both protocols: the original's
 (training images, one seeded random target class each, FID per target class, checked against a
 direct computation) and the grid (test images toward every other class); per-class statistics
 written by the real entry point; the same numbers on 1 and 2 real processes."""
@@ -17,14 +18,11 @@ from PIL import Image
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.eval.counterfactuals import (
-    Counterfactuals,
-    class_chunks,
-    class_image_set,
-    random_targets,
-    target_classes,
-    train_image_set,
-)
+from rebm.eval.counterfactual_attack import CounterfactualSettings
+from rebm.eval.counterfactual_grid import target_classes
+from rebm.eval.counterfactual_original import class_chunks, random_targets, train_image_set
+from rebm.eval.counterfactual_stats import class_image_set
+from rebm.eval.counterfactuals import Counterfactuals, counterfactual_settings
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
@@ -50,6 +48,14 @@ def test_targets_are_every_other_class_or_the_next_ones():
         assert sorted(row + [y]) == list(range(10))
     assert target_classes(labels, 10, 2).tolist() == [[1, 2], [4, 5], [0, 1]]
     assert target_classes(labels, 10, 50).shape == (3, 9)
+
+
+def test_settings_defaults_are_the_configs():
+    """A CounterfactualSettings() made in code computes what an empty config does."""
+    cfg = load_config(None, [])
+    assert CounterfactualSettings().protocol == cfg.eval.counterfactual_protocol == "original"
+    assert CounterfactualSettings().num_images == counterfactual_settings(cfg).num_images is None
+    assert CounterfactualSettings().num_targets == counterfactual_settings(cfg).num_targets
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +234,7 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     images toward it, round to 8 bits, features, FID against the class's statistics file."""
     from rebm.attacks.pgd import pgd_attack
     from rebm.distributed import Runtime
-    from rebm.eval.counterfactuals import counterfactual_settings, evaluate_original_counterfactuals
+    from rebm.eval.counterfactual_original import evaluate_original_counterfactuals
     from rebm.eval.fid import feature_statistics, frechet_distance, load_reference
     from rebm.models import build_model
     from tests.standins import standin_features

@@ -1,0 +1,71 @@
+"""The per-class reference statistics of the counterfactual FID: one .npz (mu, sigma) per class
+of that class's images, by default of the training split like the original's reference folders
+(./datasets/cifar10_images_by_classes/train/<c>). Its command line is
+`python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE` (rebm.eval.counterfactuals).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict
+
+import numpy as np
+import torch
+
+from rebm.data.ood_sets import FixedImageSet
+from rebm.distributed import Runtime
+from rebm.distributed.collectives import on_main
+from rebm.distributed.logs import progress
+from rebm.eval.counterfactual_attack import COUNTERFACTUAL_PIXELS
+from rebm.eval.fid import FIDError, feature_extractor, moments_statistics, to_8bit
+from rebm.eval.ood import chunk_loader
+
+LOGGER = logging.getLogger("rebm")
+
+
+def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
+    """The in-distribution images of class `label` in `split`, un-augmented, in dataset order."""
+    from rebm.data.augmentations import build_augmentation
+    from rebm.data.pipeline import indist_source
+
+    source = indist_source(cfg, split)
+    indices = np.flatnonzero(source.labels(np.arange(len(source))).numpy() == label)
+    transform = build_augmentation("test", cfg.data.image_size, source.full_images)
+    return FixedImageSet(f"{source.name} class {label}", source, transform, indices,
+                         cfg.data.image_size)
+
+
+def class_statistics(images: FixedImageSet, runtime: Runtime, features, batch_size: int
+                     ) -> tuple:
+    """(mu, sigma) of the features of every image of the set (8-bit images read as pytorch-fid
+    reads their files, k / 255), from running sums over all ranks. Every rank must call this."""
+    loader = chunk_loader(images.images, len(images), batch_size, runtime)
+    with torch.no_grad():
+        return moments_statistics(
+            (features(to_8bit(x.to(runtime.device), COUNTERFACTUAL_PIXELS))
+             for x, _ in progress(loader, runtime, images.name, total=len(loader))), runtime)
+
+
+def run_class_stats(cfg, runtime: Runtime, args) -> Dict[int, Any]:
+    """Writes args.class_stats.format(label=c) for every class c of args.split; {c: (path,
+    images)}. Every rank must call this."""
+    from rebm.distributed import setup_logging
+    from rebm.eval.fid_stats import save_statistics
+
+    setup_logging(runtime)
+    if "{label}" not in args.class_stats:
+        raise FIDError(f"--class-stats '{args.class_stats}' must contain {{label}} (one file "
+                       "per class), e.g. data/fid_stats/cifar10_class{label}.npz")
+    features = feature_extractor(runtime.device, cfg.image_log.inception_weights)
+    written = {}
+    for label in range(cfg.data.num_classes):
+        images = class_image_set(cfg, label, args.split)
+        if len(images) < 2:
+            raise FIDError(f"class {label} has {len(images)} {args.split} images; FID "
+                           "statistics need at least 2")
+        mu, sigma = class_statistics(images, runtime, features, args.batch_size)
+        path = args.class_stats.format(label=label)
+        on_main(runtime, lambda p=path, m=mu, s=sigma: save_statistics(p, m, s), f"write {path}")
+        written[label] = (path, len(images))
+        LOGGER.info("class %d: statistics of %d images written to %s", label, len(images), path)
+    return written

@@ -417,3 +417,23 @@ def test_metrics_name_their_files_and_protocol(data, tmp_path, monkeypatch):
     assert settings["inception_score"]["is_resize"] == "pil"
     assert settings["precision_recall"]["reference"] == "class-balanced random subset"
     assert metric_settings(ref, ("precision_recall",))["precision_recall"]["reference"] == "npz"
+
+
+def test_metrics_of_one_pass_keep_their_own_inception_weights(data, monkeypatch):
+    """The table runner gives every metric of a shared sample pass its own config and one
+    resources dict: a metric naming other Inception weights gets its own network, never the
+    one another metric built first."""
+    from rebm.eval.fidelity import shared_extractor
+    from rebm.eval.metric import EvalContext, EvalSpec
+
+    monkeypatch.setenv(FEATURES_ENV, STANDIN)
+    resources: dict = {}
+    spec = EvalSpec(("inception_score", "precision_recall"))
+
+    def context(weights):
+        cfg = _cfg(data, f"image_log.inception_weights={weights}")
+        return EvalContext(None, cfg, Runtime(), spec, 5, resources)
+
+    first, again = shared_extractor(context("a.pth")), shared_extractor(context("a.pth"))
+    other = shared_extractor(context("b.pth"))
+    assert first is again and other is not first

@@ -20,7 +20,7 @@ from rebm.config.loading import load_config
 from rebm.data.pipeline import load_indist
 from rebm.eval.metric import SAMPLES
 from rebm.eval.registry import metric_classes
-from rebm.eval.table_spec import load_table
+from rebm.eval.table_spec import load_table, row_configs
 from tests.fake_data import write_fake_imagenet
 from tests.helpers import REPO
 
@@ -65,26 +65,27 @@ def test_eval_transform_is_the_originals_resize_and_center_crop(imagenet_root, s
         assert torch.equal(x, expected), f"image {i} differs from torchvision's transform"
 
 
-def _row_sizes(table: str):
-    """{row: {metric: data.image_size}} of a shipped table, loaded as the runner loads it."""
+def _row_configs(table: str):
+    """(spec, {row: {metric: config}}) of a shipped table, loaded as the runner loads them."""
     spec = load_table(str(REPO / "experiments" / "paper" / table))
-    sizes = {}
-    for row in spec.rows:
-        sizes[row.name] = {}
-        for metric in spec.metrics:
-            cfg = load_config(str(REPO / row.config), spec.row_overrides(row, metric))
-            sizes[row.name][metric] = cfg.data.image_size
-    return spec, sizes
+    return spec, row_configs(spec, "checkpoints")
+
+
+def _row_sizes(table: str):
+    """{row: {metric: data.image_size}} of a shipped table."""
+    spec, configs = _row_configs(table)
+    return spec, {row: {metric: cfg.data.image_size for metric, cfg in by_metric.items()}
+                  for row, by_metric in configs.items()}
 
 
 def test_the_256px_table_is_the_readmes_eight_models_at_256px():
-    spec, sizes = _row_sizes("imagenet256.yaml")
+    spec, configs = _row_configs("imagenet256.yaml")
     assert len(spec.rows) == 8
-    steps = [dict(o.split("=", 1) for o in r.overrides)["image_log.num_steps"] for r in spec.rows]
-    assert steps == ["13", "12", "0", "14", "14", "17", "19", "24"]
-    assert all(size == 256 for row in sizes.values() for size in row.values())
-    convnext = [load_config(str(REPO / r.config), spec.row_overrides(r, "accuracy"))
-                for r in spec.rows if "convnext" in r.name]
+    steps = [configs[r.name]["fid"].image_log.num_steps for r in spec.rows]
+    assert steps == [13, 12, 0, 14, 14, 17, 19, 24]
+    assert all(cfg.data.image_size == 256 and cfg.rand_seed == 0
+               for row in configs.values() for cfg in row.values())
+    convnext = [configs[r.name]["accuracy"] for r in spec.rows if "convnext" in r.name]
     assert convnext and all(c.model.use_convstem and not c.model.normalize_input
                             for c in convnext)
 

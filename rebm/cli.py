@@ -8,6 +8,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -26,6 +27,7 @@ from rebm.config.schema import SEED_NOISES
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
+OTHER_RANKS_ERROR_GRACE_S = 2.0  # see user_errors_exit
 WANDB_ENV_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's own
 
 
@@ -166,6 +168,11 @@ def user_errors_exit() -> Iterator[None]:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None else ""
         print(f"{prefix}error: {one_line(err)}", file=sys.stderr, flush=True)
+        if rank not in (None, "0"):
+            # an error every rank meets (a config, an environment variable) is reported by
+            # each; torchrun stops the others as soon as one exits, so give rank 0 the moment it
+            # needs to report it too
+            time.sleep(OTHER_RANKS_ERROR_GRACE_S)
         raise SystemExit(EXIT_USER_ERROR) from None
 
 

@@ -23,6 +23,7 @@ from rebm.checkpoint.weights import save_model
 from rebm.config import (
     ConfigError,
     TrainConfig,
+    explicit_keys,
     ignored_fields_notice,
     plan_batches,
     to_dict,
@@ -263,10 +264,14 @@ class Trainer:
         self.save()
         step = self.progress.step
         pending = " (the interrupted evaluation runs first)" if self.progress.eval_pending else ""
+        # The plain command finds its default run_dir again; a run_dir the user chose is named,
+        # as the command that set it (file or command line) does.
+        where = (f" with run_dir={self.cfg.run_dir}" if "run_dir" in explicit_keys(self.cfg)
+                 else "")
         LOGGER.log(logging.WARNING if self.runtime.is_main else logging.INFO,
-                   "stopped by %s: state saved at step %d; run the same command with "
-                   "run_dir=%s to resume%s", self.preemption.signal_name or
-                   "a signal on another rank", step, self.cfg.run_dir, pending)
+                   "stopped by %s: state saved at step %d; run the same command%s to resume%s",
+                   self.preemption.signal_name or "a signal on another rank", step, where,
+                   pending)
         self.tracker.close()
         return {"step": step, "preempted": True}
 

@@ -1,0 +1,33 @@
+"""Issue 29's console points, each from the real entry point or command: the resume hint, the
+quiet setup, the CPU-wheel option of `make setup`, what evaluation prints and writes."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+from rebm.config import default_run_dir, load_config
+from tests.helpers import CONFIG, FAST, REPO, base_env, finish, wait_for_records
+from tests.processes import popen
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_resume_hint_of_a_default_run_dir_is_the_plain_command(tmp_path):
+    """Stopped by Ctrl-C in its default run_dir, the run says only to run the same command (a
+    run_dir the user chose is named: tests/test_resume.py)."""
+    config = str(REPO / CONFIG)
+    args = [*FAST, "max_steps=400", "n_imgs_per_ckpt_save=100000"]
+    run_dir = tmp_path / default_run_dir(config, args, load_config(config, args))
+    proc = popen([sys.executable, "-m", "rebm.training.train", config, *args], base_env(1),
+                 tmp_path)
+    wait_for_records(run_dir, 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = finish(proc, timeout=60)
+    assert code == 0, out[-4000:]
+    hint = [line for line in out.splitlines() if "stopped by SIGINT" in line]
+    assert len(hint) == 1, out[-4000:]
+    assert hint[0].endswith("; run the same command to resume"), hint
+    assert "run_dir" not in hint[0] and "Traceback" not in out
+    assert list((run_dir / "checkpoints").glob("state_*.pt"))

@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Idempotent: the venv is made once and re-installed only when pyproject.toml changes.
+# Idempotent: the venv is made once and re-installed only when pyproject.toml changes. The
+# editable install runs with -q -q: pip's errors still show, setuptools' banner does not.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install -q -q -e ".[dev]"
 	touch $(STAMP)
 
 # Stage 1 (adversarial training, live BatchNorm), then stage 2 (DAT) from its checkpoint;

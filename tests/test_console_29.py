@@ -3,6 +3,7 @@ quiet setup, the CPU-wheel option of `make setup`, what evaluation prints and wr
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -31,3 +32,23 @@ def test_the_resume_hint_of_a_default_run_dir_is_the_plain_command(tmp_path):
     assert hint[0].endswith("; run the same command to resume"), hint
     assert "run_dir" not in hint[0] and "Traceback" not in out
     assert list((run_dir / "checkpoints").glob("state_*.pt"))
+
+
+def make_setup_commands(*variables):
+    """The commands `make setup` would run in a fresh checkout (-B: as if .venv were absent)."""
+    out = subprocess.run(["make", "-n", "-B", "setup", "PYTHON=python3", *variables], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    return out.splitlines()
+
+
+def test_make_setup_keeps_pip_errors_but_not_the_editable_install_banner():
+    """pip -q -q still prints its ERROR lines (a missing requirement, checked by hand with pip
+    26.3) but hides setuptools' 'Editable installation' BuildBackendWarning banner, which a
+    single -q lets through; torch and torchvision come from PyPI's default index, as before."""
+    assert make_setup_commands() == [
+        "test -x .venv/bin/python || python3 -m venv .venv",
+        ".venv/bin/python -m pip install --quiet --upgrade pip",
+        ".venv/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1",
+        '.venv/bin/python -m pip install -q -q -e ".[dev]"',
+        "touch .venv/.installed",
+    ]

@@ -8,12 +8,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# PyTorch's wheels from another index, e.g. its CPU-only build (no CUDA libraries, a fraction of
+# the size): make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu. Empty: PyPI's default.
+TORCH_INDEX ?=
+
 # Idempotent: the venv is made once and re-installed only when pyproject.toml changes. The
 # editable install runs with -q -q: pip's errors still show, setuptools' banner does not.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install --quiet$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX)) torch==2.14.1 torchvision==0.29.1
 	$(BIN)/python -m pip install -q -q -e ".[dev]"
 	touch $(STAMP)
 

@@ -52,3 +52,14 @@ def test_make_setup_keeps_pip_errors_but_not_the_editable_install_banner():
         '.venv/bin/python -m pip install -q -q -e ".[dev]"',
         "touch .venv/.installed",
     ]
+
+
+def test_make_setup_torch_index_installs_torch_from_that_index():
+    """`make setup TORCH_INDEX=...` (the README's CPU-only setup) hands the index to the pip
+    command that installs torch and torchvision, and to no other."""
+    url = "https://download.pytorch.org/whl/cpu"
+    default, chosen = make_setup_commands(), make_setup_commands(f"TORCH_INDEX={url}")
+    torch_line = (".venv/bin/python -m pip install --quiet --index-url "
+                  f"{url} torch==2.14.1 torchvision==0.29.1")
+    assert chosen == [torch_line if "torch==" in line else line for line in default]
+    assert sum(url in line for line in chosen) == 1

@@ -1,12 +1,14 @@
 """Issue 29's console points, each from the real entry point or command: the resume hint, the
 quiet setup, the CPU-wheel option of `make setup`, what evaluation prints and writes."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from rebm.config import default_run_dir, load_config
 from tests.helpers import CONFIG, FAST, REPO, base_env, finish, wait_for_records
@@ -63,3 +65,79 @@ def test_make_setup_torch_index_installs_torch_from_that_index():
                   f"{url} torch==2.14.1 torchvision==0.29.1")
     assert chosen == [torch_line if "torch==" in line else line for line in default]
     assert sum(url in line for line in chosen) == 1
+
+
+def run_evaluate(tmp_path, *args, ckpt_dir=None):
+    """`python -m rebm.eval.evaluate` of a random-weight digits model (tiny attack and samples):
+    (exit code, console output)."""
+    from rebm.models import build_model, dataset_stats
+
+    ckpt_dir = ckpt_dir or tmp_path
+    ckpt = ckpt_dir / "model_final.pth"
+    if not ckpt.exists():
+        torch.manual_seed(0)
+        mean, std = dataset_stats("digits")
+        torch.save(build_model("WideResNet10x1", 10, mean=mean, std=std).state_dict(), ckpt)
+    cmd = [sys.executable, "-m", "rebm.eval.evaluate", str(REPO / CONFIG), f"model.ckpt_path={ckpt}",
+           "indist_attack_clf.max_steps=1", "robust_eval_steps=1", "--no-ece", *args]
+    return finish(popen(cmd, base_env(1), REPO), timeout=150)
+
+
+def test_evaluate_says_first_where_eval_json_goes_and_writes_the_radius_inf(tmp_path):
+    """The console names eval.json's path (the checkpoint's folder, a training run's own) before
+    the evaluation, and says when it replaces one; the samples' radius, `.inf` in the config,
+    is the string "inf" in eval.json (it was 1e+308)."""
+    samples = ["--samples", "image_log.num_steps=1", "image_log.num_samples=10"]
+    code, out = run_evaluate(tmp_path, *samples)
+    assert code == 0, out[-4000:]
+    lines = out.splitlines()
+    notice = [i for i, line in enumerate(lines) if "eval.json will be written to" in line]
+    assert len(notice) == 1, out[-4000:]
+    assert lines[notice[0]].endswith(f"{tmp_path / 'eval.json'}, the checkpoint's folder "
+                                     "(run_dir=PATH writes it elsewhere)")
+    assert notice[0] < next(i for i, line in enumerate(lines) if "robust acc" in line)
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["settings"]["sample_grid"]["eps"] == "inf"
+    assert "e+308" not in (tmp_path / "eval.json").read_text()
+    code, out = run_evaluate(tmp_path)  # again: it replaces that file
+    assert code == 0 and f"{tmp_path / 'eval.json'}, the checkpoint's folder, replacing the one " \
+        "there (run_dir=PATH writes it elsewhere)" in out, out[-4000:]
+    assert "Traceback" not in out
+
+
+def test_an_ids_file_holding_a_word_is_refused_naming_the_word_and_the_file(tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("3\nbanana\n")
+    code, out = run_evaluate(tmp_path, f"eval.image_ids={ids}")
+    assert code == 2, out[-4000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: eval.image_ids '{ids}': 'banana' is not a 0-based index, and the "
+                      "test split of digits has no files to name by path; write one 0-based "
+                      "index a line"], out[-4000:]
+    assert "Traceback" not in out
+
+
+def _accuracy_blue_pixels(tmp_path, confidence: float) -> int:
+    """Pixels of matplotlib's first colour (the accuracy bars) in the reliability diagram of
+    100 images in one bin, 90 of them correct, at the mean `confidence`."""
+    import numpy as np
+    from PIL import Image
+
+    from rebm.eval.calibration import N_BINS, reliability_diagram
+
+    sums = torch.zeros(3, N_BINS, dtype=torch.float64)
+    sums[:, N_BINS - 1] = torch.tensor([100.0, 100 * confidence, 90.0])
+    path = tmp_path / f"reliability_{confidence}.png"
+    reliability_diagram(sums, abs(0.9 - confidence), str(path))
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    return int((np.abs(pixels - [31, 119, 180]).sum(axis=2) <= 6).sum())
+
+
+def test_the_reliability_diagram_keeps_an_underconfident_bins_accuracy_bar_visible(tmp_path):
+    """Accuracy 0.9 at confidence 0.5: the gap (0.5 to 0.9) lies over the accuracy bar. Hatched,
+    it leaves most of the bar's colour: 92% of the calibrated bar's pixels (the red fill of alpha
+    0.3 drawn before left 68%)."""
+    calibrated, underconfident = (_accuracy_blue_pixels(tmp_path, c) for c in (0.9, 0.5))
+    assert calibrated > 500
+    assert underconfident >= 0.75 * calibrated, (underconfident, calibrated)

@@ -59,7 +59,7 @@ def diagram_path(run_dir: str, step: Optional[int]) -> str:
 
 def reliability_diagram(sums: Tensor, ece: float, path: str) -> None:
     """The reliability diagram of the bin sums as a PNG: accuracy per confidence bin against
-    the diagonal (perfect calibration), the gap shaded, and below it the share of images per
+    the diagonal (perfect calibration), the gap hatched, and below it the share of images per
     bin. Rank 0 only calls this."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -74,9 +74,11 @@ def reliability_diagram(sums: Tensor, ece: float, path: str) -> None:
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     top.bar(left, accuracy, width=1 / bins, align="edge", edgecolor="black", label="accuracy")
+    # The gap as a hatched outline, not a fill: where accuracy exceeds confidence it lies over
+    # the accuracy bar, which stays readable through it.
     top.bar(left, [c - a if f else 0 for c, a, f in zip(mean_conf, accuracy, filled, strict=True)],
-            bottom=accuracy, width=1 / bins, align="edge", color="red", alpha=0.3,
-            label="gap to confidence")
+            bottom=accuracy, width=1 / bins, align="edge", fill=False, edgecolor="tab:red",
+            hatch="//", linewidth=1, label="gap to confidence")
     top.plot([0, 1], [0, 1], "k--", linewidth=1)
     top.set(ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
             title=f"ECE {ece:.4f} ({int(count.sum())} images, {bins} bins)")

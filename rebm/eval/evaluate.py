@@ -4,9 +4,11 @@ Runs as one process or under torchrun (`torchrun --nproc_per_node=N -m rebm.eval
 the test set and the samples are sharded over the ranks and the numbers are those of a single
 process (rebm.eval.evaluation). The flags choose the metrics (an EvalSpec). Rank 0 logs a table
 of the values with what each was computed on, prints the metrics as one JSON object on the last
-stdout line and writes them to <run_dir>/eval.json (with "settings": each metric's settings),
-where run_dir is `run_dir` if set, else the checkpoint's folder; the log says where. Heavy modules are imported once the arguments are good, so `--help`
-answers at once.
+stdout line and writes them to <run_dir>/eval.json (with "settings": each metric's settings;
+an infinite value, e.g. a radius `.inf`, as the string "inf"), where run_dir is `run_dir` if
+set, else the checkpoint's folder (a training run's own folder); the log says where, before the
+evaluation starts. Heavy modules are imported once the arguments are good, so `--help` answers
+at once.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
     model = load_eval_model(cfg, runtime)
     run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
     run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
+    LOGGER.info("%s", output_notice(run_dir, chosen=cfg.run_dir is not None))
     spec = evaluation_spec(cfg, args, run_dir)
     values = evaluate_model(model, cfg, runtime, spec)
     settings = metric_settings(cfg, spec.metrics)
@@ -66,6 +69,17 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
 
     on_main(runtime, write, f"write {os.path.join(run_dir, 'eval.json')}")
     return metrics
+
+
+def output_notice(run_dir: str, chosen: bool) -> str:
+    """Where eval.json goes, said before the evaluation: by default the checkpoint's folder,
+    which for a training run is its run directory, next to training's own files."""
+    path = os.path.join(run_dir, "eval.json")
+    replacing = ", replacing the one there" if os.path.exists(path) else ""
+    if chosen:
+        return f"eval.json will be written to {path}{replacing}"
+    return (f"eval.json will be written to {path}, the checkpoint's folder{replacing} "
+            "(run_dir=PATH writes it elsewhere)")
 
 
 def metric_list(text: str) -> List[str]:

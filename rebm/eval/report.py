@@ -11,8 +11,9 @@ import torch
 
 
 def jsonable(value: Any) -> Any:
-    """A metric value (or a settings dict) as valid JSON: tensors to numbers, NaN to null, inf
-    to +-1e308, inside dicts and lists too."""
+    """A metric value (or a settings dict) as valid JSON: tensors to numbers, NaN to null, an
+    infinity to the string "inf" or "-inf" (JSON has none; `float()` reads the strings back, and
+    a radius written `.inf` in the config reads as such), inside dicts and lists too."""
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -20,7 +21,7 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
     return value
 
 

@@ -53,11 +53,13 @@ def describe_test_set(settings: Dict[str, Any], n_test: Any) -> str:
     return text + (f" ({' '.join(parts)})" if parts else "")
 
 
-def _relative_paths(source, cfg) -> List[str]:
+def _relative_paths(source, cfg, path: str, ids: List[str]) -> List[str]:
     files = getattr(source, "files", None)
-    if files is None:
-        raise EvalError(f"eval.image_ids: the test split of {cfg.data.indist_dataset} has no "
-                        "files; use 0-based indices in the ids file")
+    if files is None:  # a split held in memory (digits): its images are known by index only
+        word = next(i for i in ids if not i.isdigit())
+        raise EvalError(f"eval.image_ids '{path}': '{word}' is not a 0-based index, and the "
+                        f"test split of {cfg.data.indist_dataset} has no files to name by path; "
+                        "write one 0-based index a line")
     root = getattr(files, "root", os.path.join(cfg.data.indist_ds_dir, "test"))
     return [os.path.normpath(os.path.relpath(files[i], root)) for i in range(len(files))]
 
@@ -79,7 +81,7 @@ def read_image_ids(path: str, source, cfg) -> np.ndarray:
             raise EvalError(f"eval.image_ids '{path}': index {int(bad[0])} is out of range: the "
                             f"test split has {len(source)} images")
         return indices
-    where = {rel: i for i, rel in enumerate(_relative_paths(source, cfg))}
+    where = {rel: i for i, rel in enumerate(_relative_paths(source, cfg, path, ids))}
     missing = [i for i in ids if os.path.normpath(i) not in where]
     if missing:
         raise EvalError(f"eval.image_ids '{path}': {len(missing)} of {len(ids)} ids are not in "

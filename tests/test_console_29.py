@@ -141,3 +141,25 @@ def test_the_reliability_diagram_keeps_an_underconfident_bins_accuracy_bar_visib
     calibrated, underconfident = (_accuracy_blue_pixels(tmp_path, c) for c in (0.9, 0.5))
     assert calibrated > 500
     assert underconfident >= 0.75 * calibrated, (underconfident, calibrated)
+
+
+@pytest.mark.parametrize("bars", ["1", "0"])
+def test_autoattack_says_how_far_its_chunks_are_when_progress_is_on(tmp_path, monkeypatch,
+                                                                     bars):
+    """12 test images in chunks of 4: with progress on (REBM_PROGRESS=1, as on a terminal) one
+    line per chunk with the images done and those still robust; off (a log file) none."""
+    import re
+
+    monkeypatch.setenv("REBM_PROGRESS", bars)  # base_env copies os.environ
+    code, out = run_evaluate(tmp_path, "eval.num_images=12", "per_device_eval_batch_size=4",
+                             "--autoattack")
+    assert code == 0, out[-4000:]
+    lines = re.findall(r"AutoAttack on rank 0: chunk (\d) done, (\d+) images, (\d+) robust so far",
+                       out)
+    if bars == "0":
+        assert lines == []
+        return
+    assert [(int(k), int(n)) for k, n, _ in lines] == [(1, 4), (2, 8), (3, 12)], out[-4000:]
+    robust = [int(r) for _, _, r in lines]
+    assert robust == sorted(robust) and robust[-1] == round(
+        json.loads(out.strip().splitlines()[-1])["autoattack_test_acc"] * 12)

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
+from rebm.distributed.logs import progress_enabled
 from rebm.eval.accuracy import CorrectCount
 from rebm.eval.metric import EvalContext, TestBatch
 from rebm.eval.test_set import describe_test_set, test_set_settings
@@ -67,6 +68,7 @@ class AutoAttackAccuracy(CorrectCount):
                                  seed=ctx.cfg.rand_seed, version=VERSION,
                                  device=ctx.runtime.device)
         self.attack.logger.setLevel(logging.WARNING)  # its per-attack progress is debug chatter
+        self.chunks_done = 0
 
     def correct(self, batch: TestBatch) -> Tensor:
         devices = [batch.x.device] if batch.x.device.type == "cuda" else []
@@ -74,6 +76,16 @@ class AutoAttackAccuracy(CorrectCount):
             _, y_adv = self.attack.run_standard_evaluation(batch.x, batch.y,
                                                            batch_size=batch.x.shape[0])
         return y_adv.to(batch.y.device) == batch.y
+
+    def update(self, batch: TestBatch) -> None:
+        """Count the chunk; with progress bars on (a terminal, or REBM_PROGRESS=1), rank 0 says
+        how far its chunks are, as a line above the evaluation's bar: a chunk takes minutes."""
+        super().update(batch)
+        self.chunks_done += 1
+        if self.ctx.runtime.is_main and progress_enabled():
+            robust, done = (int(v) for v in self.counts.tolist())
+            LOGGER.info("AutoAttack on rank 0: chunk %d done, %d images, %d robust so far "
+                        "(%.1f%%)", self.chunks_done, done, robust, 100.0 * robust / done)
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

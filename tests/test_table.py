@@ -150,7 +150,7 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
 
     forced = run_command(_table_cmd(table, ckpts, one, "--rows", "at", "--metrics", "ece",
                                     "--force"), timeout=300, env=_env()).assert_ok()
-    assert "[1/1] at: 0 of 1 metrics already computed; computing ece" in forced.output
+    assert "[1/1] at: --force: recomputing ece (1 of them had a cached value)" in forced.output
     assert _read_csv(one / "table.csv") == _read_csv(two / "table.csv")
 
 
@@ -199,8 +199,8 @@ def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does
     ("metrics: [accuracy]\nrows: [{name: a b, config: c, checkpoint: x}]\n", "name 'a b'"),
     ("metrics: [accuracy]\nrows: [{name: a, config: c, checkpoint: x}, "
      "{name: a, config: c, checkpoint: y}]\n", "row name 'a' appears twice"),
-    ("metrics: [accuracy]\nmetric_overrides: {fid: [x=1]}\nrows: [{name: a, config: c, "
-     "checkpoint: x}]\n", "metric_overrides names 'fid'"),
+    ("metrics: [accuracy]\nmetric_overrides: {fdi: [x=1]}\nrows: [{name: a, config: c, "
+     "checkpoint: x}]\n", "metric_overrides names 'fdi', which is no metric. Did you mean 'fid'?"),
     ("metrics: [accuracy\n", "is not valid YAML"),
 ])
 def test_bad_table_files_are_one_line(tmp_path, text, message):
@@ -222,7 +222,7 @@ def test_entry_point_errors_are_one_line_before_any_work(tmp_path, argv, message
                           str(tmp_path), *argv], timeout=60, env=_env())
     assert result.returncode == 2
     assert result.output.strip() == f"error: {path}: {message}; " + (
-        "rows: a" if "rows" in message else "its metrics: accuracy")
+        "rows: a" if "rows" in message else "its metrics: accuracy.")
 
 
 def test_unknown_metric_and_bad_override_name_the_row(tmp_path):
@@ -235,8 +235,8 @@ def test_unknown_metric_and_bad_override_name_the_row(tmp_path):
     path.write_text(f"metrics: [accuracy]\nrows: [{{name: a, config: {STAGE2}, checkpoint: x, "
                     "overrides: [eval.ood_scor=lse]}]\n")
     result = run_command(cmd, timeout=120, env=_env())
-    assert result.returncode == 2 and "row a: " in result.output
-    assert "unknown config key 'eval.ood_scor'" in result.output
+    assert result.returncode == 2 and f"{path}: rows[0] (a).overrides: " in result.output
+    assert "unknown config key 'eval.ood_scor'. Did you mean 'eval.ood_score'?" in result.output
     path.write_text(f"metrics: [fid]\nrows: [{{name: a, config: {STAGE2}, checkpoint: x, "
                     f"overrides: [image_log.log_fid=true, image_log.data_dir={tmp_path}/no.npz]}}]\n")
     result = run_command(cmd, timeout=120, env=_env())

@@ -126,21 +126,24 @@ def _read_file(path: str) -> DictConfig:
     return loaded
 
 
-def _read_overrides(overrides: Sequence[str]) -> DictConfig:
+def _read_overrides(overrides: Sequence[str], source: str = "command line") -> DictConfig:
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like key=value (e.g. lr=0.01)")
+            raise ConfigError(f"{source}: override '{item}' must look like key=value (e.g. "
+                              "lr=0.01)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as err:
-        raise ConfigError(f"command line: cannot parse overrides: {err}") from None
+        raise ConfigError(f"{source}: cannot parse overrides: {err}") from None
 
 
-def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
-    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError)."""
+def load_config(path: Optional[str], overrides: Sequence[str] = (),
+                overrides_source: str = "command line") -> TrainConfig:
+    """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError).
+    `overrides_source` names where the overrides come from in errors (a table file's row, say)."""
     sources = [(path, _read_file(path))] if path is not None else []
     if overrides:
-        sources.append(("command line", _read_overrides(overrides)))
+        sources.append((overrides_source, _read_overrides(overrides, overrides_source)))
     schema = OmegaConf.structured(TrainConfig)
     explicit: List[str] = []
     for source, raw in sources:
@@ -151,12 +154,12 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
     try:
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
-        raise _translate(err, path or "command line") from None
+        raise _translate(err, path or overrides_source) from None
     try:
-        validate(cfg, source=path or "command line")
+        validate(cfg, source=path or overrides_source)
     except ConfigError as err:
         if path and overrides and _file_alone_is_valid(path):  # the overrides broke it
-            raise ConfigError(str(err).replace(f"{path}:", "command line:", 1)) from None
+            raise ConfigError(str(err).replace(f"{path}:", f"{overrides_source}:", 1)) from None
         raise
     return freeze(cfg, explicit)
 

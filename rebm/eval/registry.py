@@ -9,6 +9,7 @@ rows to the console table. Metrics run, and are reported, in the order of `METRI
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
 from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
@@ -44,12 +45,18 @@ def metric_names() -> List[str]:
     return [m.name for m in METRICS]
 
 
+def did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """' Did you mean 'x'?' for the closest of `choices` to a mistyped `name`, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
 def metric_classes(names: Sequence[str]) -> List[Type[Metric]]:
     """The classes of `names`, in registry order; EvalError (one line) on an unknown name."""
     unknown = [n for n in names if n not in metric_names()]
     if unknown:
         raise EvalError(f"unknown metric '{unknown[0]}'; the metrics are "
-                        f"{', '.join(metric_names())}")
+                        f"{', '.join(metric_names())}.{did_you_mean(unknown[0], metric_names())}")
     return [m for m in METRICS if m.name in names]
 
 

@@ -112,8 +112,8 @@ class TableRun:
         return values
 
     def run_row(self, row, label: str) -> None:
-        from rebm.distributed.collectives import decide_on_main
-        from rebm.eval.table_cache import cached_results, model_settings, read_cache
+        from rebm.distributed.collectives import decide_on_main, on_main
+        from rebm.eval.table_cache import cached_results, read_cache, start_force
 
         def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str]]]:
             keys = self.keys(row, self.selected.metrics)
@@ -127,20 +127,53 @@ class TableRun:
             return
         cache, keys = found
         cache.update(row=row.name, group=row.group, seed=row.seed, checkpoint=row.checkpoint)
-        pending = [m for m in self.selected.metrics
-                   if self.force or cached_results(cache, m, keys[m]) is None]
-        done = len(self.selected.metrics) - len(pending)
-        LOGGER.info("%s: %d of %d metrics already computed%s", label, done,
-                    len(self.selected.metrics), f"; computing {', '.join(pending)}" if pending
-                    else "")
-        if not pending:
-            return
-        by_model: Dict[str, List[str]] = {}  # metric_overrides may change the model settings
-        for name in pending:
-            settings = model_settings(self.configs[row.name][name])
-            by_model.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(name)
-        for names in by_model.values():
+        cached = [m for m in self.selected.metrics
+                  if cached_results(cache, m, keys[m]) is not None]
+        plan = self.plan(row, self.pending(cache, cached, label))
+        order = [name for names in plan for name in names]
+        if self.force:
+            LOGGER.info("%s: --force: recomputing %s (%d of them had a cached value)", label,
+                        ", ".join(order), len(set(order) & set(cached)))
+            on_main(self.runtime, lambda: start_force(self.out, cache, order),
+                    f"write the table cache of row {row.name}")
+        else:
+            LOGGER.info("%s: %d of %d metrics already computed%s", label,
+                        len(self.selected.metrics) - len(order), len(self.selected.metrics),
+                        f"; computing {', '.join(order)}" if order else "")
+        for names in plan:
             self.run_metrics(row, names, cache, keys, label)
+
+    def pending(self, cache, cached: List[str], label: str) -> List[str]:
+        """The selected metrics to compute: every one under --force; else those not cached
+        under their current key and those an unfinished --force run had yet to recompute (their
+        cached values predate it; one line names them)."""
+        from rebm.eval.table_cache import unfinished_force
+
+        if self.force:
+            return list(self.selected.metrics)
+        forced, started = unfinished_force(cache)
+        stale = [m for m in self.selected.metrics if m in forced and m in cached]
+        if stale:
+            LOGGER.info("%s: a --force run started %s stopped before recomputing %s; their "
+                        "cached values predate it, so they are computed again", label, started,
+                        ", ".join(stale))
+        return [m for m in self.selected.metrics if m in stale or m not in cached]
+
+    def plan(self, row, pending: List[str]) -> List[List[str]]:
+        """`pending` in the order they run: one list per model (metric_overrides may change the
+        model settings), each its test-set metrics then its sample metrics, in registry order."""
+        from rebm.eval.metric import SAMPLES
+        from rebm.eval.registry import metric_classes
+        from rebm.eval.table_cache import model_settings
+
+        by_model: Dict[str, List[str]] = {}
+        ordered = metric_classes(pending)
+        for cls in [c for c in ordered if c.source != SAMPLES] + [
+                c for c in ordered if c.source == SAMPLES]:
+            settings = model_settings(self.configs[row.name][cls.name])
+            by_model.setdefault(json.dumps(settings, sort_keys=True, default=str),
+                                []).append(cls.name)
+        return list(by_model.values())
 
     def run_metrics(self, row, names: List[str], cache, keys: Dict[str, str], label: str
                     ) -> None:
@@ -232,7 +265,7 @@ class TableRun:
     def collect(self):
         """(values, missing) of every row of the table from the caches (rank 0): a row's
         values are its metrics computed under the current keys."""
-        from rebm.eval.table_cache import cached_results, read_cache
+        from rebm.eval.table_cache import cached_results, read_cache, unfinished_force
 
         values: Dict[str, Dict[str, Any]] = {}
         missing: Dict[str, str] = {}
@@ -242,6 +275,11 @@ class TableRun:
                 missing[row.name] = os.path.join(self.checkpoints, row.checkpoint)
                 continue
             cache = read_cache(self.out, row.name)
+            forced, started = unfinished_force(cache)
+            if forced:
+                LOGGER.warning("row %s: %s in the table predate(s) a --force run started %s "
+                               "that stopped; run the table again to recompute them", row.name,
+                               ", ".join(forced), started)
             found: Dict[str, Any] = {}
             for metric in self.spec.metrics:
                 found.update(cached_results(cache, metric, keys[metric]) or {})
@@ -352,9 +390,11 @@ def select_all(specs, args) -> List[Any]:
     metrics = {m for s in chosen for m in s.metrics}
     unknown = [m for m in args.metrics or () if m not in metrics]
     if unknown:
+        from rebm.eval.registry import did_you_mean
+
         raise TableError(f"--metrics '{unknown[0]}' is not a metric of the selected tables "
                          f"({', '.join(s.stem for s in chosen)}); their metrics: "
-                         f"{', '.join(sorted(metrics))}")
+                         f"{', '.join(sorted(metrics))}.{did_you_mean(unknown[0], sorted(metrics))}")
     if args.metrics:
         chosen = [s for s in chosen if set(args.metrics) & set(s.metrics)]
     return chosen

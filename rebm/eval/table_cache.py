@@ -2,7 +2,13 @@
 
     {"row": NAME, "group": ..., "seed": ..., "checkpoint": PATH,
      "metrics": {METRIC: {"key": SHA256, "results": {...}, "settings": {...},
-                          "seconds": ..., "world_size": ..., "finished": ISO time}}}
+                          "seconds": ..., "world_size": ..., "finished": ISO time}},
+     "force": {"started": ISO time, "metrics": [METRIC, ...]}}   # only during a --force run
+
+`force` is written when a `--force` run starts on the row, naming the metrics it is to
+recompute; each is taken off as its new value is stored, and the entry goes with the last. A
+`force` entry found later is a `--force` run that was stopped: its metrics still hold values
+from before it, and the next run recomputes them, saying so (`unfinished_force`).
 
 A metric's entry counts as computed when its key equals the key of the current run. The key
 (`metric_key`) is a hash of everything the value depends on:
@@ -26,7 +32,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.eval.report import jsonable
 from rebm.eval.table_spec import TableError
@@ -171,11 +177,40 @@ def cached_results(cache: Dict[str, Any], metric: str, key: str) -> Optional[Dic
     return None
 
 
+def unfinished_force(cache: Dict[str, Any]) -> Tuple[List[str], str]:
+    """(metrics, start time) of a `--force` run on the row that stopped before recomputing
+    them; ([], "") when there was none."""
+    force = cache.get("force")
+    if not isinstance(force, dict) or not isinstance(force.get("metrics"), list):
+        return [], ""
+    return [str(m) for m in force["metrics"]], str(force.get("started", "?"))
+
+
+def start_force(out_dir: str, cache: Dict[str, Any], metrics: List[str]) -> None:
+    """Record in the row's cache that a `--force` run is to recompute `metrics` (with those of
+    an earlier unfinished one), before it computes anything (rank 0)."""
+    earlier, _ = unfinished_force(cache)
+    cache["force"] = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                      "metrics": list(dict.fromkeys([*earlier, *metrics]))}
+    _write(out_dir, cache)
+
+
 def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[str, Any]
                  ) -> None:
     """Put one metric's entry into the row's cache and write the file atomically (rank 0)."""
     entry = {**entry, "finished": datetime.datetime.now().isoformat(timespec="seconds")}
     cache["metrics"][metric] = {k: _json_safe(v) for k, v in entry.items()}
+    forced, _ = unfinished_force(cache)
+    if metric in forced:
+        forced.remove(metric)
+        if forced:
+            cache["force"]["metrics"] = forced
+        else:
+            del cache["force"]
+    _write(out_dir, cache)
+
+
+def _write(out_dir: str, cache: Dict[str, Any]) -> None:
     path = cache_path(out_dir, cache["row"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"

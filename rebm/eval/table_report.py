@@ -88,7 +88,8 @@ def _markdown(spec: TableSpec, values: Values, missing: Dict[str, str], columns:
               groups: Dict[str, List[RowSpec]]) -> str:
     lines = [f"# {spec.title}", "", f"Table file: `{spec.path}`. Cells are mean ± sample "
              "standard deviation (ddof = 1) over the rows (seeds) of a group; one row: its "
-             "value. † evaluation-only row (a published baseline checkpoint).", ""]
+             "value. † baseline row (`baseline: true`: evaluated here, not trained by this "
+             "table).", ""]
     lines.append("| model | seeds | " + " | ".join(columns.values()) + " |")
     lines.append("|---|---|" + "---|" * len(columns))
     for group, rows in groups.items():

@@ -15,7 +15,7 @@
         config: experiments/cifar10/dat_wrn34x10_seed0.yaml
         checkpoint: wandb/.../model_bestfid.pth   # relative to --checkpoints DIR
         overrides: [image_log.num_steps=33]
-        baseline: false                       # true: an evaluation-only row (not trained here)
+        baseline: false                       # true: a baseline, evaluated but not trained here
         source: where the checkpoint comes from
         notes: free text
 
@@ -92,8 +92,11 @@ class TableSpec:
         if metrics:
             unknown = [m for m in metrics if m not in self.metrics]
             if unknown:
+                from rebm.eval.registry import did_you_mean
+
                 raise TableError(f"{self.path}: --metrics '{unknown[0]}' is not a metric of this "
-                                 f"table; its metrics: {', '.join(self.metrics)}")
+                                 f"table; its metrics: {', '.join(self.metrics)}."
+                                 f"{did_you_mean(unknown[0], self.metrics)}")
             chosen_metrics = tuple(m for m in self.metrics if m in metrics)
         return replace(self, metrics=chosen_metrics, rows=chosen_rows)
 
@@ -133,16 +136,28 @@ def _row(raw: Any, index: int, path: str) -> RowSpec:
                    notes=str(raw.get("notes", "")))
 
 
-def _metric_overrides(raw: Any, metrics: Sequence[str], path: str) -> Dict[str, Tuple[str, ...]]:
+def _metric_overrides(raw: Any, metrics: Sequence[str], path: str
+                      ) -> Tuple[Dict[str, Tuple[str, ...]], List[str]]:
+    """({metric: overrides} of the table's metrics, notices): overrides of a registered metric
+    that the table does not run are one notice (dropping a metric is one edit), a name that is
+    no metric at all is an error with the closest name."""
     if raw is None:
-        return {}
+        return {}, []
     if not isinstance(raw, dict):
         raise TableError(f"{path}: metric_overrides must map metric names to override lists")
-    unknown = [m for m in raw if m not in metrics]
-    if unknown:
-        raise TableError(f"{path}: metric_overrides names '{unknown[0]}', which is not in "
-                         "metrics")
-    return {m: _overrides(v, f"{path}: metric_overrides.{m}") for m, v in raw.items()}
+    overrides = {m: _overrides(v, f"{path}: metric_overrides.{m}") for m, v in raw.items()}
+    unused = [m for m in raw if m not in metrics]
+    if unused:
+        from rebm.eval.registry import did_you_mean, metric_names
+
+        unknown = [m for m in unused if m not in metric_names()]
+        if unknown:
+            raise TableError(f"{path}: metric_overrides names '{unknown[0]}', which is no metric."
+                             f"{did_you_mean(unknown[0], [*metrics, *metric_names()])} The "
+                             f"table's metrics: {', '.join(metrics)}")
+    notices = [f"{path}: metric_overrides.{m} is not used: '{m}' is not in the table's metrics"
+               for m in unused]
+    return {m: v for m, v in overrides.items() if m in metrics}, notices
 
 
 def read_mapping(path: str, what: str = "table file") -> Dict[str, Any]:
@@ -190,11 +205,11 @@ def table_from_mapping(raw: Dict[str, Any], path: str) -> TableSpec:
     columns = raw.get("columns") or {}
     if not isinstance(columns, dict):
         raise TableError(f"{path}: columns must map result keys to headers")
+    metric_overrides, notices = _metric_overrides(raw.get("metric_overrides"), metrics, path)
     return TableSpec(path=path, title=str(raw.get("title") or os.path.basename(path)),
                      metrics=tuple(dict.fromkeys(metrics)), rows=rows, batch_size=batch_size,
                      overrides=_overrides(raw.get("overrides"), f"{path}: overrides"),
-                     metric_overrides=_metric_overrides(raw.get("metric_overrides"), metrics,
-                                                        path),
+                     metric_overrides=metric_overrides, notices=tuple(notices),
                      columns={str(k): str(v) for k, v in columns.items()})
 
 
@@ -214,11 +229,14 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
 
 def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
     """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
-    override or key stops the table at once, naming the row."""
-    from rebm.config import ConfigError, load_config
+    override or key stops the table at once, naming the table file and the row."""
+    from rebm.eval.metric import EvalError
     from rebm.eval.registry import metric_classes
 
-    metric_classes(spec.metrics)  # EvalError on an unknown metric name
+    try:
+        metric_classes(spec.metrics)
+    except EvalError as err:
+        raise EvalError(f"{spec.path}: metrics: {err}") from None
     configs: Dict[str, Dict[str, Any]] = {}
     for row in spec.rows:
         path = os.path.join(checkpoints, row.checkpoint)
@@ -227,9 +245,36 @@ def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
         for metric in spec.metrics:
             overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
             if overrides not in loaded:
-                try:
-                    loaded[overrides] = load_config(row.config, overrides)
-                except ConfigError as err:
-                    raise ConfigError(f"row {row.name}: {err}") from None
+                loaded[overrides] = _row_config(spec, row, metric, overrides)
             configs[row.name][metric] = loaded[overrides]
     return configs
+
+
+def _row_config(spec, row: RowSpec, metric: str, overrides: Tuple[str, ...]):
+    """The config of `row` for `metric`. A ConfigError names the row and the list of overrides
+    that broke it (the table's, the row's, the metric's, in the table file), found by loading
+    them one list more at a time: only when the whole fails, so a good table loads once."""
+    from rebm.config import ConfigError, load_config
+
+    try:
+        return load_config(row.config, overrides)
+    except ConfigError as err:
+        failure = err
+    where = f"{spec.path}: rows[{spec.rows.index(row)}] ({row.name})"
+    stages = [(spec.overrides, f"{spec.path}: overrides (row {row.name})"),
+              (row.overrides, f"{where}.overrides"),
+              (spec.metric_overrides.get(metric, ()),
+               f"{spec.path}: metric_overrides.{metric} (row {row.name})")]
+    checkpoint = overrides[-1:]  # model.ckpt_path=..., set by the runner
+    so_far: Tuple[str, ...] = ()
+    for added, source in stages:
+        if not added:
+            continue
+        so_far = (*so_far, *added)
+        try:
+            load_config(row.config, (*so_far, *checkpoint), source)
+        except ConfigError as err:
+            message = str(err)
+            raise ConfigError(message if source in message else f"row {row.name}: {message}"
+                              ) from None
+    raise ConfigError(f"row {row.name}: {failure}") from None

@@ -38,8 +38,12 @@ def test_the_resume_hint_of_a_default_run_dir_is_the_plain_command(tmp_path):
 
 def make_setup_commands(*variables):
     """The commands `make setup` would run in a fresh checkout (-B: as if .venv were absent)."""
-    out = subprocess.run(["make", "-n", "-B", "setup", "PYTHON=python3", *variables], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout
+    # under `make test` this make is a sub-make: without MAKEFLAGS/MAKELEVEL and with
+    # --no-print-directory it prints the commands alone
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup", "PYTHON=python3",
+                          *variables], cwd=REPO, check=True, env=env, capture_output=True,
+                         text=True).stdout
     return out.splitlines()
 
 

@@ -253,6 +253,10 @@ def test_group_statistics_use_the_sample_standard_deviation():
     assert group_stats(values, rows, "only") == (0.5, None, 1)
     assert cell(*group_stats(values, rows, "m")[:2]) == "2.3333 ± 1.5275"
     assert cell(12.346, 0.5) == "12.35 ± 0.50" and cell(None, None) == "–"
+    # an infinite value comes back from the JSON cache as the string "inf": still a number
+    infinite = {"a": {"fid": "inf"}, "b": {"fid": 3.0}}
+    assert group_stats(infinite, rows[:1], "fid")[0] == float("inf")
+    assert cell(*group_stats(infinite, rows[:1], "fid")[:2]) == "inf"
 
 
 PAPER_TABLES = sorted(p.stem for p in (REPO / "experiments" / "paper").glob("*.yaml"))

@@ -20,13 +20,21 @@ from rebm.eval.table_spec import RowSpec, TableSpec
 Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
 
 
+def number(value) -> Optional[float]:
+    """A cached result as a number: ints and floats, and the "inf" / "-inf" strings that JSON
+    stores infinities as (rebm.eval.report.jsonable); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return float(value) if value in ("inf", "-inf") else None
+
+
 def default_columns(values: Values, rows: Sequence[RowSpec]) -> Dict[str, str]:
     columns: Dict[str, str] = {}
     for row in rows:
         for key, value in values.get(row.name, {}).items():
             if key.startswith("n_") or "sweep" in key or "best_steps" in key:
                 continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if number(value) is not None:
                 columns.setdefault(key, key)
     return columns
 
@@ -34,8 +42,8 @@ def default_columns(values: Values, rows: Sequence[RowSpec]) -> Dict[str, str]:
 def group_stats(values: Values, rows: Sequence[RowSpec], key: str
                 ) -> Tuple[Optional[float], Optional[float], int]:
     """(mean, sample std or None, number of values) of `key` over `rows`."""
-    found = [float(values[r.name][key]) for r in rows
-             if isinstance(values.get(r.name, {}).get(key), (int, float))]
+    found = [number(values.get(r.name, {}).get(key)) for r in rows]
+    found = [v for v in found if v is not None]
     if not found:
         return None, None, 0
     std = float(np.std(found, ddof=1)) if len(found) > 1 else None
@@ -101,8 +109,7 @@ def _markdown(spec: TableSpec, values: Values, missing: Dict[str, str], columns:
               "|---|---|---|" + "---|" * len(columns)]
     for rows in groups.values():
         for row in rows:
-            cells = [cell(values[row.name].get(key), None) if isinstance(
-                values[row.name].get(key), (int, float)) else "–" for key in columns]
+            cells = [cell(number(values[row.name].get(key)), None) for key in columns]
             lines.append(f"| {row.name} | {row.group} | "
                          f"{'' if row.seed is None else row.seed} | " + " | ".join(cells) + " |")
     if missing:

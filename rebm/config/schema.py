@@ -147,6 +147,7 @@ class TrainConfig(LegacyTrainFields):
     lr: float = 1e-3  # constant learning rate
     wd: float = 5e-4  # weight decay
     r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2
+    max_grad_norm: Optional[float] = None  # clip the gradients' total norm to this before each optimizer step, logged as grad_norm (null: no clipping)
     fixed_lr: bool = True  # must be true: DAT uses a constant learning rate
     clf_indist_weight: float = 0.5  # energy-BCE weight of the in-dist term (weights normalised to sum 1)
     clf_outdist_weight: float = 0.0  # energy-BCE weight of clean out-dist images (costs a forward)

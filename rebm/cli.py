@@ -27,7 +27,7 @@ from rebm.config.schema import SEED_NOISES
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
-OTHER_RANKS_ERROR_GRACE_S = 2.0  # see user_errors_exit
+OTHER_RANKS_ERROR_GRACE_S = 2.0  # see error_delay_s
 WANDB_ENV_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's own
 
 
@@ -166,14 +166,25 @@ def user_errors_exit() -> Iterator[None]:
         yield
     except UserError as err:
         rank = os.environ.get("RANK")
+        if rank is not None:
+            time.sleep(error_delay_s(rank, err))
         prefix = f"[rank {rank}] " if rank is not None else ""
         print(f"{prefix}error: {one_line(err)}", file=sys.stderr, flush=True)
-        if rank not in (None, "0"):
-            # an error every rank meets (a config, an environment variable) is reported by
-            # each; torchrun stops the others as soon as one exits, so give rank 0 the moment it
-            # needs to report it too
-            time.sleep(OTHER_RANKS_ERROR_GRACE_S)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def error_delay_s(rank: str, err: UserError) -> float:
+    """How long a rank of a launched job waits before printing its error, so that a job prints
+    one line: the launcher (torchrun, --nproc) stops every rank as soon as one exits with an
+    error. Rank 0 reports at once an error of its own (one that every rank meets, like a bad
+    config, is rank 0's to report); another rank's own error comes after one grace period;
+    "rank N could not ..." (RankFailed, an echo of another rank's error) after two, so the
+    rank that met the error reports it. A rank nobody stops still prints after its wait."""
+    from rebm.distributed.collectives import RankFailed
+
+    if isinstance(err, RankFailed):
+        return 2 * OTHER_RANKS_ERROR_GRACE_S
+    return 0.0 if rank == "0" else OTHER_RANKS_ERROR_GRACE_S
 
 
 def check_environment() -> None:
@@ -273,6 +284,8 @@ def _worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
             body(cfg, runtime, args)
         except UserError as err:
             log_to_file(f"error: {one_line(err)}")
+            raise
+        except SystemExit:  # an entry's own exit (e.g. stopped by a signal, said already)
             raise
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, evaluation)
             log_to_file("interrupted")

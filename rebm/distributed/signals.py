@@ -2,7 +2,9 @@
 consensus, so all ranks stop at the same point (docs/distributed.md, "Preemption").
 
 - SIGTERM / SIGUSR1 (SLURM, torchrun's agent) and a first SIGINT (Ctrl-C) ask for a save at the
-  next step boundary, or inside a running evaluation (`interruptible` loops), then an exit.
+  next step boundary, or inside a running evaluation (`interruptible` loops), then an exit. The
+  evaluation entry points (`stop_on_signal`) stop the same way at their next batch or metric,
+  keeping what they finished.
 - A second SIGINT, at least `ECHO_WINDOW_S` after the first, aborts at once without saving. A
   launcher that passes the terminal's Ctrl-C on to its workers (torchrun's agent, the `--nproc`
   parent, srun) makes them see one Ctrl-C twice within milliseconds: that echo is not a second
@@ -34,7 +36,11 @@ class PreemptionFlag:
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
-    def __init__(self) -> None:
+    TRAINING_NOTICE = ("saving the training state at the next step, then exiting (interrupt "
+                       "again to abort without saving)")
+
+    def __init__(self, notice: str = TRAINING_NOTICE) -> None:
+        self.notice = notice  # what rank 0 says at the first interrupt
         self.signal_name: Optional[str] = None
         self._first_interrupt: Optional[float] = None
         self._previous: Dict[int, Any] = {}
@@ -48,8 +54,7 @@ class PreemptionFlag:
                 os._exit(EXIT_ABORTED)
             if self._first_interrupt is None:
                 self._first_interrupt = now
-                self._say("interrupt: saving the training state at the next step, then exiting "
-                          "(interrupt again to abort without saving)")
+                self._say(f"interrupt: {self.notice}")
         if self.signal_name is None:
             self.signal_name = _signal.Signals(signum).name
 
@@ -89,6 +94,50 @@ class PreemptionFlag:
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a process ended by this signal (130 for SIGINT, 143 SIGTERM)."""
+        signum = getattr(_signal, self.signal_name or "SIGINT")
+        return 128 + int(signum)
+
+
+@contextmanager
+def stop_on_signal(runtime: Runtime, notice: str) -> Iterator[Runtime]:
+    """For the evaluation entry points: with the handlers installed, the runtime whose
+    `interruptible` loops (and `stop_point_all_ranks`) raise Preempted once every rank agrees
+    to stop; `notice` is what rank 0 says at the first interrupt."""
+    import dataclasses
+
+    with PreemptionFlag(notice) as flag:
+        yield dataclasses.replace(runtime, preemption=flag)
+
+
+def exit_stopped(runtime: Runtime, outcome: str) -> None:
+    """End an evaluation entry point that every rank agreed to stop (Preempted): one line,
+    rank 0's on the console (the others' in their log files), "stopped by SIGNAL: `outcome`",
+    then exit with the signal's shell code."""
+    import logging
+
+    flag = runtime.preemption
+    name = flag.signal_name if flag is not None and flag.signal_name else None
+    logging.getLogger("rebm").log(logging.WARNING if runtime.is_main else logging.INFO,
+                                  "stopped by %s: %s", name or "a signal on another rank",
+                                  outcome)
+    raise SystemExit(flag.exit_code if flag is not None else 128 + int(_signal.SIGINT))
+
+
+def stop_point_all_ranks(runtime: Runtime) -> None:
+    """A point between two units of work (rows, metrics) where a stop asked for on any rank
+    ends the job: one consensus, so every rank must call it at the same point; nothing without
+    an installed flag."""
+    flag = runtime.preemption
+    if flag is None or not flag.installed:
+        return
+    from rebm.distributed.collectives import consensus
+
+    if consensus(runtime, preempt=flag.raised)["preempt"]:
+        raise Preempted(flag.signal_name or "signal")
 
 
 @contextmanager

@@ -34,7 +34,24 @@ def evaluation_spec(cfg, args, run_dir: Optional[str] = None):
                     run_dir=run_dir)
 
 
+STOP_NOTICE = "stopping at the next batch, then exiting (interrupt again to stop at once)"
+
+
 def run(cfg, runtime, args) -> Dict[str, Any]:
+    """Every rank: evaluate, then rank 0 writes eval.json. A Ctrl-C or SIGTERM stops every rank
+    at the next batch with one line (nothing is written: eval.json holds complete results)."""
+    from rebm.distributed.signals import Preempted, exit_stopped, stop_on_signal
+
+    with stop_on_signal(runtime, STOP_NOTICE) as runtime:
+        try:
+            return evaluate(cfg, runtime, args)
+        except Preempted:
+            exit_stopped(runtime, "the evaluation did not finish, so no eval.json was written; "
+                         "run the same command to evaluate again")
+            raise  # not reached: exit_stopped exits
+
+
+def evaluate(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.checkpoint.paths import with_model_file
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main

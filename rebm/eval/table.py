@@ -73,6 +73,9 @@ class TableRun:
         self.configs = row_configs(spec, self.checkpoints)
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
+        self.finished: List[str] = []  # rows whose selected metrics are all cached now
+        self.current: Optional[str] = None  # the row running, "[2/4] name"
+        self.stored: List[str] = []  # metrics of the current row stored by this run
 
     def keys(self, row, metrics) -> Optional[Dict[str, str]]:
         """{metric: cache key} of the row (rank 0; None when its checkpoint is missing)."""
@@ -89,6 +92,7 @@ class TableRun:
 
     def run(self) -> Dict[str, Any]:
         from rebm.distributed.collectives import decide_on_main, on_main
+        from rebm.distributed.signals import stop_point_all_ranks
         from rebm.eval.evaluation import require_ready
         from rebm.eval.metric import EvalError, EvalSpec
         from rebm.eval.table_report import write_report
@@ -101,7 +105,11 @@ class TableRun:
                     raise EvalError(f"row {row.name}: {err}") from None
         total = len(self.selected.rows)
         for number, row in enumerate(self.selected.rows, start=1):
-            self.run_row(row, f"[{number}/{total}] {row.name}")
+            stop_point_all_ranks(self.runtime)
+            self.current, self.stored = f"[{number}/{total}] {row.name}", []
+            self.run_row(row, self.current)
+            self.finished.append(row.name)
+        self.current = None
         values, missing = decide_on_main(self.runtime, self.collect, "read the table cache")
 
         def report() -> None:
@@ -178,6 +186,7 @@ class TableRun:
     def run_metrics(self, row, names: List[str], cache, keys: Dict[str, str], label: str
                     ) -> None:
         """Compute and store `names` (metrics of one model) of the row."""
+        from rebm.distributed.signals import stop_point_all_ranks
         from rebm.eval.metric import SAMPLES
         from rebm.eval.registry import metric_classes
 
@@ -185,11 +194,13 @@ class TableRun:
         for cls in metric_classes(names):
             if cls.source == SAMPLES:
                 continue
+            stop_point_all_ranks(self.runtime)
             start = time.monotonic()
             results = self.test_metric(model, row, cls.name)
             self.store(cache, row, cls.name, keys[cls.name], results, start, label)
         samples = [c.name for c in metric_classes(names) if c.source == SAMPLES]
         if samples:
+            stop_point_all_ranks(self.runtime)
             start = time.monotonic()
             for name, results in self.sample_metrics(model, row, samples).items():
                 self.store(cache, row, name, keys[name], results, start, label)
@@ -257,10 +268,21 @@ class TableRun:
                  "settings": cls.settings(self.configs[row.name][metric])}
         on_main(self.runtime, lambda: store_result(self.out, cache, metric, entry),
                 f"write the table cache of row {row.name}")
+        self.stored.append(metric)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items()
                           if isinstance(v, float))
         LOGGER.info("%s: %s done in %.1f s%s", label, metric, seconds,
                     f": {shown}" if shown else "")
+
+    def stop_outcome(self) -> str:
+        """What a stopped run finished, and how to go on (the line after "stopped by SIG")."""
+        done = (f"rows finished: {', '.join(self.finished)}" if self.finished
+                else "no row finished")
+        if self.current is not None:
+            stored = ", ".join(self.stored) if self.stored else "no metric"
+            done += f"; in row {self.current}, {stored} computed"
+        return (f"{done}. Every computed metric is cached in {self.out}/rows; run the same "
+                "command to continue from there (the table is written at the end)")
 
     def collect(self):
         """(values, missing) of every row of the table from the caches (rank 0): a row's
@@ -315,6 +337,28 @@ def out_dir(spec, args, count: int) -> str:
     return args.out if count == 1 else os.path.join(args.out, spec.stem)
 
 
+STOP_NOTICE = ("stopping at the next batch; every metric computed so far stays cached "
+               "(interrupt again to stop at once)")
+
+
+def run_tables(specs, args, runtime) -> None:
+    """Every rank: the tables one after another. A Ctrl-C or SIGTERM stops every rank at the
+    next batch or metric, with one line naming what is finished."""
+    from rebm.distributed.signals import Preempted, exit_stopped
+
+    skipped: List[str] = []
+    for spec in specs:
+        table = TableRun(spec, args, runtime, out_dir(spec, args, len(specs)))
+        try:
+            table.run()
+        except Preempted:
+            exit_stopped(runtime, table.stop_outcome())
+        skipped += table.skipped
+    if skipped:  # every rank knows them (decided on rank 0, broadcast)
+        raise RowsSkipped(f"{len(skipped)} row(s) skipped, checkpoint missing: "
+                          f"{', '.join(skipped)}; the table of the other rows is written")
+
+
 def run(specs, args) -> None:
     """One process of the tables (under torchrun, every rank calls this)."""
     from rebm.cli import import_libraries, user_errors_exit
@@ -323,6 +367,7 @@ def run(specs, args) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from rebm.distributed import setup_distributed, setup_logging, teardown
+    from rebm.distributed.signals import stop_on_signal
 
     @record
     def worker() -> None:
@@ -331,15 +376,8 @@ def run(specs, args) -> None:
             try:
                 setup_logging(runtime, out_dir(specs[0], args, 1) if len(specs) == 1
                               else args.out or os.path.join("runs", "tables"))
-                skipped: List[str] = []
-                for spec in specs:
-                    table = TableRun(spec, args, runtime, out_dir(spec, args, len(specs)))
-                    table.run()
-                    skipped += table.skipped
-                if skipped:  # every rank knows them (decided on rank 0, broadcast)
-                    raise RowsSkipped(f"{len(skipped)} row(s) skipped, checkpoint missing: "
-                                      f"{', '.join(skipped)}; the table of the other rows is "
-                                      "written")
+                with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
+                    run_tables(specs, args, stoppable)
             finally:
                 teardown(runtime)
 

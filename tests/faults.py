@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from rebm.data import MicroBatch
-from rebm.methods.base import StepContext, StepResult
+from rebm.methods.base import MicroOutput, StepContext
 from rebm.methods.dat import DAT
 
 
@@ -28,19 +28,6 @@ class _NanGradient(torch.autograd.Function):
         return torch.full_like(grad, float("nan"))
 
 
-class _NanBackward:
-    """The step's precision, with every backward given NaN gradients."""
-
-    def __init__(self, precision):
-        self._precision = precision
-
-    def backward(self, loss: Tensor) -> None:
-        self._precision.backward(_NanGradient.apply(loss))
-
-    def __getattr__(self, name: str):
-        return getattr(self._precision, name)
-
-
 def parse_fault(spec: Optional[str], fields: int) -> Optional[Tuple[float, ...]]:
     """"STEP:RANK" or "STEP:RANK:SECONDS" -> numbers; None stays None."""
     if spec is None:
@@ -53,7 +40,7 @@ def parse_fault(spec: Optional[str], fields: int) -> Optional[Tuple[float, ...]]
 
 class FaultyDAT(DAT):
     """DAT whose `nan_at = (step, rank)` gives the step-th optimizer step of this process on
-    that rank a finite loss and NaN gradients, and whose `slow_at = (step, rank, seconds)` makes
+    that rank a finite loss and NaN gradients (the engine's backward of its losses), and whose `slow_at = (step, rank, seconds)` makes
     that step on that rank sleep first (a slow or stuck rank)."""
 
     def __init__(self, cfg, nan_at: Optional[Tuple[float, ...]] = None,
@@ -67,11 +54,13 @@ class FaultyDAT(DAT):
         return (fault is not None and int(fault[0]) == self.steps_in_this_process
                 and int(fault[1]) == self.rank)
 
-    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
-             ) -> StepResult:
-        self.steps_in_this_process += 1
-        if self._hits(self.slow_at):
-            time.sleep(self.slow_at[2])
+    def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
+                   ) -> MicroOutput:
+        if index == 0:  # a new optimizer step
+            self.steps_in_this_process += 1
+            if self._hits(self.slow_at):
+                time.sleep(self.slow_at[2])
+        out = super().micro_loss(ctx, batch, index, log_now)
         if self._hits(self.nan_at):
-            ctx = dataclasses.replace(ctx, precision=_NanBackward(ctx.precision))
-        return super().step(ctx, micro_batches, log_now)
+            out = dataclasses.replace(out, loss=_NanGradient.apply(out.loss))
+        return out

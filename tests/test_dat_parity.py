@@ -17,12 +17,13 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model as rebm_get_model
 from rebm.engine.build import get_optimizer as rebm_get_optimizer
 from rebm.eval.generation import SeedImages, blur_kernel_size, gaussian_blur, generate_samples
-from rebm.methods.dat import DAT, dat_step, ebm_loss
+from rebm.methods.dat import DAT, ebm_loss
 from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats
 from rebm.models.wideresnet import WideResNet
 from rebm.training.modeling import get_model, get_optimizer, load_checkpoint
 from tests.helpers import randomise_bn as _randomise_bn  # non-trivial BatchNorm statistics
+from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,7 +177,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     wrapped, raw = rebm_get_model(cfg, runtime)
     optimizer = rebm_get_optimizer(cfg, raw.parameters())
     batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
-    result = dat_step(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),
+    result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),
                       log_now=log_now)
     params = [p.detach().clone() for p in raw.state_dict().values()]
     return cfg, result, params

@@ -16,8 +16,9 @@ from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model, get_optimizer
-from rebm.methods.dat.step import DAT, dat_step
+from rebm.methods.dat.step import DAT
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
+from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,7 +91,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     before = compile_cache.compiled_graphs()
     counts = []
     for T in (1, 1, 2, 3):
-        assert dat_step(model, optimizer, next(batches), T, cfg, plan, precision).finite
+        assert dat_update(model, optimizer, next(batches), T, cfg, plan, precision).finite
         counts.append(compile_cache.compiled_graphs() - before)
     assert counts == [2, 2, 2, 2]
 

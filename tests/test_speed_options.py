@@ -22,8 +22,9 @@ from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat.objective import dat_loss
-from rebm.methods.dat.step import DAT, dat_step
+from rebm.methods.dat.step import DAT
 from rebm.models import build_model
+from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,7 +95,7 @@ def test_dat_step_runs_under_each_precision(amp):
     before = [p.detach().clone() for p in raw.parameters()]
     batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
     for _ in range(2):
-        metrics = dat_step(model, optimizer, batches, 2, cfg, plan, precision)
+        metrics = dat_update(model, optimizer, batches, 2, cfg, plan, precision)
         assert metrics.finite
         assert metrics.scores["in"].dtype == torch.float32
     assert any(not torch.equal(a, p) for a, p in zip(before, raw.parameters(), strict=True))
@@ -190,7 +191,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     plan = plan_batches(cfg, 1)
     batch = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):
-        dat_step(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
+        dat_update(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
                  Precision("none", torch.device("cpu")))
     assert attacked == [model] and model is not raw
 

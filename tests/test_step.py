@@ -10,8 +10,9 @@ from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model, get_optimizer
-from rebm.methods.dat.step import DAT, dat_step
+from rebm.methods.dat.step import DAT
 from tests.processes import spawn_ranks
+from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,7 +31,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
     raw.register_forward_pre_hook(lambda *_: raw_calls.append(1))
     optimizer = get_optimizer(cfg, raw.parameters())
     batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
-    metrics = dat_step(model, optimizer, batches, 2, cfg, plan, Precision("none", runtime.device))
+    metrics = dat_update(model, optimizer, batches, 2, cfg, plan, Precision("none", runtime.device))
     params = torch.cat([p.detach().flatten() for p in raw.parameters()])
     with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
         fh.write(repr((len(wrapper_calls), len(raw_calls), metrics.finite,

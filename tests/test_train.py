@@ -62,8 +62,51 @@ def test_same_result_as_single_process_full_batch(runs, single, other, bound20):
 
 @pytest.mark.slow
 def test_replicas_identical_across_ranks(runs):
-    last = read_metrics(runs["ddp2"])[-1]
-    assert last["replicas_identical"] is True
+    """Every state save checks that the ranks hold bit-identical weights and EMA (and refuses
+    to write otherwise: test_a_save_refuses_replicas_that_differ): the 2-rank run saved one at
+    every step."""
+    saved = sorted(p.name for p in (runs["ddp2"] / "checkpoints").glob("state_*.pt"))
+    assert saved == [f"state_{s:09d}.pt" for s in range(1, STRAIGHT_STEPS + 1)]
+
+
+def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
+    from rebm import distributed as rd
+    from rebm.config import load_config
+    from rebm.engine.parts import build_parts_all_ranks
+    from rebm.engine.saving import ReplicasDiffer, save_training_state_all_ranks
+    from rebm.methods.dat import DAT
+
+    runtime = rd.setup_distributed()
+    cfg = load_config(CONFIG, [f"run_dir={run_dir}", "wandb_disabled=true"])
+    parts = build_parts_all_ranks(cfg, runtime, DAT(cfg), 10)
+    parts.progress.step = 1
+    save_training_state_all_ranks(parts, cfg, runtime)  # identical replicas: written
+    if runtime.rank == perturb_rank:  # one ulp of one EMA weight
+        weight = next(parts.ema.ema_model.parameters()).data
+        first = (0,) * weight.dim()
+        weight[first] = torch.nextafter(weight[first], torch.tensor(float("inf")))
+    parts.progress.step = 2
+    try:
+        save_training_state_all_ranks(parts, cfg, runtime)
+        outcome = "saved"
+    except ReplicasDiffer as err:
+        outcome = str(err)
+    with open(os.path.join(run_dir, f"rank{runtime.rank}.txt"), "w") as fh:
+        fh.write(outcome)
+    rd.teardown(runtime)
+
+
+def test_a_save_refuses_replicas_that_differ(tmp_path):
+    """One ulp of the EMA on rank 1: both ranks refuse the save in one line, and the state
+    before stays the newest."""
+    from tests.processes import spawn_ranks
+
+    spawn_ranks(_save_with_replicas, 2, str(tmp_path), 1)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
+            "the ranks' weights differ at step 2; not saving them")
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("state_*.pt"))
+    assert saved == ["state_000000001.pt"]
 
 
 @pytest.mark.slow
@@ -117,8 +160,8 @@ def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
     cfg = load_config(CONFIG, ["wandb_disabled=true"])
     tracker = Tracker(cfg, Runtime(), str(tmp_path))
     for step in (1, 2, 3):
-        tracker.log(step, 32 * step, 0, {"x": 1.0})
+        tracker.log_all_ranks(step, 32 * step, 0, {"x": 1.0})
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 4, "n_im')  # a line cut short by a crash
-    tracker.truncate_metrics_after(2)
+    tracker.truncate_metrics_after_all_ranks(2)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

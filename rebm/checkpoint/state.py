@@ -14,13 +14,13 @@ import hashlib
 import logging
 import os
 import re
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from rebm.checkpoint.weights import atomic_torch_save
 from rebm.config import to_dict
-from rebm.distributed import Runtime, all_gather_cat, consensus, decide_on_main
+from rebm.distributed import Runtime, all_reduce_max, consensus, decide_on_main
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
@@ -87,8 +87,8 @@ def save_state(state: Dict[str, Any], run_dir: str, keep_last: int) -> str:
     return path
 
 
-def save_on_main(runtime: Runtime, build_state: Callable[[], Dict[str, Any]], run_dir: str,
-                 keep_last: int) -> None:
+def save_state_all_ranks(runtime: Runtime, build_state: Callable[[], Dict[str, Any]],
+                         run_dir: str, keep_last: int) -> None:
     """Rank 0 builds and writes the state; then every rank learns whether the write worked (a
     consensus, so a full disk stops all ranks with the same clear error instead of a hang).
     Every rank must call this."""
@@ -129,8 +129,8 @@ def find_resumable(run_dir: Optional[str], explicit: Optional[str]) -> Optional[
     return None
 
 
-def agree_on_resume(runtime: Runtime, run_dir: str, explicit: Optional[str],
-                    allow_auto: bool) -> Optional[Dict[str, Any]]:
+def agree_on_resume_all_ranks(runtime: Runtime, run_dir: str, explicit: Optional[str],
+                              allow_auto: bool) -> Optional[Dict[str, Any]]:
     """Rank 0 picks the state to resume from (or none); every rank then loads that same file.
     Called by every rank: the decision is a broadcast, never rank 0 alone."""
     def choose() -> Optional[str]:
@@ -223,19 +223,28 @@ def _step_of(path: str) -> int:
     return int(STATE_PATTERN.search(path).group(1))
 
 
-def replicas_identical(runtime: Runtime, *modules: torch.nn.Module) -> bool:
-    """True when every rank holds bit-identical parameters and buffers (a hash of the bytes,
-    all-gathered). Every rank must call it."""
+def _weights_digest(modules: Sequence[torch.nn.Module]) -> int:
+    """A 56-bit hash of the bytes of every tensor in the modules' state dicts (host copies)."""
     digest = hashlib.sha256()
     for module in modules:
         for name, tensor in module.state_dict().items():
             if torch.is_tensor(tensor):
                 digest.update(name.encode())
-                digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                              .tobytes())
-    local = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64)
-    gathered = all_gather_cat(runtime, local)
-    return bool((gathered == gathered[0]).all())
+                digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                              .numpy().tobytes())
+    return int.from_bytes(digest.digest()[:7], "little")
+
+
+def check_weights_all_ranks(runtime: Runtime, *modules: torch.nn.Module) -> Tuple[bool, bool]:
+    """(finite on every rank, bit-identical on every rank) for the modules' parameters and
+    buffers: one all-reduce (MAX) of [not finite, hash, -hash], whose maximum and minimum hash
+    agree only when every rank holds the same bytes. Every rank must call it."""
+    weights = [p.detach() for m in modules for p in m.parameters()]
+    finite = not weights or bool(torch.isfinite(torch.nn.utils.get_total_norm(weights)))
+    digest = _weights_digest(modules)
+    flags = all_reduce_max(runtime, torch.tensor([int(not finite), digest, -digest],
+                                                 dtype=torch.int64)).tolist()
+    return not flags[0], flags[1] == -flags[2]
 
 
 class ProcessRNG:

@@ -38,7 +38,6 @@ class Precision:
         self.mode = mode
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type, enabled=(mode == "fp16"))
-        self.update_finite = True  # whether the last `step` had finite gradients
         if device.type == "cpu" and mode != "none" and not native_on_cpu(mode):
             first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
             LOGGER.log(logging.WARNING if first else logging.INFO,  # one console line a run
@@ -55,17 +54,28 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step, never with non-finite gradients: fp16's GradScaler skips such a
-        step and lowers its scale (normal for fp16); otherwise the step is skipped and
-        `update_finite` is False, which stops the run (rebm.engine.trainer)."""
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients to a total norm of at most `max_norm` (fp16: unscaled first, so
+        the bound is on the true gradients); returns the norm before clipping. Non-finite
+        gradients stay non-finite, and `step` then skips the update."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer step, never with non-finite gradients; returns whether the update
+        counts as applied. fp16's GradScaler skips a step with non-finite gradients and lowers
+        its scale (normal for fp16: the step counts as applied); otherwise such a step is
+        skipped and False returned, which stops the run (rebm.engine.trainer)."""
         if self.scaler.is_enabled():
             self.scaler.step(optimizer)
             self.scaler.update()
-            return
-        self.update_finite = gradients_finite(optimizer)
-        if self.update_finite:
-            optimizer.step()
+            return True
+        if not gradients_finite(optimizer):
+            return False
+        optimizer.step()
+        return True
 
     def state_dict(self) -> Optional[dict]:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None

@@ -1,15 +1,16 @@
-"""The metrics window: per-rank sums since the last log, reduced over ranks once per log."""
+"""The metrics window: per-rank sums since the last log, reduced over ranks once per log (one
+all-reduce, which also carries the ranks' peak memory)."""
 
 from __future__ import annotations
 
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from rebm.distributed.collectives import all_reduce_max, all_reduce_sum
+from rebm.distributed.collectives import all_reduce_sum
 from rebm.distributed.runtime import Runtime
 
 
@@ -26,19 +27,28 @@ class MetricsWindow:
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.steps += 1
 
-    def global_sums(self, runtime: Runtime) -> Dict[str, float]:
-        """The window summed over ranks: the one all-reduce of a log or a save (every rank calls
-        this with the same keys, since every rank runs the same steps)."""
-        keys = sorted(self.sums)
-        totals = all_reduce_sum(runtime, torch.tensor([self.sums[k] for k in keys],
-                                                      dtype=torch.float64))
-        return dict(zip(keys, totals.tolist(), strict=True))
+    def global_sums_all_ranks(self, runtime: Runtime, maxima: Optional[Dict[str, float]] = None
+                              ) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """(the window summed over ranks, each of `maxima`'s values maximised over ranks): the
+        one all-reduce of a log or a save. It sums one vector: the window's sums, then a slot
+        per rank for its maxima (the others' slots are 0), so the maximum is taken on the host.
+        Every rank calls this with the same keys, since every rank runs the same steps."""
+        keys, names = sorted(self.sums), sorted(maxima or {})
+        values = torch.zeros(len(keys) + runtime.world_size * len(names), dtype=torch.float64)
+        values[:len(keys)] = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+        mine = len(keys) + runtime.rank * len(names)
+        values[mine:mine + len(names)] = torch.tensor([maxima[n] for n in names],
+                                                      dtype=torch.float64)
+        totals = all_reduce_sum(runtime, values)
+        sums = dict(zip(keys, totals[:len(keys)].tolist(), strict=True))
+        per_rank = totals[len(keys):].reshape(runtime.world_size, len(names))
+        return sums, dict(zip(names, per_rank.amax(dim=0).tolist(), strict=True))
 
-    def gather(self, runtime: Runtime) -> None:
+    def gather_all_ranks(self, runtime: Runtime) -> None:
         """Move the global sums to rank 0 and zero the others' (every rank calls this; one
         all-reduce): the next log counts the same totals, and rank 0's window is what a saved
         state holds, as a resumed run restores it."""
-        totals = self.global_sums(runtime)
+        totals, _ = self.global_sums_all_ranks(runtime)
         self.sums = {k: (v if runtime.is_main else 0.0) for k, v in totals.items()}
 
     @classmethod
@@ -69,14 +79,10 @@ def pop_data_counts(totals: Dict[str, float]) -> Dict[str, float]:
     return {key: totals.pop(key) for key in DATA_COUNT_KEYS if key in totals}
 
 
-def peak_memory(runtime: Runtime) -> Dict[str, float]:
-    """Largest per-rank peak RSS (and CUDA max allocated) in MiB; every rank calls this."""
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-    values = [rss_mib]
+def peak_memory_mib(runtime: Runtime) -> Dict[str, float]:
+    """This process's peak RSS (and CUDA max allocated) in MiB; the log takes the largest over
+    the ranks in its one all-reduce."""
+    peaks = {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}  # KiB
     if runtime.device.type == "cuda":
-        values.append(torch.cuda.max_memory_allocated(runtime.device) / 2**20)
-    peak = all_reduce_max(runtime, torch.tensor(values, dtype=torch.float64)).tolist()
-    out = {"max_rss_mib": peak[0]}
-    if len(peak) > 1:
-        out["max_cuda_mib"] = peak[1]
-    return out
+        peaks["max_cuda_mib"] = torch.cuda.max_memory_allocated(runtime.device) / 2**20
+    return peaks

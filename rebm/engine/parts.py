@@ -15,19 +15,18 @@ from rebm.checkpoint.state import (
     ProcessRNG,
     StateError,
     Stateful,
+    check_weights_all_ranks,
     load_parts,
-    replicas_identical,
 )
-from rebm.config import BatchPlan, TrainConfig
-from rebm.distributed.collectives import broadcast_buffers
+from rebm.config import TrainConfig
 from rebm.distributed.compile_cache import CompileCache
-from rebm.distributed.parallel import attack_view, has_sync_batchnorm
+from rebm.distributed.parallel import has_sync_batchnorm
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import get_compile_cache, get_model, get_optimizer
 from rebm.engine.ema import build_ema
-from rebm.engine.metrics import MetricsWindow, add_data_counts
-from rebm.methods.base import Method, StepContext, StepResult
+from rebm.engine.metrics import MetricsWindow
+from rebm.methods.base import Method
 
 LOGGER = logging.getLogger("rebm")
 
@@ -76,7 +75,7 @@ class Parts:
     model: torch.nn.Module  # what forward/backward goes through (DDP / DataParallel / plain)
     raw_model: torch.nn.Module  # the unwrapped module: EMA, state dicts
     optimizer: torch.optim.Optimizer
-    scheduler: Optional[Any]  # the method's LR scheduler, stepped once per optimizer step
+    scheduler: Optional[Any]  # the method's LR scheduler, stepped once per applied step
     ema: Optional[torch.nn.Module]
     precision: Precision
     method: Method
@@ -99,10 +98,6 @@ class Parts:
         """BatchNorm statistics from per-rank batches, which would drift apart between ranks."""
         return self.live_batchnorm and not has_sync_batchnorm(self.raw_model)
 
-    def context(self, plan: BatchPlan) -> StepContext:
-        return StepContext(model=self.model, attacked=attack_view(self.model),
-                           optimizer=self.optimizer, precision=self.precision, plan=plan)
-
     def stateful(self) -> Dict[str, Stateful]:
         """The parts a training state holds, each under its own key."""
         parts: Dict[str, Stateful] = {"model": self.raw_model, "optimizer": self.optimizer}
@@ -114,39 +109,21 @@ class Parts:
                      rng=ProcessRNG(), tracker=self.identity)
         return parts
 
-    def load_state_dict(self, state: dict, runtime: Runtime) -> None:
-        """Load a training state into every rank's parts and check that the replicas agree."""
+    def load_state_all_ranks(self, state: dict, runtime: Runtime) -> None:
+        """Load a training state into every rank's parts and check that the replicas agree
+        (every rank calls this: one all-reduce)."""
         load_parts(state, self.stateful())
         self.progress.step = int(state["step"])
-        if not replicas_identical(runtime, *self.replicated):
+        _, identical = check_weights_all_ranks(runtime, *self.replicated)
+        if not identical:
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
         LOGGER.info("resumed from %s at step %d (%s)", state["_path"], self.progress.step,
                     self.method.describe())
 
-    def train_step(self, ctx: StepContext, micro_batches, runtime: Runtime, log_now: bool
-                   ) -> StepResult:
-        """One optimizer step: the method's update, then LR schedule, BatchNorm sync, EMA and
-        the method's global statistics (e.g. DAT's curriculum)."""
-        learning_rate = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
-        result = self.method.step(ctx, micro_batches, log_now)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        if self.live_unsynced_batchnorm:
-            # per-rank batch statistics would make the replicas (and their EMA) drift apart
-            broadcast_buffers(runtime, self.raw_model)
-        if self.ema is not None:
-            self.ema.update()
-        self.progress.step += 1
-        result.stats = {**self.method.after_step(runtime, result), "learning_rate": learning_rate}
-        self.progress.window.add(result.window)
-        add_data_counts(self.progress.window, micro_batches)  # e.g. unreadable images replaced
-        if self.compile_cache is not None:
-            self.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
-        return result
 
-
-def build_parts(cfg: TrainConfig, runtime: Runtime, method: Method, last_step: float,
-                load_pretrained: bool = True) -> Parts:
+def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
+                          last_step: float, load_pretrained: bool = True) -> Parts:
+    """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
     model, raw_model = get_model(cfg, runtime, load_pretrained=load_pretrained)
     optimizer = get_optimizer(cfg, raw_model.parameters())

@@ -7,12 +7,10 @@ import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator
 
-import torch
-
-from rebm.checkpoint.state import save_on_main, training_state
+from rebm.checkpoint.state import check_weights_all_ranks, save_state_all_ranks, training_state
 from rebm.checkpoint.weights import save_model
 from rebm.config import TrainConfig
-from rebm.distributed.collectives import consensus, on_main, set_collective_timeout
+from rebm.distributed.collectives import on_main, set_collective_timeout
 from rebm.distributed.runtime import Runtime
 from rebm.engine.parts import Parts, Progress
 from rebm.errors import UserError
@@ -22,23 +20,32 @@ class TrainingDiverged(UserError, FloatingPointError):
     """A NaN/Inf loss; all ranks stop at the same step."""
 
 
-def save_training_state(parts: Parts, cfg: TrainConfig, runtime: Runtime) -> None:
+class ReplicasDiffer(UserError, RuntimeError):
+    """The ranks' weights are no longer bit-identical; all ranks stop before a save."""
+
+
+def save_training_state_all_ranks(parts: Parts, cfg: TrainConfig, runtime: Runtime) -> None:
     """Rank 0 writes the state of every part into cfg.run_dir, every rank learns whether that
-    worked (`save_on_main`); a state with non-finite weights is never written."""
-    weights = [p.detach() for m in parts.replicated for p in m.parameters()]
-    finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(weights)))
-    if consensus(runtime, nonfinite=not finite)["nonfinite"]:
+    worked (`save_state_all_ranks`). A state is written only when the weights are finite and
+    every rank holds the same ones (one all-reduce checks both: docs/design.md §7)."""
+    step = parts.progress.step
+    finite, identical = check_weights_all_ranks(runtime, *parts.replicated)
+    if not finite:
         raise TrainingDiverged(
-            f"the weights became non-finite by step {parts.progress.step}; not saving them (the "
-            f"newest state in {cfg.run_dir}/checkpoints is from before; try a lower lr)")
-    parts.progress.window.gather(runtime)  # every rank: an all-reduce; rank 0 saves the sums
+            f"the weights became non-finite by step {step}; not saving them (the newest state "
+            f"in {cfg.run_dir}/checkpoints is from before; try a lower lr)")
+    if not identical:
+        raise ReplicasDiffer(
+            f"the ranks' weights differ at step {step}; not saving them (the newest state in "
+            f"{cfg.run_dir}/checkpoints is from before: the same command resumes from it)")
+    parts.progress.window.gather_all_ranks(runtime)  # an all-reduce; rank 0 saves the sums
     with patient_collectives(runtime, cfg, parts.progress):
-        save_on_main(runtime, lambda: training_state(
-            parts.stateful(), parts.method.stage, parts.progress.step, cfg, runtime.world_size),
+        save_state_all_ranks(runtime, lambda: training_state(
+            parts.stateful(), parts.method.stage, step, cfg, runtime.world_size),
             cfg.run_dir, cfg.keep_last_states)
 
 
-def keep_best(parts: Parts, cfg: TrainConfig, runtime: Runtime, results: Dict[str, Any]
+def keep_best_all_ranks(parts: Parts, cfg: TrainConfig, runtime: Runtime, results: Dict[str, Any]
               ) -> None:
     """model_bestacc.pth (robust accuracy, clean without robust_eval) and model_bestfid.pth,
     written by rank 0 when an evaluation beats the best so far."""

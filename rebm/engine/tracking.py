@@ -1,7 +1,9 @@
 """What a run writes for people to read (docs/design.md §4): config.yaml, metrics.jsonl, wandb,
-PNG grids. Only rank 0 writes, but every rank calls every method: each write goes through
-`on_main`, so a failed write (full disk, wandb error) stops every rank with rank 0's one-line
-error instead of leaving the others waiting in their next collective."""
+PNG grids. Only rank 0 writes, but every rank calls every method. The `*_all_ranks` methods
+write through `on_main`, so a failed write (full disk, wandb error) stops every rank with rank
+0's one-line error instead of leaving the others waiting in their next collective; the training
+record of a metrics log (`log_training`) runs no collective, and its failure rides on the loop's
+next consensus."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from rebm.config import TrainConfig, to_dict, to_yaml
 from rebm.distributed import Runtime
-from rebm.distributed.collectives import on_main
+from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
 from rebm.distributed.logs import progress_enabled
 from rebm.eval.report import jsonable
 
@@ -73,6 +75,7 @@ class Tracker:
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
         self._on_main(lambda: self._start(cfg), "write config.yaml or start wandb")
 
     def _on_main(self, write, what: str) -> Any:
@@ -118,7 +121,7 @@ class Tracker:
             LOGGER.info("wandb offline run %s; upload it with `wandb sync %s`",
                         self.wandb_run_id, folder)
 
-    def truncate_metrics_after(self, step: int) -> None:
+    def truncate_metrics_after_all_ranks(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight
         run (a preempted run may have logged steps after its last saved state)."""
         self._on_main(lambda: self._truncate(step), f"rewrite {self.metrics_path}")
@@ -135,17 +138,42 @@ class Tracker:
                 fh.writelines(kept)
             os.replace(tmp, self.metrics_path)
 
-    def log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
+    def log_all_ranks(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
         """One record in metrics.jsonl (and wandb)."""
         self._on_main(lambda: self._log(step, n_imgs, epoch, metrics),
                       f"write {self.metrics_path}")
 
     def log_training(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
-        """A training-metrics record; without a progress bar (a log file, a pipe) also one
-        console line with its numbers, so a batch job's log shows the run moving."""
-        self.log(step, n_imgs, epoch, metrics)
-        if self.runtime.is_main and not progress_enabled():
+        """A training-metrics record, written by rank 0 without a collective (the metrics log
+        costs one all-reduce, the window's): a failed write is kept, and the loop's next
+        consensus stops every rank (`write_failed`, `raise_write_failure`). Without a progress
+        bar (a log file, a pipe) also one console line with its numbers, so a batch job's log
+        shows the run moving."""
+        if not self.runtime.is_main:
+            return
+        try:
+            self._log(step, n_imgs, epoch, metrics)
+        except OSError as err:
+            self.failed_write = (f"cannot write {self.metrics_path} ({err.strerror or err}); "
+                                 "free disk space or fix the run directory's permissions")
+        except Exception as err:  # e.g. wandb's; every rank raises it at the next consensus
+            first = str(err).strip().splitlines()
+            self.failed_write = (f"cannot record the training metrics of step {step} "
+                                 f"({first[0] if first else type(err).__name__})")
+        if not progress_enabled():
             LOGGER.info("%s", training_summary(step, self.last_step, epoch, metrics))
+
+    @property
+    def write_failed(self) -> bool:
+        """Rank 0 could not write a training-metrics record (False on the other ranks)."""
+        return self.failed_write is not None
+
+    def raise_write_failure(self) -> None:
+        """After a consensus saw `write_failed`: rank 0 raises its error, the others say whose
+        it is (one line each, as `on_main`)."""
+        if self.failed_write is not None:
+            raise WriteFailed(self.failed_write)
+        raise RankFailed(f"rank 0 could not write {self.metrics_path} (see its error)")
 
     def _log(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
         record = {"step": step, "n_imgs": n_imgs, "epoch": epoch}
@@ -155,8 +183,8 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
-    def save_grid(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
-                  ) -> Optional[str]:
+    def save_grid_all_ranks(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
+                            ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
         path = os.path.join(self.run_dir, "samples", name)
         self._on_main(lambda: self._save_grid(images, path, step, nrow), f"write {path}")
@@ -169,7 +197,7 @@ class Tracker:
         save_image(images.detach().float().cpu().clamp(0, 1), path, nrow=nrow)
         self._log_image(path, step)
 
-    def log_image(self, path: str, step: int) -> None:
+    def log_image_all_ranks(self, path: str, step: int) -> None:
         """An image file (a sample grid) to wandb under its name's stem, e.g. `samples`."""
         self._on_main(lambda: self._log_image(path, step), "log an image to wandb")
 
@@ -181,7 +209,7 @@ class Tracker:
         key = "images/" + os.path.basename(path).split("_step")[0]
         self.wandb_run.log({key: wandb.Image(path)}, step=step)
 
-    def log_table(self, name: str, step: int, values: Dict[str, Any]) -> None:
+    def log_table_all_ranks(self, name: str, step: int, values: Dict[str, Any]) -> None:
         """One evaluation's numbers to wandb as a table (metric, value), besides the scalars."""
         self._on_main(lambda: self._log_table(name, step, values), "log a table to wandb")
 
@@ -201,7 +229,7 @@ class Tracker:
                  if os.path.exists(os.path.join(self.run_dir, name))]
         return ", ".join(found) or "none yet"
 
-    def close(self) -> None:
+    def close_all_ranks(self) -> None:
         self._on_main(self._close, "finish the wandb run")
 
     def _close(self) -> None:
@@ -213,12 +241,12 @@ class Tracker:
 def training_summary(step: int, last_step: float, epoch: int, metrics: Dict[str, Any]) -> str:
     """One line of a training-metrics record, its names as in metrics.jsonl, e.g.
     'step 40/3900 (epoch 0): train_clf_loss 2.21 | learning_rate 0.1 | imgs_per_s 131 | ...'.
-    Bookkeeping that says nothing (replicas identical, no unreadable images) is left out."""
+    Bookkeeping that says nothing (no unreadable images) is left out."""
     total = "" if math.isinf(last_step) else f"/{int(last_step)}"
     parts = []
     for key, value in metrics.items():
         value = jsonable(value)
-        if (key, value) in (("replicas_identical", True), ("data_replaced_images", 0)):
+        if (key, value) == ("data_replaced_images", 0):
             continue
         if isinstance(value, float):
             value = f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"

@@ -2,11 +2,13 @@
 
 The Trainer builds and owns what a run is made of — config, batch plan, runtime (with the
 preemption flag), run tracking, the parts (model, optimizer, EMA, method, ...) and the data — and
-`fit` reads like a training loop: step, agree, log, evaluate, save, stop. The method
-(rebm.methods) owns the step; processes, data positions and checkpoint files are handled by
+`fit` reads like a training loop: step, agree, log, evaluate, save, stop. It owns the optimizer
+step (`train_step_all_ranks`, with the update of rebm.engine.step); the method (rebm.methods)
+computes its losses. Processes, data positions and checkpoint files are handled by
 rebm.distributed, rebm.data and rebm.checkpoint. Every rank runs every line: intervals depend only
 on the step, decisions go through one consensus per step, and rank 0's writes sit behind inert
-objects (Tracker) or `save_on_main`.
+objects (Tracker) or `on_main`. A method whose name ends in `_all_ranks` reaches a collective:
+every rank calls it, at the same point (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
-from rebm.checkpoint.state import agree_on_resume, check_stage, replicas_identical
+from rebm.checkpoint.state import agree_on_resume_all_ranks, check_stage
 from rebm.checkpoint.weights import save_model
 from rebm.config import (
     ConfigError,
@@ -31,6 +33,7 @@ from rebm.config import (
 )
 from rebm.data import build_train_data
 from rebm.distributed.collectives import (
+    broadcast_buffers,
     consensus,
     decide_on_main,
     name_stuck_ranks,
@@ -41,15 +44,16 @@ from rebm.distributed.collectives import (
 from rebm.distributed.logs import setup_logging
 from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
-from rebm.engine.metrics import MetricsWindow, peak_memory, pop_data_counts
-from rebm.engine.parts import Parts, Progress, build_parts
+from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory_mib, pop_data_counts
+from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
 from rebm.engine.rundir import resolve_run_dir
 from rebm.engine.saving import (
     TrainingDiverged,
-    keep_best,
+    keep_best_all_ranks,
     patient_collectives,
-    save_training_state,
+    save_training_state_all_ranks,
 )
+from rebm.engine.step import step_context, update_all_ranks
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.eval.evaluation import EvalSpec, evaluate_model
 from rebm.eval.fid import require_fid_ready
@@ -84,11 +88,11 @@ def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
     return min(limits) if limits else math.inf
 
 
-def resume_point(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
+def resume_point_all_ranks(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
     """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
     other stage, or when the run it belongs to trained with another config (unless
     resume=force)."""
-    state = agree_on_resume(runtime, cfg.run_dir, cfg.resume_from_state,
+    state = agree_on_resume_all_ranks(runtime, cfg.run_dir, cfg.resume_from_state,
                             allow_auto=cfg.resume in ("auto", "force"))
     if state is not None:
         check_stage(state, stage)
@@ -111,25 +115,28 @@ class Trainer:
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
+        if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
+            raise ConfigError(f"'max_grad_norm' must be > 0 (or null: no clipping), got "
+                              f"{cfg.max_grad_norm}")
         method = make_method(cfg)
         self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
-        self._start_logging(method)
+        self._start_logging_all_ranks(method)
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point(cfg, self.runtime, method.stage)
+        state = resume_point_all_ranks(cfg, self.runtime, method.stage)
         self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(cfg, self.data.steps_per_epoch)
-        self.parts: Parts = build_parts(cfg, self.runtime, method, self.last_step,
+        self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,
                                         load_pretrained=state is None)
         if state is not None:
-            self.parts.load_state_dict(state, self.runtime)
+            self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
         self.tracker = Tracker(cfg, self.runtime, cfg.run_dir,
                                wandb_run_id=identity.wandb_run_id, last_step=self.last_step)
         identity.wandb_run_id = self.tracker.wandb_run_id
-        self.tracker.truncate_metrics_after(self.progress.step)  # an attempt that saved none
-        self.ctx = self.parts.context(self.plan)
+        self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
+        self.step_context = step_context(self.parts.model, self.parts.precision)
         LOGGER.info("%s | data: %s | training to step %s", method.describe(),
                     self.data.describe(), self.last_step)
 
@@ -137,7 +144,7 @@ class Trainer:
     def progress(self) -> Progress:
         return self.parts.progress
 
-    def _start_logging(self, method: Method) -> None:
+    def _start_logging_all_ranks(self, method: Method) -> None:
         cfg, runtime, plan = self.cfg, self.runtime, self.plan
         on_every_rank(runtime, lambda: setup_logging(runtime, cfg.run_dir), "create its log file")
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
@@ -158,7 +165,7 @@ class Trainer:
         with self.preemption:
             try:
                 if progress.eval_pending:  # an evaluation a preemption interrupted
-                    self.evaluate()
+                    self.evaluate_all_ranks()
                 batches = iter(self.data)
                 bar = progress_bar(self.runtime, progress.step, self.last_step, cfg.batch_size)
                 progress.window.started = time.perf_counter()  # images/s counts training only
@@ -166,34 +173,33 @@ class Trainer:
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
                     while progress.step < self.last_step:
                         log_now = self.log_due(progress.step + 1)
-                        result = self.train_step(next(batches), log_now)
+                        result = self.train_step_all_ranks(next(batches), log_now)
+                        decision = consensus(self.runtime, preempt=self.preemption.raised,
+                                             nonfinite=not (result.applied and result.finite),
+                                             write_failed=self.tracker.write_failed)
+                        if decision["nonfinite"]:
+                            self.diverged(result)
+                        if decision["write_failed"]:  # the previous metrics log's record
+                            self.tracker.raise_write_failure()
                         bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
                                    epoch=self.epoch, **self.parts.method.progress())
-                        decision = consensus(self.runtime, preempt=self.preemption.raised,
-                                             nonfinite=not (result.finite
-                                                            and self.parts.precision.update_finite))
-                        if decision["nonfinite"]:
-                            raise TrainingDiverged(
-                                f"non-finite loss or gradients at step {progress.step} on at "
-                                "least one rank (the update was not applied); the newest state "
-                                f"in {cfg.run_dir}/checkpoints is from before it (try a lower lr)")
                         if log_now:
-                            self.log(result)
+                            self.log_all_ranks(result)
                         if plan.crossed(cfg.n_imgs_per_image_log, progress.step):
-                            self.save_previews(result)
+                            self.save_previews_all_ranks(result)
                         if plan.crossed(cfg.n_imgs_per_evaluation_log, progress.step):
-                            self.evaluate()
+                            self.evaluate_all_ranks()
                         if (plan.crossed(cfg.n_imgs_per_ckpt_save, progress.step)
                                 and progress.step < self.last_step):
-                            self.save()
+                            self.save_all_ranks()
                         if decision["preempt"] and progress.step < self.last_step:
                             break  # at the last step: just finish
                 if progress.step < self.last_step:  # every rank agreed to stop
-                    return self.stop_preempted()
-                return self.finish()
+                    return self.stop_preempted_all_ranks()
+                return self.finish_all_ranks()
             except Preempted:  # every rank agreed inside an evaluation: abandon it, save, exit
                 progress.eval_pending = True
-                return self.stop_preempted()
+                return self.stop_preempted_all_ranks()
 
     @property
     def epoch(self) -> int:
@@ -205,38 +211,72 @@ class Trainer:
         return (self.plan.crossed(self.cfg.n_imgs_per_metrics_log, step)
                 or (self.parts.method.log_final_step and step == self.last_step))
 
-    def train_step(self, micro_batches, log_now: bool) -> StepResult:
-        """One optimizer step over this rank's micro-batches (rebm.engine.parts)."""
+    def train_step_all_ranks(self, micro_batches, log_now: bool) -> StepResult:
+        """One optimizer step: the update (zero_grad, the method's losses and their backward
+        under no_sync, clipping, the optimizer step: rebm.engine.step), then, if and only if
+        it was applied, the LR schedule, BatchNorm sync, EMA, the step counter, the method's
+        global statistics (e.g. DAT's curriculum) and the metrics window. Every rank calls
+        this; `result.applied` is the same on every rank (DDP all-reduced the gradients)."""
         if self.started is not None:  # start-up cost: O(1) in the resumed step, no replay
             LOGGER.info("first batch after %.2fs", time.perf_counter() - self.started)
             self.started = None
-        result = self.parts.train_step(self.ctx, micro_batches, self.runtime, log_now)
-        if self.progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
+        parts, progress = self.parts, self.progress
+        learning_rate = parts.optimizer.param_groups[0]["lr"]  # the LR this step uses
+        result = update_all_ranks(self.step_context, parts.method, parts.optimizer,
+                                  parts.precision, micro_batches, self.plan.accumulation_steps,
+                                  log_now=log_now, max_grad_norm=self.cfg.max_grad_norm)
+        if result.applied:
+            if parts.scheduler is not None:
+                parts.scheduler.step()
+            if parts.live_unsynced_batchnorm:
+                # per-rank batch statistics would make the replicas (and their EMA) drift apart
+                broadcast_buffers(self.runtime, parts.raw_model)
+            if parts.ema is not None:
+                parts.ema.update()
+            progress.step += 1
+            result.stats = {**parts.method.after_step_all_ranks(self.runtime, result),
+                            "learning_rate": learning_rate}
+            if result.grad_norm is not None:
+                result.stats["grad_norm"] = result.grad_norm
+            progress.window.add(result.window)
+            add_data_counts(progress.window, micro_batches)  # e.g. unreadable images replaced
+        if parts.compile_cache is not None:
+            parts.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
+        if progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
             set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
-        self.progress.steps_run += 1
+        progress.steps_run += 1
         return result
 
-    def log(self, result: StepResult) -> None:
-        """The window's global means (one all-reduce), this step's statistics, throughput."""
+    def diverged(self, result: StepResult) -> None:
+        """Stop on a non-finite loss or update on any rank (every rank, at the same step)."""
+        step = self.progress.step if result.applied else self.progress.step + 1
+        skipped = "" if result.applied else " (the update was not applied)"
+        raise TrainingDiverged(
+            f"non-finite loss or gradients at step {step} on at least one rank{skipped}; the "
+            f"newest state in {self.cfg.run_dir}/checkpoints is from before it (try a lower lr)")
+
+    def log_all_ranks(self, result: StepResult) -> None:
+        """The window's global means and the ranks' peak memory (one all-reduce), this step's
+        statistics, throughput; rank 0 writes the record (its failure rides on the next
+        consensus: `Tracker.log_training`)."""
         window, runtime = self.progress.window, self.runtime
         elapsed = time.perf_counter() - window.started
-        totals = window.global_sums(runtime)
+        totals, peaks = window.global_sums_all_ranks(runtime, peak_memory_mib(runtime))
         data_counts = pop_data_counts(totals)
         summary = {**self.parts.method.summarize(totals), **data_counts, **result.stats,
                    "imgs_per_s": window.steps * self.plan.global_batch_size / max(elapsed, 1e-9),
-                   **peak_memory(runtime),
-                   "replicas_identical": replicas_identical(runtime, *self.parts.replicated)}
+                   **peaks}
         step = self.progress.step
         self.tracker.log_training(step, self.plan.images(step), self.epoch, summary)
         self.progress.window = MetricsWindow()
 
-    def save_previews(self, result: StepResult) -> None:
+    def save_previews_all_ranks(self, result: StepResult) -> None:
         """The image grids the method asked for (e.g. DAT's negatives)."""
         for name, images in result.previews.items():
-            self.tracker.save_grid(images, f"{name}_step{self.progress.step:08d}.png",
+            self.tracker.save_grid_all_ranks(images, f"{name}_step{self.progress.step:08d}.png",
                                    self.progress.step)
 
-    def evaluate(self) -> Dict[str, Any]:
+    def evaluate_all_ranks(self) -> Dict[str, Any]:
         """Every rank evaluates its shard; rank 0 records and keeps the best models."""
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
@@ -246,22 +286,29 @@ class Trainer:
             results = evaluate_model(self.parts.eval_model, self.cfg, self.runtime, spec)
         progress.last_eval, progress.last_eval_step = results, step
         progress.eval_pending = False
-        self.tracker.log(step, self.plan.images(step), self.epoch, results)
+        self.tracker.log_all_ranks(step, self.plan.images(step), self.epoch, results)
         LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
-        self.tracker.log_table("eval/table", step, results)
-        self.tracker.log_image(os.path.join(self.tracker.run_dir, "samples",
+        self.tracker.log_table_all_ranks("eval/table", step, results)
+        self.tracker.log_image_all_ranks(os.path.join(self.tracker.run_dir, "samples",
                                             f"samples_step{step:08d}.png"), step)
         if self.parts.method.keep_best:
-            keep_best(self.parts, self.cfg, self.runtime, results)
+            keep_best_all_ranks(self.parts, self.cfg, self.runtime, results)
         return results
 
-    def save(self) -> None:
+    def save_all_ranks(self) -> None:
         """The training state of this step (rank 0 writes; every rank learns the outcome)."""
-        save_training_state(self.parts, self.cfg, self.runtime)
+        save_training_state_all_ranks(self.parts, self.cfg, self.runtime)
 
-    def stop_preempted(self) -> Dict[str, Any]:
+    def check_records_all_ranks(self) -> None:
+        """Stop every rank if rank 0 could not write the last metrics log's record (the loop's
+        consensus checks the earlier ones)."""
+        if consensus(self.runtime, write_failed=self.tracker.write_failed)["write_failed"]:
+            self.tracker.raise_write_failure()
+
+    def stop_preempted_all_ranks(self) -> Dict[str, Any]:
         """Save the state (with an abandoned evaluation marked pending), say how to resume."""
-        self.save()
+        self.check_records_all_ranks()
+        self.save_all_ranks()
         step = self.progress.step
         pending = " (the interrupted evaluation runs first)" if self.progress.eval_pending else ""
         # The plain command finds its default run_dir again; a run_dir the user chose is named,
@@ -272,30 +319,31 @@ class Trainer:
                    "stopped by %s: state saved at step %d; run the same command%s to resume%s",
                    self.preemption.signal_name or "a signal on another rank", step, where,
                    pending)
-        self.tracker.close()
+        self.tracker.close_all_ranks()
         return {"step": step, "preempted": True}
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         """The final evaluation (unless the last step just ran one), model_final.pth, the
         state."""
+        self.check_records_all_ranks()
         progress, runtime, run_dir = self.progress, self.runtime, self.tracker.run_dir
         final_path = os.path.join(run_dir, "model_final.pth")
         finished = decide_on_main(runtime, lambda: os.path.exists(final_path))
         if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
             LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
                         "total_epochs to continue it)", progress.step)
-            self.tracker.close()
+            self.tracker.close_all_ranks()
             return {"step": progress.step}
         results = progress.last_eval
         if self.cfg.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
-            results = self.evaluate()
+            results = self.evaluate_all_ranks()
         # model_final first: once the final state exists, a rerun has nothing left to do; a
         # plain state dict: it loads as model.ckpt_path of the next stage
         on_main(runtime, lambda: save_model(self.parts.eval_model, final_path),
                 f"write {final_path}")
         LOGGER.info("wrote %s", final_path)
-        self.save()
-        self.tracker.close()
+        self.save_all_ranks()
+        self.tracker.close_all_ranks()
         LOGGER.info("finished at step %d%s", progress.step,
                     f": {describe_evaluation(results)}" if results else "")
         LOGGER.info("files in %s: %s", run_dir, self.tracker.describe_files())

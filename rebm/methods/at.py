@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from rebm.attacks.pgd import pgd_from_config
 from rebm.config import ConfigError
 from rebm.data import CLASSIFIER, MicroBatch
-from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, accumulate, mean_terms
+from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
 
 LOGGER = logging.getLogger("rebm")
 SCHEDULES = ("cosine", "constant")
@@ -47,29 +47,28 @@ class AdversarialTraining(Method):
         self.last_step = int(last_step)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.schedule, last_step))
 
-    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
-             ) -> StepResult:
-        def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
-            clf = batch[CLASSIFIER.name]
-            # Attack in eval mode, without DDP: BN uses its running statistics, so the K attack
-            # forwards neither update them nor run SyncBatchNorm/DDP collectives, and the
-            # adversarial example does not depend on how the batch is split over ranks.
-            ctx.attacked.eval()
-            with ctx.precision.autocast():
-                x_adv = pgd_from_config(ctx.attacked, clf.images, self.cfg.indist_attack_clf,
-                                        objective="ce", y=clf.labels,
-                                        random_start_keys=clf.keys)
-            # The training forward is in train mode through DDP: BN normalises with (synced, on
-            # GPU) batch statistics of the adversarial batch and updates its running stats.
-            ctx.model.train()
-            with ctx.precision.autocast():
-                logits = ctx.model(x_adv)
-                loss = F.cross_entropy(logits.float(), clf.labels)
-            correct = (logits.argmax(1) == clf.labels).sum()
-            return MicroOutput(loss=loss, terms={"clf": loss.detach()},
-                               keep={"correct": correct.detach()})
+    def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
+                   ) -> MicroOutput:
+        clf = batch[CLASSIFIER.name]
+        # Attack in eval mode, without DDP: BN uses its running statistics, so the K attack
+        # forwards neither update them nor run SyncBatchNorm/DDP collectives, and the
+        # adversarial example does not depend on how the batch is split over ranks.
+        ctx.attacked.eval()
+        with ctx.autocast():
+            x_adv = pgd_from_config(ctx.attacked, clf.images, self.cfg.indist_attack_clf,
+                                    objective="ce", y=clf.labels, random_start_keys=clf.keys)
+        # The training forward is in train mode through DDP: BN normalises with (synced, on
+        # GPU) batch statistics of the adversarial batch and updates its running stats.
+        ctx.model.train()
+        with ctx.autocast():
+            logits = ctx.model(x_adv)
+            loss = F.cross_entropy(logits.float(), clf.labels)
+        correct = (logits.argmax(1) == clf.labels).sum()
+        return MicroOutput(loss=loss, terms={"clf": loss.detach()},
+                           keep={"correct": correct.detach()})
 
-        outputs = accumulate(ctx, micro_batches, micro_step)
+    def step_result(self, outputs: List[MicroOutput], micro_batches: List[MicroBatch]
+                    ) -> StepResult:
         terms = mean_terms(outputs)
         sizes = [len(b[CLASSIFIER.name].labels) for b in micro_batches]
         window = {"clf_sum": sum(float(o.terms["clf"]) * n

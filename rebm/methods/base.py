@@ -1,40 +1,40 @@
-"""What a training method is: its input streams, a step function and its metrics
+"""What a training method is: its input streams, the loss of one micro-batch and its metrics
 (docs/design.md §6).
 
-The engine (rebm.engine) owns everything around a step — data, processes, EMA, intervals,
-evaluation, states. A method declares the input streams it reads (`streams`; the data pipeline
-loads those only, and `loss_streams` sizes the evaluation batch and `--check`'s memory plan) and
-owns the step itself: `Method.step` turns one optimizer step's micro-batches into an update and a
-`StepResult`; `after_step` computes the global statistics it needs (every rank calls it,
-collectives allowed); `summarize` turns the metrics window into the numbers logged. Method state
-(e.g. DAT's curriculum) goes through state_dict/load_state_dict, under its own key of the
-training state.
+The engine (rebm.engine) owns the optimizer step and everything around it: data, processes,
+zero_grad, backward (under no_sync), clipping, the optimizer and precision step, the scheduler,
+EMA, intervals, evaluation, states (rebm.engine.step, rebm.engine.trainer). A method declares the
+input streams it consumes (`streams`; the data pipeline loads those only, and `loss_streams`
+sizes the evaluation batch and `--check`'s memory plan) and computes losses: `micro_loss` runs
+the forward of one micro-batch and returns its loss and what it keeps; `step_result` turns the
+micro-batches' outputs into a `StepResult`; `after_step_all_ranks` computes the global
+statistics it needs once an update was applied (every rank calls it, collectives allowed);
+`summarize` turns the metrics window into the numbers logged. No method calls backward, an
+optimizer step or a precision step. Method state (e.g. DAT's curriculum) goes through
+state_dict/load_state_dict, under its own key of the training state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from rebm.config import BatchPlan, TrainConfig
+from rebm.config import TrainConfig
 from rebm.data import MicroBatch, Stream
-from rebm.distributed.parallel import micro_step_sync
-from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepContext:
-    """What a step works with; the engine builds it once per run."""
+    """What a method's loss runs on; the engine builds it once per run."""
 
-    model: nn.Module  # DDP / DataParallel / compiled wrapper: the loss forward and backward
+    model: nn.Module  # DDP / DataParallel / compiled wrapper: the loss forward (its backward is
+    # the engine's, and all-reduces the gradients under DDP)
     attacked: nn.Module  # attack_view(model): without DDP, through DataParallel, compiled if it is
-    optimizer: torch.optim.Optimizer
-    precision: Precision
-    plan: BatchPlan
+    autocast: Callable[[], ContextManager]  # the run's mixed precision for forwards
 
     @property
     def device(self) -> torch.device:
@@ -50,8 +50,12 @@ class StepResult:
     window: Dict[str, float]  # sums this step adds to the metrics window (summed over ranks)
     # images the engine saves as grids every n_imgs_per_image_log, as <name>_step<step>.png
     previews: Dict[str, Tensor] = field(default_factory=dict)
-    scores: Dict[str, Tensor] = field(default_factory=dict)  # per-image values for after_step
-    stats: Dict[str, Any] = field(default_factory=dict)  # global values from `after_step`
+    scores: Dict[str, Tensor] = field(default_factory=dict)  # per-image values for after_step_all_ranks
+    stats: Dict[str, Any] = field(default_factory=dict)  # global values of an applied step
+    # set by the engine: whether the optimizer applied the update (finite gradients; the same on
+    # every rank, whose gradients DDP all-reduced), and the gradient norm before clipping
+    applied: bool = True
+    grad_norm: Optional[float] = None
 
     @property
     def finite(self) -> bool:
@@ -71,24 +75,6 @@ class MicroOutput:
     keep: Dict[str, Tensor] = field(default_factory=dict)  # anything else (scores, previews)
 
 
-def accumulate(ctx: StepContext, micro_batches: List[MicroBatch],
-               micro_step: Callable[[MicroBatch, int], MicroOutput]) -> List[MicroOutput]:
-    """One optimizer step over this rank's micro-batches: `micro_step(batch, index)` for each
-    (batch already on the device), backward of its loss / accumulation_steps, DDP gradient
-    all-reduce on the last micro-batch only (`no_sync` before it), then the optimizer step."""
-    ctx.optimizer.zero_grad(set_to_none=True)
-    outputs = []
-    device = ctx.device
-    for index, batch in enumerate(micro_batches):
-        batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
-        with micro_step_sync(ctx.model, last=index == len(micro_batches) - 1):
-            out = micro_step(batch, index)
-            ctx.precision.backward(out.loss / ctx.plan.accumulation_steps)
-        outputs.append(out)
-    ctx.precision.step(ctx.optimizer)
-    return outputs
-
-
 def mean_terms(outputs: List[MicroOutput]) -> Dict[str, Tensor]:
     """Each loss term's mean over the micro-batches (equal sizes: the rank's mean)."""
     return {name: torch.stack([out.terms[name] for out in outputs]).mean()
@@ -96,11 +82,12 @@ def mean_terms(outputs: List[MicroOutput]) -> Dict[str, Tensor]:
 
 
 class Method:
-    """Base of a training method; subclasses set the class attributes and implement `step`."""
+    """Base of a training method; subclasses set the class attributes and implement
+    `micro_loss` and `step_result`."""
 
     name = "method"
     stage = 0  # written into training states: a state of another stage is refused
-    streams: Tuple[Stream, ...] = ()  # the input streams `step` reads, in this order
+    streams: Tuple[Stream, ...] = ()  # the input streams `micro_loss` reads, in this order
     eval_samples = False  # periodic evaluation also draws samples (and FID)
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
     log_final_step = False  # also log the training metrics at the run's last step
@@ -120,15 +107,24 @@ class Method:
         return len(cls.streams)
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: int) -> Optional[Any]:
-        """A scheduler stepped once per optimizer step, or None (constant learning rate)."""
+        """A scheduler stepped once per applied optimizer step, or None (constant rate)."""
         return None
 
-    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
-             ) -> StepResult:
+    def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
+                   ) -> MicroOutput:
+        """Forward only: the loss of the `index`-th micro-batch of a step (already on the
+        device; the engine divides it by the accumulation count and runs its backward) and
+        what the method keeps of it. `log_now`: this step's metrics are logged."""
         raise NotImplementedError
 
-    def after_step(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
-        """Global statistics of the step (every rank calls this); logged with the metrics."""
+    def step_result(self, outputs: List[MicroOutput], micro_batches: List[MicroBatch]
+                    ) -> StepResult:
+        """The step's result from its micro-batches' outputs (after the optimizer step)."""
+        raise NotImplementedError
+
+    def after_step_all_ranks(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
+        """Global statistics of an applied step (every rank calls this, collectives allowed);
+        logged with the metrics."""
         return {}
 
     def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:

@@ -3,7 +3,7 @@
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy
 from rebm.methods.dat.rules import loss_weights, raw_loss_weights
-from rebm.methods.dat.step import DAT, dat_step, global_aucs
+from rebm.methods.dat.step import DAT, global_aucs_all_ranks
 
-__all__ = ["DAT", "Curriculum", "dat_step", "clf_loss", "dat_loss", "ebm_loss", "energy",
-           "global_aucs", "loss_weights", "raw_loss_weights"]
+__all__ = ["DAT", "Curriculum", "clf_loss", "dat_loss", "ebm_loss", "energy",
+           "global_aucs_all_ranks", "loss_weights", "raw_loss_weights"]

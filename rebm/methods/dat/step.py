@@ -1,11 +1,11 @@
-"""DAT, the method of stage 2 (docs/design.md §1): one optimizer step and its metrics.
+"""DAT, the method of stage 2 (docs/design.md §1): the losses of one step and its metrics.
 
 It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batch: negatives
 x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
-if it is, in eval mode; then the energy + classifier loss through the wrapper, so gradients are
-all-reduced. After the step, the curriculum gets the AUC of the all-gathered global batch, so T
-follows the same schedule on any number of ranks.
+if it is, in eval mode; then the energy + classifier loss through the wrapper, so the engine's
+backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
+all-gathered global batch, so T follows the same schedule on any number of ranks.
 
 `track_r1` (with r1reg = 0): on metrics-log steps only, one more input-gradient pass per
 micro-batch measures 1/2 mean ||grad_x s(x_in)||^2 (unweighted: the weight is 0) on the module the
@@ -24,18 +24,9 @@ from rebm.attacks.pgd import pgd_from_config
 from rebm.config import TrainConfig
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
-from rebm.distributed.parallel import attack_view
-from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.eval.auc import binary_auc
-from rebm.methods.base import (
-    Method,
-    MicroOutput,
-    StepContext,
-    StepResult,
-    accumulate,
-    mean_terms,
-)
+from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
 from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
@@ -71,46 +62,46 @@ class DAT(Method):
         """Plus the clean out-distribution images when they are weighted."""
         return len(cls.streams) + (1 if scores_clean_outdist(cfg) else 0)
 
-    def step(self, ctx: StepContext, micro_batches: List[MicroBatch], log_now: bool
-             ) -> StepResult:
-        """Attacks -> losses -> backward over the micro-batches -> one optimizer step.
-        `log_now` adds the clean out-distribution AUC (one more forward per micro-batch) and,
-        with track_r1, the measured R1 penalty (one input-gradient pass per micro-batch)."""
+    def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
+                   ) -> MicroOutput:
+        """Attacks -> energy + classifier loss of one micro-batch (forward only). `log_now`
+        adds the clean out-distribution scores (one more forward) and, with track_r1, the
+        measured R1 penalty (one input-gradient pass)."""
         cfg, steps = self.cfg, self.curriculum.T
+        x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
+        clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
+        ctx.attacked.eval()
+        with ctx.autocast():
+            x_adv = pgd_from_config(
+                ctx.attacked, out.images, cfg.attack, steps=steps, y=y_in,
+                objective="lse" if cfg.logsumexp_sampling else "logit",
+                random_start_keys=out.keys)
+            x_c_adv = pgd_from_config(ctx.attacked, clf.images, cfg.indist_attack_clf,
+                                      objective="ce", y=clf.labels,
+                                      random_start_keys=clf.keys)
+        keep: Dict[str, torch.Tensor] = {}
+        if log_now:
+            keep["out"] = _fy(ctx.attacked, out.images, y_in)
+            if self.track_r1:
+                with ctx.autocast():
+                    keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, cfg.logsumexp)
+        if not self.frozen_bn:
+            keep["in"] = _fy(ctx.attacked, x_in, y_in)
+            keep["adv"] = _fy(ctx.attacked, x_adv, y_in)
+        ctx.model.train()
+        with ctx.autocast():
+            losses = dat_loss(ctx.model, x_in, y_in, x_adv, x_c_adv, clf.labels,
+                              out.images, **self.loss_options)
+        if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
+            keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
+        if index == 0:
+            keep["x_adv"] = x_adv.detach()
+        terms = {name: term.detach() for name, term in losses.terms.items()}
+        return MicroOutput(loss=losses.loss, terms=terms, keep=keep)
 
-        def micro_step(batch: MicroBatch, index: int) -> MicroOutput:
-            x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
-            clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
-            ctx.attacked.eval()
-            with ctx.precision.autocast():
-                x_adv = pgd_from_config(
-                    ctx.attacked, out.images, cfg.attack, steps=steps, y=y_in,
-                    objective="lse" if cfg.logsumexp_sampling else "logit",
-                    random_start_keys=out.keys)
-                x_c_adv = pgd_from_config(ctx.attacked, clf.images, cfg.indist_attack_clf,
-                                          objective="ce", y=clf.labels,
-                                          random_start_keys=clf.keys)
-            keep: Dict[str, torch.Tensor] = {}
-            if log_now:
-                keep["out"] = _fy(ctx.attacked, out.images, y_in)
-                if self.track_r1:
-                    with ctx.precision.autocast():
-                        keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, cfg.logsumexp)
-            if not self.frozen_bn:
-                keep["in"] = _fy(ctx.attacked, x_in, y_in)
-                keep["adv"] = _fy(ctx.attacked, x_adv, y_in)
-            ctx.model.train()
-            with ctx.precision.autocast():
-                losses = dat_loss(ctx.model, x_in, y_in, x_adv, x_c_adv, clf.labels,
-                                  out.images, **self.loss_options)
-            if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
-                keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
-            if index == 0:
-                keep["x_adv"] = x_adv.detach()
-            terms = {name: term.detach() for name, term in losses.terms.items()}
-            return MicroOutput(loss=losses.loss, terms=terms, keep=keep)
-
-        outputs = accumulate(ctx, micro_batches, micro_step)
+    def step_result(self, outputs: List[MicroOutput], micro_batches: List[MicroBatch]
+                    ) -> StepResult:
+        """Mean loss terms, the window's sums, the negatives to preview and the AUC scores."""
         terms = mean_terms(outputs)
         loss = sum(terms.values())  # the trained terms only
         # one host sync for the window's sums
@@ -125,10 +116,10 @@ class DAT(Method):
         return StepResult(loss=loss, losses=terms, window=window,
                           previews={"train_adv": outputs[0].keep["x_adv"]}, scores=scores)
 
-    def after_step(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
+    def after_step_all_ranks(self, runtime: Runtime, result: StepResult) -> Dict[str, Any]:
         """AUCs of the all-gathered global batch, then the curriculum's update; every rank."""
         outdist_steps = self.curriculum.T  # the T this step trained with
-        adv_auc, clean_auc = global_aucs(runtime, result.scores)
+        adv_auc, clean_auc = global_aucs_all_ranks(runtime, result.scores)
         self.curriculum.update(adv_auc, self.cfg.batch_size)
         stats = {"train_adv_auc": adv_auc, "cur_outdist_steps": outdist_steps}
         if clean_auc is not None:
@@ -156,7 +147,7 @@ class DAT(Method):
         return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_steps})"
 
 
-def global_aucs(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:
+def global_aucs_all_ranks(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:
     """(adv AUC, clean AUC or None) on the all-gathered global batch, so the curriculum does not
     depend on the number of ranks. Every rank calls this with the same set of scores."""
     columns = [scores["in"], scores["adv"]] + ([scores["out"]] if "out" in scores else [])
@@ -165,15 +156,3 @@ def global_aucs(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:
     clean_auc = float(binary_auc(gathered[:, 0], gathered[:, 2])) if len(columns) > 2 else None
     return adv_auc, clean_auc
 
-
-def dat_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             micro_batches: List[MicroBatch], outdist_steps: int, cfg, plan,
-             precision: Precision, log_now: bool = False) -> StepResult:
-    """One DAT step at a fixed T outside the engine (notebooks, tests, inspecting a step): the
-    returned result holds the losses, the negatives (`previews["train_adv"]`) and the AUC
-    scores."""
-    method = DAT(cfg)
-    method.curriculum.T = outdist_steps
-    ctx = StepContext(model=model, attacked=attack_view(model), optimizer=optimizer,
-                      precision=precision, plan=plan)
-    return method.step(ctx, micro_batches, log_now)

@@ -8,7 +8,9 @@ classification stream of rebm's data pipeline (rebm.methods.at, run by the same 
 CONFIG defaults to configs/cifar100_wrn34x10.yaml (`--dataset cifar10`:
 configs/cifar10_wrn34x10.yaml). Writes <run_dir>/model_final.pth (EMA weights when use_ema), a
 DAT run's `model.ckpt_path`. Training states go to <run_dir>/checkpoints/; the same command
-resumes from the newest (as in stage 2).
+resumes from the newest (as in stage 2). The learning rate follows `lr_schedule` of the config
+(cosine unless it says constant); `--schedule NAME` is the same as the override
+`lr_schedule=NAME`.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ from typing import List, Optional
 
 from rebm import cli
 from rebm.config import ConfigError
+from rebm.config.schedule import STAGE_SCHEDULES, check_stage_schedule, stage_lr_schedule
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATASETS = {"cifar100": 100, "cifar10": 10}
+STAGE = 1
 
 
-SCHEDULES = ("cosine", "constant")  # rebm.methods.at.SCHEDULES (not imported: --help stays fast)
-
-
-def run(cfg, runtime, args) -> dict:
+def run(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
     from rebm.methods.at import AdversarialTraining
 
-    return train(cfg, runtime, functools.partial(AdversarialTraining, schedule=args.schedule))
+    schedule = stage_lr_schedule(cfg, STAGE)
+    return train(cfg, runtime, functools.partial(AdversarialTraining, schedule=schedule))
 
 
 def loss_streams(cfg) -> int:
@@ -42,9 +44,11 @@ def loss_streams(cfg) -> int:
     return AdversarialTraining.loss_streams(cfg)
 
 
-def require_live_batchnorm(_args, cfg) -> None:
+def check_stage1(args, cfg) -> None:
+    """Stage 1's own config rules: live BatchNorm, and a schedule stage 1 offers."""
     if not cfg.model.use_batchnorm:
         raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
+    check_stage_schedule(cfg, STAGE, args.config or "config")
 
 
 def build_parser():
@@ -56,8 +60,9 @@ def build_parser():
                              "data.indist_dataset and data.num_classes (default cifar100)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="start N processes with torch.multiprocessing.spawn (no torchrun)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
-                        help="learning-rate schedule over the run (default cosine)")
+    parser.add_argument("--schedule", choices=STAGE_SCHEDULES[STAGE],
+                        help="the same as the override lr_schedule=NAME (the config key, which "
+                             "config.yaml records); unset: the config's, by default cosine")
     return parser
 
 
@@ -75,13 +80,26 @@ def with_default_config(argv: Optional[List[str]]) -> List[str]:
     elif args.dataset:
         overrides[:0] = [f"data.indist_dataset={args.dataset}",
                          f"data.num_classes={DATASETS[args.dataset]}"]
-    flags = [f"--nproc={args.nproc}", f"--schedule={args.schedule}"]
+    if args.schedule:
+        overrides.append(schedule_override(overrides, args.schedule))
+    flags = [f"--nproc={args.nproc}"]
     return [config, *overrides, *flags, *(["--check"] if args.check else [])]
 
 
+def schedule_override(overrides: List[str], schedule: str) -> str:
+    """`--schedule NAME` as the override it stands for; refused next to another lr_schedule."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "lr_schedule" and value != schedule:
+            raise ConfigError(f"command line: '--schedule {schedule}' and '{item}' disagree "
+                              "(--schedule sets lr_schedule); give only lr_schedule=...")
+    return f"lr_schedule={schedule}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = with_default_config(sys.argv[1:] if argv is None else argv)
-    return cli.run_entry(build_parser(), argv, run, prepare=require_live_batchnorm,
+    with cli.user_errors_exit():
+        argv = with_default_config(sys.argv[1:] if argv is None else argv)
+    return cli.run_entry(build_parser(), argv, run, prepare=check_stage1,
                          loss_streams=loss_streams)
 
 

@@ -5,7 +5,8 @@ scaler, method, progress, rng, tracker), plus metadata (format, stage, step, wor
 `training_state` saves and `load_parts` loads every part by one loop; nothing else knows a part's
 layout. The data position is the step itself, because the samplers seek to any step in O(1)
 (rebm/data/sampling.py). States of the earlier flat layout (format 1: every field at the top
-level, the method's merged in) are converted when read (`upgrade_state`)."""
+level, the method's merged in) are converted when read (`upgrade_state`, by
+rebm/compat/state_format.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 import torch
 
 from rebm.checkpoint.weights import atomic_torch_save
+from rebm.compat.state_format import FORMAT2, upgrade_format1
 from rebm.config import to_dict
 from rebm.distributed import Runtime, all_reduce_max, consensus, decide_on_main
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
 STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
-STATE_FORMAT = 2
+STATE_FORMAT = FORMAT2  # a newer layout adds its upgrade to rebm/compat/state_format.py
 METADATA = ("format", "stage", "step", "world_size", "config")
 OPTIONAL_PARTS = ("ema",)  # absent from a state: the EMA restarts from the loaded model
 
@@ -183,31 +185,12 @@ def load_parts(state: Dict[str, Any], parts: Mapping[str, Stateful]) -> None:
                              " it was written by another kind of run")
 
 
-# The fields of a format-1 state (today's top-level keys -> part) that are not the method's.
-_FORMAT1_PROGRESS = ("best", "metrics_window", "eval_pending")
-_FORMAT1_OWN = ("stage", "step", "world_size", "config", "model", "optimizer", "ema", "scaler",
-                "rng", "scheduler", "wandb_run_id", *_FORMAT1_PROGRESS)
-
-
 def upgrade_state(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A state in the current layout: format-1 states (one flat dict, the method's fields merged
-    in, e.g. DAT's `curriculum`, stage 1's `schedule` and `last_step`) are converted; others are
-    returned as they are."""
+    """A state in the current layout: a format-1 state is converted (rebm/compat/state_format.py),
+    others are returned as they are."""
     if state.get("format", 1) >= STATE_FORMAT:
         return state
-    upgraded = {key: state[key] for key in ("stage", "step", "world_size", "config",
-                                            "model", "optimizer", "scaler", "rng")
-                if key in state}
-    upgraded["format"] = STATE_FORMAT
-    for key in ("ema", "scheduler"):
-        if state.get(key) is not None:
-            upgraded[key] = state[key]
-    upgraded["method"] = {k: v for k, v in state.items() if k not in _FORMAT1_OWN}
-    upgraded["progress"] = {"best": dict(state.get("best", {})),
-                            "metrics_window": state.get("metrics_window", {}),
-                            "eval_pending": bool(state.get("eval_pending", False))}
-    upgraded["tracker"] = {"wandb_run_id": state.get("wandb_run_id")}
-    return upgraded
+    return upgrade_format1(state)
 
 
 def check_stage(state: Dict[str, Any], stage: int) -> None:

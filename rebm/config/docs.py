@@ -43,7 +43,7 @@ def _comments(cls: type) -> dict:
 
 
 def _legacy_note(f) -> str:
-    """What the original did with a legacy field, and rebm's decision (rebm/config/legacy.py)."""
+    """What the original did with a legacy field, and rebm's decision (rebm/compat/config_fields.py)."""
     accepted = f.metadata.get("accepted")
     if accepted is None:
         return "*ignored* — in the original DAT code: " + f.metadata["why"]
@@ -63,7 +63,7 @@ def render() -> str:
     lines: List[str] = [
         "# Configuration reference",
         "",
-        "Generated from `rebm/config/schema.py` and `rebm/config/legacy.py` by "
+        "Generated from `rebm/config/schema.py` and `rebm/compat/config_fields.py` by "
         "`python -m rebm.config.docs`; do not edit by hand.",
         "",
         "One YAML file is one experiment; override any field on the command line with "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from rebm.config.errors import ConfigError
-from rebm.config.legacy import Frozen
+from rebm.config.frozen import Frozen
 
 OOD_SCORES = ("msp", "lse")
 OOD_SET_NAMES = ("noise", "svhn", "cifar10", "cifar100", "tinyimages", "OpenImageO", "ImageNet",

@@ -18,20 +18,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rebm.config.aliases import apply_aliases
+from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS
 from rebm.config.errors import ConfigError
 from rebm.config.evaluation import validate_evaluation
 from rebm.config.frozen import freeze
 from rebm.config.legacy import check_refused
+from rebm.config.optimizers import OPTIMIZERS
+from rebm.config.schedule import check_lr_schedule_value
 from rebm.config.schema import (
     AMP_MODES,
     ATTACK_TYPES,
     AUGMENTATIONS,
     DDP_BACKENDS,
     DEVICES,
-    INDIST_DATASETS,
     NORMS,
-    OPTIMIZERS,
-    OUTDIST_DATASETS,
     RESUME_MODES,
     WANDB_MODES,
     WHICH_LOGIT,
@@ -52,23 +52,18 @@ def _all_keys(obj: Any, prefix: str = "") -> List[str]:
 
 
 VALID_KEYS = _all_keys(TrainConfig())
-# data.image_size when a config does not set it, for datasets whose size is not the field's
-# default: the original's `data.image_size` default is 256, and none of its ImageNet configs sets
-# it, so they train and evaluate at 256 px
-DEFAULT_IMAGE_SIZES = {"ImageNet": 256}
-# data.num_classes when a config does not set it: the classes of the dataset (the original's
-# default, 1, fails on every multi-class dataset, so a config that relied on it did not run)
-DEFAULT_NUM_CLASSES = {"cifar10": 10, "cifar10-conditional": 10, "cifar100": 100,
-                       "cifar100-conditional": 100, "ImageNet": 1000, "digits": 10}
-
-
 def _dependent_defaults(schema: Any, explicit: Sequence[str]) -> None:
     """The defaults that depend on another field, set where the config leaves them unset."""
     data, model = schema.data, schema.model
-    if "data.image_size" not in explicit and data.indist_dataset in DEFAULT_IMAGE_SIZES:
-        data.image_size = DEFAULT_IMAGE_SIZES[data.indist_dataset]
-    if "data.num_classes" not in explicit and data.indist_dataset in DEFAULT_NUM_CLASSES:
-        data.num_classes = DEFAULT_NUM_CLASSES[data.indist_dataset]
+    # a dataset's own class count and image size (its registry entry) where the config sets
+    # none: the original's data.image_size default is 256, which its ImageNet configs rely on,
+    # and its data.num_classes default, 1, fails on every multi-class dataset
+    entry = INDIST_DATASETS.get(data.indist_dataset) if data.indist_dataset in INDIST_DATASETS \
+        else None
+    if entry and entry.image_size and "data.image_size" not in explicit:
+        data.image_size = entry.image_size
+    if entry and entry.num_classes and "data.num_classes" not in explicit:
+        data.num_classes = entry.num_classes
     # the original's ConvNextConfig defaults use_convstem to true (its config_classes.py)
     if "model.use_convstem" not in explicit and str(model.model_type).lower().startswith(
             "convnext"):
@@ -183,9 +178,9 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
     from rebm.models import model_names
 
-    _check_choice(cfg.data.indist_dataset, INDIST_DATASETS, "data.indist_dataset", source)
-    _check_choice(cfg.data.outdist_dataset, OUTDIST_DATASETS, "data.outdist_dataset", source)
-    _check_choice(cfg.optimizer.lower(), OPTIMIZERS, "optimizer", source)
+    INDIST_DATASETS.check(cfg.data.indist_dataset, source)
+    OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
+    OPTIMIZERS.check(cfg.optimizer.lower(), source)
     _check_choice(cfg.amp, AMP_MODES, "amp", source)
     _check_choice(cfg.wandb_mode, WANDB_MODES, "wandb_mode", source)
     _check_choice(cfg.ddp_backend, DDP_BACKENDS, "ddp_backend", source)
@@ -243,11 +238,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     for key in ("num_classes", "image_size"):
         if getattr(cfg.data, key) < 1:
             raise ConfigError(f"{source}: 'data.{key}' must be >= 1, got {getattr(cfg.data, key)}")
-    if not cfg.fixed_lr:
-        raise ConfigError(
-            f"{source}: 'fixed_lr: false' is not supported (DAT uses a constant learning rate); "
-            "set fixed_lr: true"
-        )
+    check_lr_schedule_value(cfg, source)  # fixed_lr: a stage-2 rule (schedule.py)
     if cfg.data.num_workers < 0:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
 def _validate_family_options(cfg: TrainConfig, source: str) -> None:

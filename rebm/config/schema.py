@@ -4,7 +4,7 @@ One YAML file is one experiment. It is merged onto the dataclasses below (field 
 the original DAT configs, so existing experiment files load unchanged; fields the original had but
 rebm does not use are in legacy.py), then `key=value` / `a.b=value` overrides from the command line
 (OmegaConf dot-list) are applied on top (loading.py); the original's other spellings of some
-fields are aliases (aliases.py). The trailing comment of each field is its
+fields are aliases (rebm/compat/aliases.py). The trailing comment of each field is its
 documentation (docs/configs.md is generated from it).
 """
 
@@ -14,35 +14,18 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from rebm.config.evaluation import EvalConfig
-from rebm.config.legacy import (
+from rebm.compat.config_fields import (
     LegacyAttackFields,
     LegacyDataFields,
     LegacyImageLogFields,
     LegacyModelFields,
     LegacyTrainFields,
 )
+from rebm.config.evaluation import EvalConfig
+from rebm.config.frozen import Frozen
 
-# Choices (validated by hand: OmegaConf does not check typing.Literal)
-INDIST_DATASETS = (
-    "cifar10",
-    "cifar10-conditional",
-    "cifar100",
-    "cifar100-conditional",
-    "digits",
-    "imagefolder",
-    "ImageNet",
-)
-OUTDIST_DATASETS = (
-    "tinyimages",
-    "80m-tinyimages",
-    "imagefolder",
-    "OpenImageO",
-    "tensorfile",
-    "noise",
-    "uniform-noise",
-    "lowfreq-noise",
-)
+# Choices (validated by hand: OmegaConf does not check typing.Literal). Datasets and optimizers
+# are registries (rebm/config/datasets.py, rebm/config/optimizers), models too (rebm.models).
 AUGMENTATIONS = (
     "original",
     "autoaugment_cutout",
@@ -56,7 +39,6 @@ AUGMENTATIONS = (
     "generation_od",
     "generation_od_randomcrop",
 )
-OPTIMIZERS = ("sgd", "adam", "adamw")
 ATTACK_TYPES = ("pgd",)
 NORMS = ("L2", "Linf")
 AMP_MODES = ("none", "bf16", "fp16")
@@ -70,7 +52,7 @@ SEED_NOISES = ("noise", "lowfreq-noise", "gaussian")
 
 
 @dataclass
-class AttackConfig(LegacyAttackFields):
+class AttackConfig(LegacyAttackFields, Frozen):
     """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
     training of the classifier."""
 
@@ -84,7 +66,7 @@ class AttackConfig(LegacyAttackFields):
 
 
 @dataclass
-class ImageLogConfig(LegacyImageLogFields):
+class ImageLogConfig(LegacyImageLogFields, Frozen):
     """Class-conditional sample generation (images and FID)."""
 
     num_steps: int = 20  # PGD steps from the seed images
@@ -106,10 +88,10 @@ class ImageLogConfig(LegacyImageLogFields):
 
 
 @dataclass
-class DataConfig(LegacyDataFields):
-    indist_dataset: str = "cifar10-conditional"  # cifar10(-conditional), cifar100(-conditional), digits, imagefolder, ImageNet
+class DataConfig(LegacyDataFields, Frozen):
+    indist_dataset: str = "cifar10-conditional"  # a dataset of rebm/data/sets: cifar10(-conditional), cifar100(-conditional), digits, imagefolder, ImageNet
     indist_ds_dir: str = "./data"  # dataset root (torchvision layout; imagefolder: train/ and test/; ImageNet: meta.bin, train/, val/)
-    outdist_dataset: str = "noise"  # tinyimages, imagefolder, OpenImageO, tensorfile, noise/uniform-noise, lowfreq-noise
+    outdist_dataset: str = "noise"  # a dataset of rebm/data/sets: tinyimages, imagefolder, OpenImageO, tensorfile, noise/uniform-noise, lowfreq-noise
     outdist_std_dir: str = "./data"  # folder of tiny_images.bin / image folder (also OpenImageO) / tensor file path
     num_workers: int = 2  # loader workers per process, which also decode the JPEGs (capped by the cores per process)
     num_classes: int = 10  # classes of the in-distribution (unset: the dataset's, e.g. 100 for cifar100, 1000 for ImageNet)
@@ -119,7 +101,7 @@ class DataConfig(LegacyDataFields):
 
 
 @dataclass
-class ModelConfig(LegacyModelFields):
+class ModelConfig(LegacyModelFields, Frozen):
     model_type: str = "WideResNet34x10"  # one of rebm.models.MODEL_NAMES (docs/imagenet.md lists the ImageNet ones)
     ckpt_path: Optional[str] = None  # weights to start from (any format load_checkpoint reads)
     trust_checkpoint: bool = False  # also unpickle Python objects outside rebm's allow-list from ckpt_path (they can run code): only for files you trust
@@ -132,7 +114,7 @@ class ModelConfig(LegacyModelFields):
 
 
 @dataclass
-class TrainConfig(LegacyTrainFields):
+class TrainConfig(LegacyTrainFields, Frozen):
     data: DataConfig = field(default_factory=DataConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     indist_attack_clf: AttackConfig = field(
@@ -143,12 +125,13 @@ class TrainConfig(LegacyTrainFields):
     eval: EvalConfig = field(default_factory=EvalConfig)  # how models are evaluated (rebm/config/evaluation.py)
 
     # Optimisation
-    optimizer: str = "sgd"  # sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
-    lr: float = 1e-3  # constant learning rate
+    optimizer: str = "sgd"  # a name of rebm/config/optimizers: sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
+    lr: float = 1e-3  # learning rate (stage 1: where its schedule starts)
     wd: float = 5e-4  # weight decay
     r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2
     max_grad_norm: Optional[float] = None  # clip the gradients' total norm to this before each optimizer step, logged as grad_norm (null: no clipping)
-    fixed_lr: bool = True  # must be true: DAT uses a constant learning rate
+    fixed_lr: bool = True  # stage 2: must be true (DAT uses a constant learning rate, as the original requires); stage 1 does not read it
+    lr_schedule: Optional[str] = None  # cosine (to 0 over the run) or constant; null: the stage's default, stage 1 cosine (the In-N-Out recipe), stage 2 constant (the only one it offers)
     clf_indist_weight: float = 0.5  # energy-BCE weight of the in-dist term (weights normalised to sum 1)
     clf_outdist_weight: float = 0.0  # energy-BCE weight of clean out-dist images (costs a forward)
     clf_adv_weight: float = 0.5  # energy-BCE weight of the PGD negatives

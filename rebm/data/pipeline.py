@@ -32,9 +32,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.transforms.v2 import functional as TF
 
 from rebm.config import BatchPlan, TrainConfig
+from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS
 from rebm.data.augmentations import (
     Transform,
     build_augmentation,
@@ -42,13 +42,7 @@ from rebm.data.augmentations import (
 )
 from rebm.data.files import (
     image_tensor_file,
-    load_cifar,
-    load_digits,
-    load_labelled_folder,
-    load_tensor_file,
-    load_unlabelled_folder,
 )
-from rebm.data.imagenet import load_imagenet, load_openimage_o
 from rebm.data.sampling import (
     PURPOSE_AUGMENT,
     PURPOSE_SAMPLE,
@@ -57,12 +51,9 @@ from rebm.data.sampling import (
     sample_keys,
 )
 from rebm.data.sources import (
-    DEFAULT_NOISE_LENGTH,
     DataError,
     ImageDataset,
     ImageSource,
-    NoiseSource,
-    TinyImagesSource,
     log_replaced_once,
 )
 from rebm.data.streams import (
@@ -95,32 +86,15 @@ __all__ = [
     "outdist_source",
 ]
 
-TINYIMAGES_FILE = "tiny_images.bin"
-
-
 # --------------------------------------------------------------------------------------------
 # Sources from the config
 # --------------------------------------------------------------------------------------------
 def indist_source(cfg: TrainConfig, split: str) -> ImageSource:
-    """The in-distribution images of `split` ("train" or "test") at data.image_size."""
+    """The in-distribution images of `split` ("train" or "test") at data.image_size, from the
+    dataset `data.indist_dataset` registered in rebm/data/sets."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    data = cfg.data
-    name = data.indist_dataset
-    train = split == "train"
-    if name in ("cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional"):
-        source = load_cifar(data.indist_ds_dir, 100 if "100" in name else 10, train,
-                            data.download)
-        if data.image_size != 32:  # resized once here, not per sample
-            source.data = TF.resize(source.data, [data.image_size] * 2, antialias=True)
-    elif name == "digits":
-        source = load_digits(data.image_size, train)
-    elif name == "imagefolder":
-        source = load_labelled_folder(os.path.join(data.indist_ds_dir, split), data.image_size)
-    elif name == "ImageNet":
-        source = load_imagenet(data.indist_ds_dir, split, data.image_size, data.num_classes)
-    else:
-        raise DataError(f"unknown data.indist_dataset '{name}'")
+    source = INDIST_DATASETS.get(cfg.data.indist_dataset).loader(cfg, split)
     _check_labels(source, cfg)
     return source
 
@@ -135,36 +109,18 @@ def _check_labels(source: ImageSource, cfg: TrainConfig) -> None:
 
 
 def outdist_source(cfg: TrainConfig, length: Optional[int] = None) -> ImageSource:
-    """The out-distribution images; `length` is the virtual size of procedural noise
-    (default 50,000; training passes the in-distribution train size)."""
-    data = cfg.data
-    name = data.outdist_dataset
-    size = data.image_size
-    if name in ("tinyimages", "80m-tinyimages"):
-        path = data.outdist_std_dir
-        if os.path.isdir(path):
-            path = os.path.join(path, TINYIMAGES_FILE)
-        return TinyImagesSource(path, size, data.outdist_exclude_index)
-    if name == "imagefolder":
-        return load_unlabelled_folder(data.outdist_std_dir, size)
-    if name == "OpenImageO":
-        return load_openimage_o(data.outdist_std_dir, size, cfg.openimages_max_samples)
-    if name == "tensorfile":
-        return load_tensor_file(data.outdist_std_dir, size)
-    if name in ("noise", "uniform-noise", "lowfreq-noise"):
-        low_res = max(1, size // 4) if name == "lowfreq-noise" else None  # 8x8 at 32 px
-        return NoiseSource(length or DEFAULT_NOISE_LENGTH, size, cfg.rand_seed, low_res)
-    raise DataError(f"unknown data.outdist_dataset '{name}'")
+    """The out-distribution images of `data.outdist_dataset` (rebm/data/sets); `length` is the
+    virtual size of procedural noise (default 50,000; training passes the in-distribution train
+    size)."""
+    return OUTDIST_DATASETS.get(cfg.data.outdist_dataset).loader(cfg, length)
 
 
-def load_indist(cfg: TrainConfig, split: str, augm: str = "test",
-                seed: Optional[int] = None) -> ImageDataset:
+def load_indist(cfg: TrainConfig, split: str, augm: str = "test") -> ImageDataset:
     """Dataset of (float [0, 1] CHW image, label) with augmentation `augm` (a name of
-    augmentations.py). seed=None: augmentation from the ambient RNG; else seeded per sample
-    (call `.set_epoch`)."""
+    augmentations.py), drawn from the ambient RNG."""
     source = indist_source(cfg, split)
     transform = build_augmentation(augm, cfg.data.image_size, source.full_images)
-    return ImageDataset(source, transform, seed, stream="eval")
+    return ImageDataset(source, transform)
 
 
 def load_outdist(cfg: TrainConfig, augm: str = "none", length: Optional[int] = None
@@ -173,7 +129,7 @@ def load_outdist(cfg: TrainConfig, augm: str = "none", length: Optional[int] = N
     source = outdist_source(cfg, length)
     transform = None if source.is_procedural else build_augmentation(
         augm, cfg.data.image_size, source.full_images)
-    return ImageDataset(source, transform, None, stream="out")
+    return ImageDataset(source, transform)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +241,6 @@ class TrainData:
         self.plan = plan
         self.start_step = start_step
         self._loader_kwargs = loader_kwargs
-        self.schedules = {s.name: s.schedule for s in dataset.streams}
         # epochs are counted on the first declared stream (DAT: "in"; stage 1: "clf")
         self._epoch_schedule = dataset.streams[0].schedule
         self.replaced_images = 0

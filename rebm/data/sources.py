@@ -27,7 +27,7 @@ from torch import Tensor
 from torchvision.transforms.v2 import functional as TF
 
 from rebm.data.augmentations import Transform, augment_batch
-from rebm.data.sampling import PURPOSE_AUGMENT, sample_keys
+from rebm.data.sampling import sample_keys
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger(__name__)
@@ -250,36 +250,21 @@ class NoiseSource(ImageSource):
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """(float [0, 1] CHW image, int label) of a source, with an optional augmentation.
+    """(float [0, 1] CHW image, int label) of a source, with an optional augmentation drawn from
+    the ambient RNG (plain DataLoader semantics: evaluation and stage-1 code; training's streams
+    seed every sample's augmentation instead, pipeline.py)."""
 
-    With `seed=None` the augmentation draws from the ambient RNG (plain DataLoader semantics).
-    With a seed, sample i in epoch e is augmented from sample_keys(seed, stream, e, i) — call
-    `set_epoch` every epoch, or every epoch repeats the same augmentations.
-    """
-
-    def __init__(self, source: ImageSource, transform: Optional[Transform] = None,
-                 seed: Optional[int] = None, stream: str = "eval"):
+    def __init__(self, source: ImageSource, transform: Optional[Transform] = None):
         self.source = source
         self.transform = transform
-        self.seed = seed
-        self.stream = stream
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, index: int):
-        idx = np.array([index], dtype=np.int64)
-        seeds = None
-        if self.seed is not None:
-            seeds = sample_keys(self.seed, self.stream, self.epoch, idx, PURPOSE_AUGMENT)
-        batch = self.source.read(idx, self.transform, seeds)
+        batch = self.source.read(np.array([index], dtype=np.int64), self.transform, None)
         log_replaced_once(batch.replaced)
         return batch.images[0], int(batch.labels[0])
-
 
 
 def _tinyimages_record_count(path: str) -> int:

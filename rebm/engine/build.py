@@ -1,4 +1,4 @@
-"""Build the model and optimizer of a training run.
+"""Build the model and optimizer of a training run (the optimizer from its config section).
 
 Order matters: build -> load `model.ckpt_path` (names carry no wrapper prefixes yet) ->
 channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
+from rebm.config.optimizers import build_optimizer, optimizer_section
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
@@ -72,11 +73,5 @@ def _shaping(cfg: TrainConfig, channels_last: bool) -> dict:
 
 
 def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:
-    name = cfg.optimizer.lower()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.wd)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=(0.0, 0.99), weight_decay=cfg.wd)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.wd)
-    raise ValueError(f"unknown optimizer '{cfg.optimizer}'; use one of sgd, adam, adamw")
+    """The optimizer of the config's optimizer section (rebm/config/optimizers: the registry)."""
+    return build_optimizer(optimizer_section(cfg), params)

@@ -29,11 +29,13 @@ def loss_streams(cfg) -> int:
 
 
 def check_dat(args, cfg) -> None:
-    """DAT's own config rules; under `--check`, also what FID lacks on this machine, as
+    """DAT's own config rules (and stage 2's schedule: a constant rate); under `--check`, also what FID lacks on this machine, as
     warnings (training would stop at start), and how many training images there are against
     batch_size."""
+    from rebm.config.schedule import check_stage_schedule
     from rebm.methods.dat import DAT
 
+    check_stage_schedule(cfg, DAT.stage, args.config or "config")  # a constant rate
     DAT.check_config(cfg)
     if args.check:
         from rebm.config import plan_batches

@@ -1,0 +1,29 @@
+"""rebm's optimizers, those of the original DAT code (its rebm/training/modeling.py:
+get_optimizer): the hyper-parameters beyond lr and weight decay are fixed, as there."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from rebm.config.optimizers import OPTIMIZERS, OptimizerSection
+
+
+@OPTIMIZERS.register("sgd")
+def sgd(params: Iterable, section: OptimizerSection) -> torch.optim.Optimizer:
+    """SGD, momentum 0.9, Nesterov."""
+    return torch.optim.SGD(params, lr=section.lr, momentum=0.9, nesterov=True,
+                           weight_decay=section.wd)
+
+
+@OPTIMIZERS.register("adam")
+def adam(params: Iterable, section: OptimizerSection) -> torch.optim.Optimizer:
+    """Adam, betas (0, 0.99)."""
+    return torch.optim.Adam(params, lr=section.lr, betas=(0.0, 0.99), weight_decay=section.wd)
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params: Iterable, section: OptimizerSection) -> torch.optim.Optimizer:
+    """AdamW, betas (0.9, 0.95)."""
+    return torch.optim.AdamW(params, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.wd)

@@ -1,0 +1,12 @@
+"""scikit-learn's bundled 8x8 digits (the quickstart's data): no folder to read."""
+
+from __future__ import annotations
+
+from rebm.config.datasets import indist
+from rebm.data.files import load_digits
+from rebm.data.sources import TensorSource
+
+
+@indist("digits", reads_files=False, num_classes=10)
+def digits(cfg, split: str) -> TensorSource:
+    return load_digits(cfg.data.image_size, split == "train")

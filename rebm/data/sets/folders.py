@@ -1,0 +1,33 @@
+"""Datasets that are a folder or a file the user points at: image folders (labelled by
+sub-folder for the in-distribution: <indist_ds_dir>/<split>/<class>/...), OpenImage-O and
+tensor files (out-distribution, data.outdist_std_dir)."""
+
+from __future__ import annotations
+
+import os
+
+from rebm.config.datasets import indist, outdist
+from rebm.data.files import load_labelled_folder, load_tensor_file, load_unlabelled_folder
+from rebm.data.imagenet import load_openimage_o
+from rebm.data.sources import ImageSource
+
+
+@indist("imagefolder")
+def labelled_folder(cfg, split: str) -> ImageSource:
+    return load_labelled_folder(os.path.join(cfg.data.indist_ds_dir, split), cfg.data.image_size)
+
+
+@outdist("imagefolder")
+def unlabelled_folder(cfg, _length) -> ImageSource:
+    return load_unlabelled_folder(cfg.data.outdist_std_dir, cfg.data.image_size)
+
+
+@outdist("OpenImageO")
+def openimage_o(cfg, _length) -> ImageSource:
+    return load_openimage_o(cfg.data.outdist_std_dir, cfg.data.image_size,
+                            cfg.openimages_max_samples)
+
+
+@outdist("tensorfile")
+def tensor_file(cfg, _length) -> ImageSource:
+    return load_tensor_file(cfg.data.outdist_std_dir, cfg.data.image_size)

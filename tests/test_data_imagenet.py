@@ -302,7 +302,7 @@ def test_metrics_hook_for_replaced_images(corrupt_roots):
     for step in (0, 1):  # one epoch: the truncated file is met twice (EBM + classifier stream)
         add_data_counts(window, data.step_batch(step))
         window.add({"n": 1.0})
-    totals = window.global_sums(Runtime())
+    totals, _ = window.global_sums_all_ranks(Runtime())
     assert pop_data_counts(totals) == {"data_replaced_images": 2.0} and totals == {"n": 2.0}
     clean = MetricsWindow()
     add_data_counts(clean, [])
@@ -328,7 +328,7 @@ def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: st
         window.add({"n": 1.0})
         images += [(int(i), x.numpy().tobytes()) for mb in batches
                    for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
-    counts = pop_data_counts(window.global_sums(runtime))
+    counts = pop_data_counts(window.global_sums_all_ranks(runtime)[0])
     gathered = [None] * runtime.world_size
     torch.distributed.all_gather_object(gathered, images)
     if runtime.rank == 0:

@@ -40,6 +40,16 @@ def test_format1_states_are_converted_into_parts():
         assert old not in dat and old not in stage1
 
 
+def test_a_stage1_window_saved_as_a_list_reads_as_its_sums(tmp_path):
+    """Stage-1 states written before the engine kept the metrics window as a list
+    [loss sum, correct, images]; rebm/compat/state_format.py reads it as today's sums."""
+    state = torch.load(STAGE1_STATE, map_location="cpu", weights_only=False)
+    sums = {"clf_sum": 4.5, "correct": 3.0, "images": 64.0}
+    state["metrics_window"] = list(sums.values())
+    torch.save(state, tmp_path / "state.pt")
+    assert read_state(str(tmp_path / "state.pt"))["progress"]["metrics_window"] == sums
+
+
 def _resumed_equals_straight(tmp_path, args, state_file, module):
     """Resume from `state_file` (step 2) to step 4 and run 0 -> 4 straight: same bits (one
     thread, as the states were written: float sums differ with the thread count)."""

@@ -1,24 +1,21 @@
-"""Section `breakdown`: one DAT step taken apart into the calls DAT.step and Parts.train_step make
+"""Section `breakdown`: one DAT step taken apart into the calls Trainer.train_step_all_ranks makes
 (data, negative attack, classifier attack, forward + backward, optimizer, EMA, bookkeeping), each
 timed; the loop's metrics log, image grid and checkpoint, amortized over their intervals; and the
 real loop step on the next batch, to check that the pieces add up."""
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List
 
 import torch
 
 from rebm import distributed as rd
 from rebm.attacks.pgd import pgd_from_config
-from rebm.data import build_train_data
 from rebm.distributed.parallel import micro_step_sync
-from rebm.engine.metrics import MetricsWindow
-from rebm.engine.saving import save_training_state
-from rebm.engine.tracking import Tracker
+from rebm.engine.metrics import MetricsWindow, peak_memory_mib
+from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.base import MicroOutput, StepResult, mean_terms
-from rebm.methods.dat import DAT, dat_loss
+from rebm.methods.dat import dat_loss
 from sections.common import (
     Bench,
     Stopwatch,
@@ -39,7 +36,7 @@ def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 
 def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOutput:
-    """One micro-batch of DAT.step, piece by piece: attacks on the module without DDP (compiled
+    """One micro-batch of DAT.micro_loss and its backward, piece by piece: attacks on the module without DDP (compiled
     if it is) in eval mode, then the loss forward and backward through the wrapper."""
     cfg, parts, method, attacked = bench.cfg, bench.parts, bench.parts.method, bench.ctx.attacked
     precision = parts.precision
@@ -62,9 +59,9 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
         parts.model.train()
         with micro_step_sync(parts.model, last=last):
             with precision.autocast():
-                losses = dat_loss(parts.model, batch["in"].images, batch["in"].labels, x_adv, x_c_adv, batch["clf"].labels,
-                                  batch["out"].images, weights=method.weights, logsumexp=cfg.logsumexp,
-                                  r1reg=cfg.r1reg, fused=method.frozen_bn)
+                losses = dat_loss(parts.model, batch["in"].images, batch["in"].labels, x_adv,
+                                  x_c_adv, batch["clf"].labels, batch["out"].images,
+                                  **method.loss_options)
             precision.backward(losses.loss / bench.plan.accumulation_steps)
     if method.frozen_bn:
         keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
@@ -73,8 +70,8 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
 
 
 def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
-    """next(batches), DAT.step and Parts.train_step's EMA and bookkeeping, plus the loop's
-    consensus, each piece timed into `watch`."""
+    """next(batches), the update and Trainer.train_step_all_ranks's EMA and bookkeeping, plus
+    the loop's consensus, each piece timed into `watch`."""
     parts, runtime = bench.parts, bench.runtime
     with watch("data_wait"):
         micro_batches = next(batches)
@@ -83,7 +80,7 @@ def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
     outputs = [_micro_pieces(bench, batch, index == len(micro_batches) - 1, watch)
                for index, batch in enumerate(micro_batches)]
     with watch("optimizer"):
-        parts.precision.step(parts.optimizer)
+        applied = parts.precision.step(parts.optimizer)
     if parts.ema is not None:
         with watch("ema"):
             parts.ema.update()
@@ -95,25 +92,27 @@ def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
         scores={k: torch.cat([o.keep[k] for o in outputs]).float() for k in ("in", "adv")})
     with watch("bookkeeping"):
         parts.progress.step += 1
-        result.stats = parts.method.after_step(runtime, result)  # global AUCs, curriculum
+        result.stats = parts.method.after_step_all_ranks(runtime, result)  # AUCs, curriculum
         parts.progress.window.add(result.window)
-        rd.consensus(runtime, preempt=False, nonfinite=not result.finite)
+        rd.consensus(runtime, preempt=False, nonfinite=not (applied and result.finite),
+                     write_failed=False)
     return result
 
 
 def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatch) -> None:
     """The loop's metrics log, image grid and checkpoint, each once."""
     parts, runtime = bench.parts, bench.runtime
-    with watch("metrics_log"):  # Trainer.log: the window's global sums, the method's summary
-        totals = parts.progress.window.global_sums(runtime)
-        tracker.log(parts.progress.step, bench.plan.images(parts.progress.step), 0,
-                    {**parts.method.summarize(totals), **result.stats})
+    with watch("metrics_log"):  # Trainer.log_all_ranks: one all-reduce, the method's summary
+        totals, peaks = parts.progress.window.global_sums_all_ranks(runtime,
+                                                                    peak_memory_mib(runtime))
+        tracker.log_training(parts.progress.step, bench.plan.images(parts.progress.step), 0,
+                             {**parts.method.summarize(totals), **result.stats, **peaks})
         parts.progress.window = MetricsWindow()
     with watch("image_log"):
-        tracker.save_grid(result.previews["train_adv"], f"bench_{rep:03d}.png",
-                          parts.progress.step)
+        tracker.save_grid_all_ranks(result.previews["train_adv"], f"bench_{rep:03d}.png",
+                                    parts.progress.step)
     with watch("checkpoint"):
-        save_training_state(parts, bench.cfg, runtime)
+        save_training_state_all_ranks(parts, bench.cfg, runtime)
 
 
 def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:
@@ -133,9 +132,8 @@ def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dic
 
 def section_breakdown(args) -> dict:
     bench = single_process(args)
-    os.makedirs(bench.cfg.run_dir, exist_ok=True)
-    tracker = Tracker(bench.cfg, bench.runtime, bench.cfg.run_dir)
-    batches = iter(build_train_data(bench.cfg, bench.runtime, bench.plan, DAT.streams, start_step=0))
+    tracker = bench.trainer.tracker
+    batches = iter(bench.trainer.data)
     pieces: Dict[str, List[float]] = {}
     full: List[float] = []
     for rep in range(args.warmup + args.reps):
@@ -150,5 +148,5 @@ def section_breakdown(args) -> dict:
             for key, value in watch.times.items():
                 pieces.setdefault(key, []).append(value)
             full.append(step_times["total"] + watch.times["data_wait_full"])
-    tracker.close()
+    tracker.close_all_ranks()
     return _result(args, bench, {k: median(v) for k, v in pieces.items()}, full)

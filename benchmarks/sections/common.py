@@ -4,10 +4,12 @@ run built as the engine builds them, the loop's own step (timed), and running W 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -21,9 +23,11 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from rebm import distributed as rd  # noqa: E402
-from rebm.config import BatchPlan, TrainConfig, load_config, plan_batches  # noqa: E402
+from rebm.config import BatchPlan, TrainConfig, load_config  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
-from rebm.engine.parts import Parts, build_parts  # noqa: E402
+from rebm.engine import trainer as trainer_module  # noqa: E402
+from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
+from rebm.engine.trainer import Trainer  # noqa: E402
 from rebm.methods.base import StepContext  # noqa: E402
 from rebm.methods.dat import DAT  # noqa: E402
 
@@ -155,23 +159,32 @@ def make_config(name: str, workdir: str, overrides: Sequence[str] = (), device: 
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Bench:
-    """One process's training setup, as rebm.engine.trainer.Trainer builds it (method: DAT)."""
+    """One process's training setup: a real rebm.engine.trainer.Trainer (method: DAT) in a
+    fresh run directory, and its parts, step context and batch plan."""
 
     cfg: TrainConfig
     runtime: Runtime
     plan: BatchPlan
     parts: Parts
     ctx: StepContext
+    trainer: Trainer
 
 
 def build(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> Parts:
-    return build_parts(cfg, runtime, DAT(cfg), math.inf, load_pretrained=load_pretrained)
+    return build_parts_all_ranks(cfg, runtime, DAT(cfg), math.inf,
+                                 load_pretrained=load_pretrained)
 
 
 def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
-    plan = plan_batches(cfg, runtime.world_size, DAT.loss_streams(cfg))
-    parts = build(cfg, runtime)
-    return Bench(cfg, runtime, plan, parts, parts.context(plan))
+    """A Trainer as `train` builds it, in cfg.run_dir emptied first (so it never resumes a state
+    an earlier section saved there), without periodic evaluation."""
+    if runtime.is_main:
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        os.makedirs(cfg.run_dir)
+    rd.barrier(runtime)
+    cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
+    trainer = Trainer(cfg, runtime, DAT)
+    return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.step_context, trainer)
 
 
 def single_process(args, overrides: Sequence[str] = ()) -> Bench:
@@ -185,26 +198,28 @@ def single_process(args, overrides: Sequence[str] = ()) -> Bench:
 
 def loop_step(bench: Bench, micro_batches) -> Dict[str, float]:
     """What Trainer.fit does per step after `next(batches)`: the log_now rule,
-    `Parts.train_step` (DAT.step, EMA, global AUCs, curriculum, metrics window) and the consensus
-    all-reduce. Returns seconds: {"dat_step" (DAT.step, timed inside), "total"}."""
-    parts, runtime, plan = bench.parts, bench.runtime, bench.plan
+    `Trainer.train_step_all_ranks` (the update, EMA, global AUCs, curriculum, metrics window)
+    and the consensus all-reduce. Returns seconds: {"dat_step" (the update:
+    rebm.engine.step.update_all_ranks, timed inside), "total"}."""
+    trainer, runtime = bench.trainer, bench.runtime
     inner: Dict[str, float] = {}
-    method_step = parts.method.step
+    update = trainer_module.update_all_ranks
 
-    def timed_method_step(*args, **kwargs):
-        out, inner["dat_step"] = timed(lambda: method_step(*args, **kwargs), runtime.device)
+    def timed_update(*args, **kwargs):
+        out, inner["dat_step"] = timed(lambda: update(*args, **kwargs), runtime.device)
         return out
 
     def step() -> Dict[str, bool]:
-        log_now = plan.crossed(bench.cfg.n_imgs_per_metrics_log, parts.progress.step + 1)
-        result = parts.train_step(bench.ctx, micro_batches, runtime, log_now)
-        return rd.consensus(runtime, preempt=False, nonfinite=not result.finite)
+        log_now = trainer.log_due(trainer.progress.step + 1)
+        result = trainer.train_step_all_ranks(micro_batches, log_now)
+        return rd.consensus(runtime, preempt=False,
+                            nonfinite=not (result.applied and result.finite), write_failed=False)
 
-    parts.method.step = timed_method_step  # the loop's own call, timed from inside
+    trainer_module.update_all_ranks = timed_update  # the loop's own call, timed from inside
     try:
         decision, total = timed(step, runtime.device)
     finally:
-        del parts.method.step  # the class's method again
+        trainer_module.update_all_ranks = update
     if decision["nonfinite"]:
         raise FloatingPointError("non-finite loss in the benchmark")
     return {"dat_step": inner["dat_step"], "total": total}

@@ -11,6 +11,7 @@ from typing import Dict, List
 
 import torch
 
+from rebm.engine.step import update_all_ranks
 from sections.common import (
     median,
     prefetch,
@@ -78,8 +79,9 @@ def section_peer(args) -> dict:
         for name in order:
             v = variants[name]
             batches = (nhwc if name == "nhwc_inputs" else prefetched)[rep]
-            _, seconds = timed(functools.partial(v.parts.method.step, v.ctx, batches, False),
-                               device)
+            _, seconds = timed(functools.partial(
+                update_all_ranks, v.ctx, v.parts.method, v.parts.optimizer, v.parts.precision,
+                batches, v.plan.accumulation_steps), device)
             if rep >= n - args.reps:
                 times[name].append(seconds)
     flops = step_gflop(parts.raw_model, prefetched[0][0], T, K)

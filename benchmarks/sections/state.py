@@ -10,9 +10,9 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from rebm.checkpoint.state import agree_on_resume, list_states, read_state
+from rebm.checkpoint.state import agree_on_resume_all_ranks, list_states, read_state
 from rebm.data import build_train_data
-from rebm.engine.saving import save_training_state
+from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.dat import DAT
 from sections.common import (
     Bench,
@@ -28,7 +28,7 @@ RESUME_STEPS = (10, 10_000)
 
 def _save(bench: Bench, run_dir: str) -> None:
     """The training state of the current step into run_dir, written as the loop writes it."""
-    save_training_state(bench.parts, dataclasses.replace(bench.cfg, run_dir=run_dir),
+    save_training_state_all_ranks(bench.parts, dataclasses.replace(bench.cfg, run_dir=run_dir),
                         bench.runtime)
 
 
@@ -38,8 +38,8 @@ def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, flo
     cfg, runtime = bench.cfg, bench.runtime
     _, t_read = timed(lambda: read_state(path))
     fresh = build(cfg, runtime, load_pretrained=False)
-    _, t_restore = timed(lambda: fresh.load_state_dict(
-        agree_on_resume(runtime, run_dir, None, allow_auto=True), runtime))
+    _, t_restore = timed(lambda: fresh.load_state_all_ranks(
+        agree_on_resume_all_ranks(runtime, run_dir, None, allow_auto=True), runtime))
     assert fresh.progress.step == k
 
     def first_batch():
@@ -92,7 +92,7 @@ def section_checkpoint(args) -> dict:
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
         _, t_assemble = timed(lambda: parts.state_dict(
-            cfg, 1, parts.progress.window.global_sums(runtime)))
+            cfg, 1, parts.progress.window.global_sums_all_ranks(runtime)[0]))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
         _, t_read = timed(lambda: read_state(list_states(run_dir)[0]))
         if rep >= args.warmup:

@@ -1,5 +1,6 @@
-"""Section `steps`: the loop's step (Parts.train_step + consensus) against a minimal hand-written
-PyTorch DAT step on the same batches, interleaved (the framework overhead), and DAT.step alone."""
+"""Section `steps`: the loop's step (Trainer.train_step_all_ranks + consensus) against a minimal
+hand-written PyTorch DAT step on the same batches, interleaved (the framework overhead), and the
+update alone (rebm.engine.step.update_all_ranks: DAT's losses, backward, optimizer step)."""
 
 from __future__ import annotations
 

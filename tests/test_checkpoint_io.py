@@ -147,6 +147,7 @@ def _ddp_worker(root, paths):
         teardown(runtime)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_trip_ddp_two_processes(files):
     root, paths, x, out = files

@@ -65,6 +65,7 @@ def test_overrides_nested_and_top_level():
     assert (cfg.lr, cfg.attack.max_steps, cfg.tags, cfg.data.num_workers) == (0.1, 3, ["a", "b"], 1)
 
 
+@pytest.mark.slow
 def test_check_via_subprocess_prints_yaml():
     result = run_command([sys.executable, "-m", "rebm.training.train",
                           "experiments/quickstart/digits.yaml", "--check"], timeout=120)

@@ -23,7 +23,7 @@ from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, torchrun
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONFIG = str(REPO / "experiments" / "quickstart" / "digits.yaml")
 CIFAR_STAGE2 = str(REPO / "experiments" / "cifar10" / "dat_wrn34x10_seed0.yaml")

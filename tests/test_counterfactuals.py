@@ -77,6 +77,7 @@ def setup(tmp_path_factory):
     return root, stats
 
 
+@pytest.mark.slow
 def test_class_statistics_are_those_of_the_class_images(setup):
     from tests.standins import standin_features
 
@@ -125,6 +126,7 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
     rd.teardown(runtime)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_counterfactuals_identical_on_1_and_2_processes_with_grids_and_class_fid(
         setup, tmp_path, monkeypatch):

@@ -101,6 +101,7 @@ def sharded_results(fake_cifar, tmp_path_factory):
     return {w: [torch.load(out / f"w{w}_rank{r}.pt") for r in range(w)] for w in (1, 2, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_accuracy_identical_on_1_2_3_ranks(sharded_results):
     single = sharded_results[1][0]
@@ -119,6 +120,7 @@ def test_accuracy_identical_on_1_2_3_ranks(sharded_results):
                                                                  abs=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_samples_identical_on_1_2_3_ranks(sharded_results):
     single = sharded_results[1][0]
@@ -264,6 +266,7 @@ def test_seed_images_from_tensor_file_folder_and_noise(tmp_path):
 # --------------------------------------------------------------------------------------------
 # The entry point
 # --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_evaluate_entry_point_prints_json(tmp_path):
     from rebm.data.pipeline import load_indist

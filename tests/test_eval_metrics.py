@@ -144,6 +144,7 @@ def ranks(data, tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_metric_and_file_identical_on_1_2_3_ranks(ranks):
     out, results = ranks
@@ -199,6 +200,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     assert ours["autoattack_test_acc"] == correct / 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monkeypatch):
     """The real entry point on 2 ranks with the stand-in, then torch-fidelity itself (with the
@@ -221,6 +223,7 @@ def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monke
     assert ours["settings"]["inception_score"]["splits"] == 10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_path,
                                                                      monkeypatch):
@@ -325,6 +328,7 @@ def test_calibration_writes_the_reliability_diagram(data, tmp_path):
         assert image.size[0] > 100 and image.size[1] > 100
 
 
+@pytest.mark.slow
 def test_unknown_metric_is_a_one_line_error(data):
     args = [str(data / "config.yaml"), *_overrides(data),
             "--metrics", "inception_scor"]
@@ -335,6 +339,7 @@ def test_unknown_metric_is_a_one_line_error(data):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_console_table_and_eval_json_name_every_setting(data, tmp_path):
     """The real entry point: each value is printed with what it was computed on, and eval.json

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import CONFIG, FAST, load_state, rebm_traceback_lines, run_train
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 FAULTY = "tests.faulty_train"
 

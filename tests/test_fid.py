@@ -133,6 +133,7 @@ def stats_file(setup):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file,
                                                                          standin):
@@ -165,6 +166,7 @@ def _evaluate(setup, stats, nproc: int, run_dir):
     return json.loads(result.output.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path, standin):
     one = _evaluate(setup, stats_file, 1, tmp_path / "w1")

@@ -35,6 +35,7 @@ def test_loss_weight_rules_are_the_methods():
     AdversarialTraining.check_config(cfg)  # stage 1 has no energy loss to weight
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command, streams", [
     (["-m", "rebm.training.train", CONFIG], 3),
     ([str(REPO / "InNOutRobustnessMean0_cifar100" / "train_at.py"), STAGE1], 1),
@@ -45,6 +46,7 @@ def test_check_plans_memory_for_the_methods_streams(command, streams):
     assert f"x {streams} streams" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_bad_loss_weight_is_one_line_under_check():
     out = run_separately([sys.executable, "-m", "rebm.training.train", CONFIG,
                           "clf_indist_weight=-0.5", "--check"], base_env(1), timeout=180)

@@ -77,6 +77,7 @@ def test_every_imagenet_type_is_registered_once():
     assert all(names.count(t) == 1 for t in IMAGENET_TYPES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", IMAGENET_TYPES)
 def test_matches_timm_forward_for_the_same_weights(model_type):
     """Same parameter names and shapes as timm's network, and timm's logits (<= 1e-5) for the

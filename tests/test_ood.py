@@ -193,6 +193,7 @@ def _ood_worker(root: str, out: str) -> None:
     rd.teardown(runtime)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ood_table_identical_on_1_and_2_processes(ood_data, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same float summation order everywhere

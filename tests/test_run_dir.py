@@ -57,6 +57,7 @@ def test_wandb_offline_two_ranks_and_the_same_command_continues_the_run(tmp_path
     assert "Traceback" not in first.output
 
 
+@pytest.mark.slow
 def test_default_run_dir_is_the_config_name_and_survives_length_overrides():
     assert default_run_dir("experiments/cifar10/dat.yaml", []) == "runs/cifar10/dat"
     assert default_run_dir("experiments/cifar100/dat.yaml", []) == "runs/cifar100/dat"

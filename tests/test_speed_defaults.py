@@ -74,6 +74,7 @@ def test_a_bad_value_names_the_key():
         load_config(None, ["model.channels_last=fast"])
 
 
+@pytest.mark.slow
 def test_dat_run_compiles_two_graphs_whatever_t():
     """Dynamo's graph count over DAT steps with a changing T: the attack forward (its input
     requires grad) and the loss forward; T is a Python loop count and recompiles nothing.

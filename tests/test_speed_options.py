@@ -79,6 +79,7 @@ def test_bf16_autocast_dat_loss_is_close_to_fp32():
     assert torch.allclose(ref.ebm.logit_in, low.ebm.logit_in.float(), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp", ["none", "bf16", "fp16"])
 def test_dat_step_runs_under_each_precision(amp):
     """The config's `amp` reaches the step: autocast on the attacks and the loss, GradScaler

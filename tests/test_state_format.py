@@ -68,11 +68,13 @@ def _resumed_equals_straight(tmp_path, args, state_file, module):
     assert a["method"] == b["method"] and a.get("scheduler") == b.get("scheduler")
 
 
+@pytest.mark.slow
 def test_a_format1_dat_state_resumes_bit_identically(tmp_path):
     _resumed_equals_straight(tmp_path, [CONFIG, *FAST, "max_steps=4"], DAT_STATE,
                              "rebm.training.train")
 
 
+@pytest.mark.slow
 def test_a_format1_stage1_state_resumes_bit_identically(tmp_path):
     _resumed_equals_straight(tmp_path, STAGE1, STAGE1_STATE,
                              "InNOutRobustnessMean0_cifar100.train_at")

@@ -39,6 +39,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
     rd.teardown(runtime)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("r1reg", [0.0, 1.0])
 def test_attacks_bypass_ddp_and_ranks_stay_identical(tmp_path, r1reg):
     spawn_ranks(_worker, 2, str(tmp_path), r1reg)

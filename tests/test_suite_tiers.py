@@ -1,18 +1,77 @@
-"""The `slow` tier `make test-fast` leaves out: the tests conftest.py marks by name exist (a
-renamed test would otherwise silently join the fast tier); so do the files it starts first."""
+"""The `slow` tier `make test-fast` leaves out is marked at each test (`@pytest.mark.slow`, or a
+file's `pytestmark`). The guard: every test that starts a training run is marked, so the fast
+tier stays fast; and the files conftest.py starts first exist."""
 
 import ast
 
-from tests.conftest import LONGEST_FIRST, SLOW_FILES, SLOW_TESTS
+from tests.conftest import LONGEST_FIRST
 from tests.helpers import REPO
 
+# Calls that start a training run (tests.helpers.run_train; test_stage1's command builders), and
+# conftest.py's session fixture that runs two of them.
+STARTS_A_RUN = {"run_train", "stage1_cmd", "spawn_cmd"}
+RUN_FIXTURES = {"straight"}
 
-def test_every_test_marked_slow_by_name_exists():
-    assert all((REPO / path).exists() for path in SLOW_FILES), SLOW_FILES
-    for path, names in SLOW_TESTS.items():
-        tree = ast.parse((REPO / path).read_text())
-        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-        assert names <= defined, (path, names - defined)
+
+def _is_slow(decorators) -> bool:
+    return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def _file_is_slow(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0])
+               and "mark.slow" in ast.unparse(node.value) for node in tree.body)
+
+
+def _calls(node: ast.AST) -> set:
+    return {c.func.id if isinstance(c.func, ast.Name) else getattr(c.func, "attr", "")
+            for c in ast.walk(node) if isinstance(c, ast.Call)}
+
+
+def _unmarked_tests_that_start_runs(tree: ast.Module) -> list:
+    """Tests of a module that start a training run themselves, through a function or fixture
+    of the same module, or through a run fixture, and are not marked slow."""
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    reached = {name: _calls(node) for name, node in functions.items()}
+    for name in reached:  # follow the module's own helpers and fixtures to a fixed point
+        pending = list(reached[name])
+        while pending:
+            callee = pending.pop()
+            for inner in reached.get(callee, set()) - reached[name]:
+                reached[name].add(inner)
+                pending.append(inner)
+    found = []
+    for name, node in functions.items():
+        if not name.startswith("test_") or _is_slow(node.decorator_list):
+            continue
+        uses = set(reached[name])
+        for arg in node.args.args:
+            uses |= reached.get(arg.arg, set())
+            if arg.arg in RUN_FIXTURES:
+                uses.add("run_train")
+        if uses & STARTS_A_RUN:
+            found.append(name)
+    return found
+
+
+def test_every_test_that_starts_a_training_run_is_marked_slow():
+    unmarked = {}
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if not _file_is_slow(tree):
+            names = _unmarked_tests_that_start_runs(tree)
+            if names:
+                unmarked[path.name] = names
+    assert not unmarked, f"mark these @pytest.mark.slow (make test-fast must stay fast): {unmarked}"
+
+
+def test_the_guard_sees_an_unmarked_run():
+    tree = ast.parse("import pytest\n\n"
+                     "def helper(tmp):\n    return run_train(['c'], run_dir=tmp)\n\n"
+                     "def test_direct(tmp_path):\n    helper(tmp_path)\n\n"
+                     "def test_by_fixture(straight):\n    pass\n\n"
+                     "@pytest.mark.slow\ndef test_marked(tmp_path):\n    helper(tmp_path)\n")
+    assert _unmarked_tests_that_start_runs(tree) == ["test_direct", "test_by_fixture"]
+    assert _file_is_slow(ast.parse("import pytest\npytestmark = [pytest.mark.slow]\n"))
 
 
 def test_the_files_started_first_exist():

@@ -114,6 +114,7 @@ def _kill_after(cmd: list, marker: str, timeout: float) -> str:
     return log.read()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     table, ckpts = tiny
@@ -154,6 +155,7 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     assert _read_csv(one / "table.csv") == _read_csv(two / "table.csv")
 
 
+@pytest.mark.slow
 def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does_not(tiny,
                                                                                     tmp_path):
     """The key holds the checkpoint's content, not its path: the same file under another
@@ -225,6 +227,7 @@ def test_entry_point_errors_are_one_line_before_any_work(tmp_path, argv, message
         "rows: a" if "rows" in message else "its metrics: accuracy.")
 
 
+@pytest.mark.slow
 def test_unknown_metric_and_bad_override_name_the_row(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text(f"metrics: [accuracy, accuracies]\nrows: [{{name: a, config: {STAGE2}, "

@@ -50,7 +50,10 @@ def build_parser(prog: str, description: str, config_optional: bool = False,
                         help="experiment YAML file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--check", action="store_true",
-                        help="validate the config, print it resolved as YAML, and exit")
+                        help="validate the config, print the keys it sets and the values that "
+                             "differ from the defaults, resolved, as YAML, and exit")
+    parser.add_argument("--all", action="store_true",
+                        help="with --check: print the whole resolved config")
     return parser
 
 
@@ -107,11 +110,44 @@ def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
     return lines
 
 
+def flat_values(tree: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of the leaves of nested dicts."""
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_values(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def config_summary(cfg: TrainConfig) -> str:
+    """--check's view of a config: the keys its file and command line set, and the values that
+    differ from the schema's defaults without being set (a dataset's image size, a model's
+    stem), resolved, as YAML in the schema's order; one comment line counts the rest."""
+    from omegaconf import OmegaConf
+
+    from rebm.config import explicit_keys, to_dict
+
+    values, defaults = flat_values(to_dict(cfg)), flat_values(to_dict(TrainConfig()))
+    explicit = set(explicit_keys(cfg))
+    shown: dict = {}
+    for key, value in values.items():
+        if key in explicit or defaults.get(key, object()) != value:
+            node = shown
+            for part in key.split(".")[:-1]:
+                node = node.setdefault(part, {})
+            node[key.split(".")[-1]] = value
+    rest = len(values) - len(flat_values(shown))
+    return (OmegaConf.to_yaml(OmegaConf.create(shown))
+            + f"# {rest} more keys at their defaults (--check --all prints every key)\n")
+
+
 def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
-                 loss_streams: Optional[LossStreams] = None) -> int:
-    """--check: validate what can be validated here, print the resolved YAML and the memory plan
-    (`gpu_mem_gib`: also the largest micro-batch that fits a device of that size) of a training
-    entry's method (`loss_streams`), exit 0."""
+                 loss_streams: Optional[LossStreams] = None, show_all: bool = False) -> int:
+    """--check: validate what can be validated here, print the config (`show_all`: every key;
+    else config_summary) and the memory plan (`gpu_mem_gib`: also the largest micro-batch that
+    fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     streams = loss_streams(cfg) if loss_streams is not None else None
     plan = (plan_batches(cfg, world_size) if streams is None
@@ -121,7 +157,7 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
     notice = ignored_fields_notice(cfg)
     if notice:
         print(f"note: {notice}", file=sys.stderr)
-    print(to_yaml(cfg), end="")
+    print(to_yaml(cfg) if show_all else config_summary(cfg), end="")
     print(
         f"# batch plan at world size {world_size}: {plan.per_device_batch_size} per device x "
         f"{plan.accumulation_steps} accumulation step(s) x {world_size} = {plan.global_batch_size}"
@@ -218,7 +254,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
-            return check_config(cfg, args.gpu_mem_gib, loss_streams)
+            return check_config(cfg, args.gpu_mem_gib, loss_streams, args.all)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:
@@ -304,6 +340,8 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     deterministic default, so running the same command again continues the same run."""
     args = parser.parse_intermixed_args(argv)  # flags may come before or after overrides
     args.gpu_mem_gib = pop_check_options(args)
+    if getattr(args, "all", False) and not args.check:
+        raise ConfigError("--all only goes with --check (it prints the whole config)")
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides, cfg)

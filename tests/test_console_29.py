@@ -161,9 +161,46 @@ def test_autoattack_says_how_far_its_chunks_are_when_progress_is_on(tmp_path, mo
     lines = re.findall(r"AutoAttack on rank 0: chunk (\d) done, (\d+) images, (\d+) robust so far",
                        out)
     if bars == "0":
-        assert lines == []
+        assert lines == [] and "robust after" not in out
         return
     assert [(int(k), int(n)) for k, n, _ in lines] == [(1, 4), (2, 8), (3, 12)], out[-4000:]
+    # and one line after each attack the library runs (on a chunk with images left to attack)
+    attacks = re.findall(r"AutoAttack on rank 0: chunk (\d), robust after ([A-Z-]+): ", out)
+    assert "APGD-CE" in {a for _, a in attacks} and {a for _, a in attacks} <= {
+        "APGD-CE", "APGD-T", "FAB-T", "SQUARE"}, out[-4000:]
     robust = [int(r) for _, _, r in lines]
     assert robust == sorted(robust) and robust[-1] == round(
         json.loads(out.strip().splitlines()[-1])["autoattack_test_acc"] * 12)
+
+
+def run_check(*argv):
+    return subprocess.run([sys.executable, "-m", "rebm.training.train", *argv], cwd=REPO,
+                          env=base_env(1), capture_output=True, text=True, timeout=120)
+
+
+def test_check_shows_what_the_user_set_and_what_differs_and_all_shows_every_key(tmp_path):
+    import yaml
+
+    from rebm.cli import flat_values
+    from rebm.config import to_dict
+
+    shipped = (REPO / "experiments/imagenet/dat_wrn50x4_256px_ddp.yaml").read_text()
+    config = tmp_path / "no_image_size.yaml"  # the ImageNet default (256) fills it in
+    config.write_text(shipped.replace("  image_size: 256\n", ""))
+    short = run_check(str(config), "--check", "lr=0.0123")
+    assert short.returncode == 0, short.stderr
+    shown = flat_values(yaml.safe_load(short.stdout))
+    full = flat_values(to_dict(load_config(str(config), ["lr=0.0123"])))
+    assert shown["lr"] == 0.0123  # the command line
+    assert shown["data.image_size"] == 256  # not in the file: ImageNet's default, not 32
+    assert shown.pop("run_dir").startswith("runs/")  # the default run_dir a training gets
+    assert {k: full[k] for k in shown} == shown  # every value shown is the resolved one
+    for legacy in ("r1_indist_weight", "tinyimages_loader", "mixup_alpha"):  # nobody set them
+        assert legacy not in shown
+    hidden = len(full) - len(shown) - 1
+    assert f"# {hidden} more keys at their defaults (--check --all prints every key)" in short.stdout
+    every = run_check(str(config), "--check", "--all", "lr=0.0123")
+    assert every.returncode == 0 and flat_values(yaml.safe_load(every.stdout)).keys() == full.keys()
+    alone = run_check(str(config), "--all")
+    assert alone.returncode == 2
+    assert alone.stderr.strip() == "error: --all only goes with --check (it prints the whole config)"

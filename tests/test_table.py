@@ -19,7 +19,7 @@ import pytest
 from rebm.eval.table_report import cell, group_stats
 from rebm.eval.table_spec import RowSpec, TableError, load_table
 from tests.fake_data import write_fake_svhn
-from tests.helpers import BIN, REPO, base_env, finish, run_command
+from tests.helpers import BIN, REPO, base_env, finish, rebm_traceback_lines, run_command
 from tests.processes import popen
 
 STANDIN = "tests.standins:standin_features"
@@ -281,3 +281,36 @@ def test_shipped_paper_tables_load_with_every_row_config(name):
     assert any(r.baseline for r in spec.rows)
     if any(r.seed is not None for r in spec.rows):  # seed groups average several rows
         assert len({r.group for r in spec.rows}) < len(spec.rows)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_under_torchrun_stops_with_one_line_and_the_rerun_continues(tiny):
+    """Ctrl-C to torchrun and both ranks once the first metric is stored: the job says once what
+    it finished, no rank prints a traceback or a broken connection, the cache keeps what was
+    computed, and the same command goes on from there."""
+    table, ckpts = tiny
+    out = ckpts / "out_ctrl_c"
+    log_path = ckpts / "ctrl_c.log"
+    proc = popen(_table_cmd(table, ckpts, out, "--rows", "at", nproc=2), _env(), REPO,
+                 output=str(log_path))
+    deadline = time.monotonic() + 300
+    while "at: accuracy done" not in (log_path.read_text() if log_path.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, _ = finish(proc, 120)
+    text = log_path.read_text()
+    assert code != 0 and "table written" not in text, text[-4000:]
+    stopped = [line for line in text.splitlines() if "stopped by" in line]
+    assert len(stopped) == 1, text[-4000:]
+    assert "stopped by SIGINT: no row finished; in row [1/1] at, accuracy" in stopped[0]
+    assert stopped[0].endswith("run the same command to continue from there (the table is "
+                               "written at the end)")
+    assert len([line for line in text.splitlines() if "interrupt: stopping" in line]) == 1
+    assert not rebm_traceback_lines(text) and "Connection closed" not in text, text[-4000:]
+    assert "KeyboardInterrupt" not in text and "error:" not in text
+    computed = stopped[0].split("in row [1/1] at, ")[1].split(" computed")[0].split(", ")
+    rerun = run_command(_table_cmd(table, ckpts, out, "--rows", "at"), timeout=400,
+                        env=_env()).assert_ok()
+    assert (f"[1/1] at: {len(computed)} of {len(METRICS)} metrics already computed"
+            in rerun.output), rerun.output[-3000:]

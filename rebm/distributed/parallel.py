@@ -81,8 +81,9 @@ def wrap_model(model: nn.Module, runtime: Runtime, *, live_batchnorm: bool,
         elif not runtime.distributed:
             pass  # one process: nothing to synchronise
         elif runtime.device.type == "cpu":
-            # SyncBatchNorm has no CPU kernel; statistics stay per rank on CPU runs.
-            LOGGER.warning("sync_batchnorm ignored on CPU (SyncBatchNorm needs an accelerator)")
+            # SyncBatchNorm has no CPU kernel; statistics stay per rank on CPU runs. A note, not
+            # a warning: a config written for GPUs (the quickstart's) runs on CPU as intended.
+            LOGGER.info("sync_batchnorm ignored on CPU (SyncBatchNorm needs an accelerator)")
         else:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw = model

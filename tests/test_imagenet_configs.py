@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rebm.config.schema import INDIST_DATASETS
+from rebm.config.datasets import INDIST_DATASETS
 from rebm.training import train as train_entry
 from tests.helpers import REPO
 

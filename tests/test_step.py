@@ -52,3 +52,48 @@ def test_attacks_bypass_ddp_and_ranks_stay_identical(tmp_path, r1reg):
     assert wrapper_calls == accumulation * (2 if r1reg else 1)
     assert raw_calls == wrapper_calls + accumulation * (2 + 2)
     assert finite
+
+
+def _clipped_update(max_grad_norm):
+    """One single-process DAT update from the same weights and batch; returns (result, the
+    gradients it applied, the updated parameters)."""
+    cfg = load_config("experiments/quickstart/digits.yaml", [
+        "batch_size=16", "per_device_batch_size=8", "attack.start_step=1",
+        "indist_attack_clf.max_steps=1", "optimizer=sgd", f"max_grad_norm={max_grad_norm}"])
+    runtime = rd.Runtime()
+    plan = plan_batches(cfg, 1)
+    torch.manual_seed(0)
+    model, raw = get_model(cfg, runtime)
+    optimizer = get_optimizer(cfg, raw.parameters())
+    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    result = dat_update(model, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device))
+    grads = torch.cat([p.grad.flatten() for p in raw.parameters()])
+    return result, grads, [p.detach().clone() for p in raw.parameters()]
+
+
+def test_max_grad_norm_bounds_the_update_and_reports_the_norm():
+    """Clipping scales the accumulated gradients to max_grad_norm before the optimizer step and
+    reports the norm before clipping; a bound above that norm changes nothing, bit for bit."""
+    off, grads_off, params_off = _clipped_update("null")
+    assert off.grad_norm is None and off.applied
+    loose, grads_loose, params_loose = _clipped_update(1e9)
+    assert loose.grad_norm == pytest.approx(float(grads_off.norm()), rel=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(params_off, params_loose, strict=True))
+    bound = loose.grad_norm / 4
+    tight, grads_tight, params_tight = _clipped_update(bound)
+    assert tight.grad_norm == loose.grad_norm  # the norm before clipping
+    assert float(grads_tight.norm()) == pytest.approx(bound, rel=1e-4)
+    assert torch.allclose(grads_tight, grads_off * (bound / loose.grad_norm), atol=1e-7)
+    assert not all(torch.equal(a, b) for a, b in zip(params_off, params_tight, strict=True))
+
+
+@pytest.mark.slow
+def test_max_grad_norm_is_logged_as_grad_norm(tmp_path):
+    """Through the real entry point: every training record has the step's grad_norm."""
+    from tests.helpers import CONFIG, FAST, read_metrics, run_train
+
+    run_train([CONFIG, *FAST, "max_steps=2", "max_grad_norm=0.5"], run_dir=tmp_path / "run",
+              timeout=200).assert_ok()
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [2]
+    assert records[0]["grad_norm"] > 0

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STANDIN = "tests.standins:standin_features"
+STANDIN = "rebm.eval.standin:features"
 
 
 def _env(repo: Path) -> dict:

@@ -1,20 +1,15 @@
-"""Stand-ins the tests share: a small feature network in place of Inception (named by
-REBM_FID_FEATURES=tests.standins:standin_features in real subprocesses), pytorch-fid's Inception
-architecture with random weights (the real file cannot be downloaded here), and a fitted head."""
+"""Stand-ins the tests share: rebm's own stand-in for Inception (rebm.eval.standin, named by
+REBM_FID_FEATURES in real subprocesses), pytorch-fid's Inception architecture with random weights
+(the real file cannot be downloaded here), and a fitted head."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-STANDIN = "tests.standins:standin_features"
+from rebm.eval.standin import SPEC as STANDIN
+from rebm.eval.standin import features as standin_features
 
-
-def standin_features(images: torch.Tensor) -> torch.Tensor:
-    """A small deterministic feature network: 2x2-pooled colour means and per-channel spread
-    (15-d), per image, in float64 (so an image's features do not depend on its batch)."""
-    x = images.double()
-    return torch.cat([F.adaptive_avg_pool2d(x, 2).flatten(1), x.flatten(2).std(dim=2)], dim=1)
+__all__ = ["STANDIN", "standin_features", "random_fid_inception_state", "fit_head"]
 
 
 def random_fid_inception_state() -> dict:

@@ -204,3 +204,33 @@ def test_check_shows_what_the_user_set_and_what_differs_and_all_shows_every_key(
     alone = run_check(str(config), "--all")
     assert alone.returncode == 2
     assert alone.stderr.strip() == "error: --all only goes with --check (it prints the whole config)"
+
+
+def test_the_shipped_stand_in_works_from_anywhere_and_labels_what_it_makes(tmp_path,
+                                                                           monkeypatch):
+    """REBM_FID_FEATURES=rebm.eval.standin:features from a folder outside the repository: the
+    statistics are written, the console line and the file say STAND-IN, and an FID with another
+    network refuses the file in one line."""
+    import numpy as np
+
+    from rebm.eval import fid
+
+    out = tmp_path / "stats.npz"
+    env = {k: v for k, v in base_env(1).items() if k != "PYTHONPATH"}
+    env["REBM_FID_FEATURES"] = "rebm.eval.standin:features"
+    proc = subprocess.run([sys.executable, "-m", "rebm.eval.fid_stats", str(REPO / CONFIG),
+                           "--out", str(out), "--num-images", "64", "data.num_workers=0",
+                           f"data.indist_ds_dir={tmp_path}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("FID statistics (STAND-IN features (stand-in rebm.eval.standin:features, not "
+            "Inception) of 64 train images written to") in proc.stderr, proc.stderr
+    with np.load(out) as stats:
+        assert str(stats["features"]) == "stand-in rebm.eval.standin:features"
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["features"].startswith("stand-in")
+    monkeypatch.setenv("REBM_FID_FEATURES", "rebm.eval.standin:features")
+    assert fid.load_reference(str(out))[0].shape == (15,)  # the same stand-in reads it
+    monkeypatch.delenv("REBM_FID_FEATURES")  # an Inception FID must not
+    with pytest.raises(fid.FIDError, match="holds statistics of stand-in rebm.eval.standin:"
+                       "features features, but this run computes Inception-v3 pool3"):
+        fid.load_reference(str(out))

@@ -27,7 +27,7 @@ from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
 
-STANDIN = "tests.standins:standin_features"
+STANDIN = "rebm.eval.standin:features"
 OVERRIDES = ["data.indist_dataset=cifar10", "data.image_size=16", "data.num_workers=0",
              "model.model_type=WideResNet10x1", "rand_seed=1"]
 

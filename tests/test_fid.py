@@ -2,7 +2,7 @@
 
 The distance is always pytorch-fid's. The feature network is Inception where its weights are on
 disk; elsewhere `tests.standins.standin_features` stands in for it, named by
-REBM_FID_FEATURES=tests.standins:standin_features (in-process and in real subprocesses; its
+REBM_FID_FEATURES=rebm.eval.standin:features (in-process and in real subprocesses; its
 values are stored under `fid_standin`, never as `fid`). The data is a
 tiny CIFAR-10 in the real on-disk format, the model a random WideResNet-10-1.
 """

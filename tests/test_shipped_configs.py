@@ -28,7 +28,7 @@ SIZES = ["model.model_type=WideResNet10x1", "batch_size=32", "max_steps=3",
          "n_imgs_per_evaluation_log=96", "n_imgs_per_metrics_log=32"]
 STAGE2_SIZES = ["attack.max_steps=2", "min_imgs_per_threshold=64", "image_log.num_samples=20",
                 "image_log.num_steps=2", "n_imgs_per_image_log=64", "n_imgs_per_ckpt_save=64"]
-FID_STANDIN = {"REBM_FID_FEATURES": "tests.standins:standin_features"}
+FID_STANDIN = {"REBM_FID_FEATURES": "rebm.eval.standin:features"}
 
 
 def _run(cmd, cwd: Path, timeout: float = 300) -> str:

@@ -22,7 +22,7 @@ from tests.fake_data import write_fake_svhn
 from tests.helpers import BIN, REPO, base_env, finish, rebm_traceback_lines, run_command
 from tests.processes import popen
 
-STANDIN = "tests.standins:standin_features"
+STANDIN = "rebm.eval.standin:features"
 STAGE1 = "experiments/quickstart/digits_stage1.yaml"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
 TINY = ["batch_size=32", "max_steps=2", "indist_attack_clf.max_steps=1", "robust_eval_steps=1",

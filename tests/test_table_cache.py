@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers import REPO, base_env, run_command
 
-STANDIN = "tests.standins:standin_features"
+STANDIN = "rebm.eval.standin:features"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
 PAPER_TABLES = sorted((REPO / "experiments" / "paper").glob("*.yaml"))
 

@@ -18,7 +18,7 @@ from rebm.eval.table_spec import TableError, load_table
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
-STANDIN = "tests.standins:standin_features"
+STANDIN = "rebm.eval.standin:features"
 CIFAR10_T40_SEED0 = """\
 method: "dat"
 dataset: cifar10

@@ -11,7 +11,9 @@
   the environment variable `REBM_FID_FEATURES=module:function` names a callable float [0, 1]
   images (N, 3, H, W) -> (N, D) features; every process then uses it for the samples and for
   `fid_stats` alike (and for IS and precision/recall, rebm/eval/fidelity.py). Its results are
-  stored under `<key>_standin` (`standin_key`) and labelled as such.
+  stored under `<key>_standin` (`standin_key`) and labelled as such. rebm ships one,
+  `rebm.eval.standin:features` (rebm/eval/standin.py); statistics files rebm writes name their
+  network (`features` in the .npz), and a run with another network refuses them.
 
 Samples are quantised to 8 bits before the features, as if written to and read from PNG files
 (what the original DAT code fed pytorch-fid): by `eval.sample_pixels`, floor(255 x) by default,
@@ -46,6 +48,7 @@ from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
 from rebm.distributed.logs import progress
 from rebm.errors import UserError
+from rebm.eval import standin
 from rebm.eval.metric import to_pixels
 
 LOGGER = logging.getLogger("rebm")
@@ -55,6 +58,7 @@ Features = Callable[[Tensor], Tensor]  # float [0, 1] images (N, 3, H, W) -> (N,
 INCEPTION_WEIGHTS_FILE = "pt_inception-2015-12-05-6726825d.pth"
 INCEPTION_DIMS = 2048
 FEATURES_ENV = "REBM_FID_FEATURES"
+STANDIN_SPEC = standin.SPEC
 _warned: set = set()  # each distinct reason is reported once per process
 _INCEPTION: Dict[str, torch.nn.Module] = {}  # weights path -> network, built once
 
@@ -171,7 +175,9 @@ def missing_weights_message(configured: Optional[str] = None) -> str:
                 f"{hub_weights_path()}")
     return (f"no Inception weights for FID: put {INCEPTION_WEIGHTS_FILE} (from {FID_WEIGHTS_URL}, "
             f"downloaded on a machine with internet) at {hub_weights_path()} or set "
-            "image_log.inception_weights=PATH (or image_log.log_fid=false)")
+            "image_log.inception_weights=PATH (or image_log.log_fid=false); for a smoke run "
+            f"without them, {FEATURES_ENV}={STANDIN_SPEC} computes STAND-IN features, which are "
+            "not Inception numbers")
 
 
 def inception_weights_path(configured: Optional[str] = None) -> str:
@@ -263,9 +269,15 @@ def load_reference(path: Optional[str], dims: Optional[int] = None
     try:
         with np.load(path) as ref:
             mu, sigma = np.asarray(ref["mu"], np.float64), np.asarray(ref["sigma"], np.float64)
+            made_with = str(ref["features"]) if "features" in ref.files else None
     except Exception as err:  # not a zip, no mu/sigma key, pickled object arrays, ...
         raise FIDError(f"image_log.data_dir '{path}' is not a .npz with mu and sigma "
                        f"({type(err).__name__}: {err}); {_make_stats_hint(path)}") from None
+    if made_with is not None and made_with != feature_network_name():
+        # rebm's files name their network (pytorch-fid's and the original's do not)
+        raise FIDError(f"'{path}' holds statistics of {made_with} features, but this run "
+                       f"computes {feature_network_name()} features; make the statistics with "
+                       f"the same network: {_make_stats_hint(path)}")
     want = dims or (mu.shape[0] if mu.ndim == 1 else -1)
     if mu.shape != (want,) or sigma.shape != (want, want):
         expect = f"({dims},) and ({dims}, {dims})" if dims else "(D,) and (D, D)"

@@ -7,7 +7,9 @@ augmentation, as the samples are generated; pytorch-fid reads it (`np.load(PATH)
 `image_log.data_dir` at it. Runs as one process or under torchrun (`torchrun --nproc_per_node=N
 -m rebm.eval.fid_stats ...`): the images are sharded over the ranks and the statistics are those
 of one process. The Inception weights come from the same place as for FID (docs/evaluation.md);
-REBM_FID_FEATURES names a stand-in feature network instead.
+REBM_FID_FEATURES names a stand-in feature network instead (rebm ships one:
+REBM_FID_FEATURES=rebm.eval.standin:features); the file then says so (`features` in the .npz
+names the network, as does the console line), and only runs with the same stand-in use it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from rebm.distributed.collectives import on_main
 from rebm.eval.fid import (
     FEATURES_ENV,
     INCEPTION_WEIGHTS_FILE,
+    STANDIN_SPEC,
     FIDError,
     feature_extractor,
+    feature_network_name,
     hub_weights_path,
     moments_statistics,
 )
@@ -70,7 +74,7 @@ def save_statistics(path: str, mu: np.ndarray, sigma: np.ndarray) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp.npz")
-    np.savez(tmp, mu=mu, sigma=sigma)
+    np.savez(tmp, mu=mu, sigma=sigma, features=np.array(feature_network_name()))
     os.replace(tmp, path)
 
 
@@ -80,11 +84,15 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     feature_extractor(runtime.device, cfg.image_log.inception_weights)  # fail first
     mu, sigma, n = dataset_statistics(cfg, runtime, args.split, args.num_images)
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
-               "dims": int(mu.shape[0]), "world_size": runtime.world_size}
+               "dims": int(mu.shape[0]), "features": feature_network_name(),
+               "world_size": runtime.world_size}
+    network = (f"STAND-IN features ({feature_network_name()}, not Inception)"
+               if os.environ.get(FEATURES_ENV) else "Inception features")
 
     def write() -> None:
         save_statistics(out, mu, sigma)
-        LOGGER.info("FID statistics of %d %s images written to %s", n, args.split, out)
+        LOGGER.info("FID statistics (%s) of %d %s images written to %s", network, n, args.split,
+                    out)
         sys.stderr.flush()
         print_line(json.dumps(summary))
 
@@ -94,7 +102,8 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
 
 def build_parser():
     parser = cli.build_parser("rebm.eval.fid_stats", __doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the .npz to write (mu, sigma)")
+    parser.add_argument("--out", required=True,
+                        help="the .npz to write (mu, sigma, and the network's name)")
     parser.add_argument("--split", choices=("train", "test"), default="train",
                         help="in-distribution split (default: train)")
     parser.add_argument("--num-images", type=int, default=None,
@@ -116,9 +125,9 @@ def require_feature_network(cfg) -> None:
              f"there are no Inception weights at {hub_weights_path()}")
     raise FIDError(
         f"FID statistics are Inception features and {found}: put {INCEPTION_WEIGHTS_FILE} "
-        f"(from {FID_WEIGHTS_URL}) there or set image_log.inception_weights=PATH; or name a "
-        f"stand-in feature network with {FEATURES_ENV}=module:function (docs/evaluation.md; "
-        "its statistics only fit FIDs computed with the same stand-in)")
+        f"(from {FID_WEIGHTS_URL}) there or set image_log.inception_weights=PATH; for a smoke "
+        f"run without them, {FEATURES_ENV}={STANDIN_SPEC} computes STAND-IN statistics (not "
+        "Inception numbers; only FIDs computed with the same stand-in use them)")
 
 
 def check_args(args, cfg) -> None:

@@ -223,8 +223,8 @@ def test_the_shipped_stand_in_works_from_anywhere_and_labels_what_it_makes(tmp_p
                            f"data.indist_ds_dir={tmp_path}"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("FID statistics (STAND-IN features (stand-in rebm.eval.standin:features, not "
-            "Inception) of 64 train images written to") in proc.stderr, proc.stderr
+    assert ("STAND-IN FID statistics (rebm.eval.standin:features, not Inception) of 64 train "
+            "images written to") in proc.stderr, proc.stderr
     with np.load(out) as stats:
         assert str(stats["features"]) == "stand-in rebm.eval.standin:features"
     assert json.loads(proc.stdout.strip().splitlines()[-1])["features"].startswith("stand-in")

@@ -86,13 +86,12 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
                "dims": int(mu.shape[0]), "features": feature_network_name(),
                "world_size": runtime.world_size}
-    network = (f"STAND-IN features ({feature_network_name()}, not Inception)"
-               if os.environ.get(FEATURES_ENV) else "Inception features")
+    what = (f"STAND-IN FID statistics ({os.environ[FEATURES_ENV]}, not Inception)"
+            if os.environ.get(FEATURES_ENV) else "FID statistics (Inception)")
 
     def write() -> None:
         save_statistics(out, mu, sigma)
-        LOGGER.info("FID statistics (%s) of %d %s images written to %s", network, n, args.split,
-                    out)
+        LOGGER.info("%s of %d %s images written to %s", what, n, args.split, out)
         sys.stderr.flush()
         print_line(json.dumps(summary))
 

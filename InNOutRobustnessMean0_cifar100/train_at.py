@@ -27,6 +27,7 @@ from rebm.config.schedule import STAGE_SCHEDULES, check_stage_schedule, stage_lr
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATASETS = {"cifar100": 100, "cifar10": 10}
 STAGE = 1
+SCHEDULES = STAGE_SCHEDULES[STAGE]  # the values of lr_schedule (and --schedule) stage 1 offers
 
 
 def run(cfg, runtime, _args) -> dict:
@@ -60,7 +61,7 @@ def build_parser():
                              "data.indist_dataset and data.num_classes (default cifar100)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="start N processes with torch.multiprocessing.spawn (no torchrun)")
-    parser.add_argument("--schedule", choices=STAGE_SCHEDULES[STAGE],
+    parser.add_argument("--schedule", choices=SCHEDULES,
                         help="the same as the override lr_schedule=NAME (the config key, which "
                              "config.yaml records); unset: the config's, by default cosine")
     return parser
@@ -82,8 +83,9 @@ def with_default_config(argv: Optional[List[str]]) -> List[str]:
                          f"data.num_classes={DATASETS[args.dataset]}"]
     if args.schedule:
         overrides.append(schedule_override(overrides, args.schedule))
-    flags = [f"--nproc={args.nproc}"]
-    return [config, *overrides, *flags, *(["--check"] if args.check else [])]
+    flags = [f"--nproc={args.nproc}", *(["--check"] if args.check else []),
+             *(["--all"] if args.all else [])]
+    return [config, *overrides, *flags]
 
 
 def schedule_override(overrides: List[str], schedule: str) -> str:

@@ -138,7 +138,8 @@ def test_fixed_lr_is_a_stage_2_rule():
      "error: command line: '--schedule constant' and 'lr_schedule=cosine' disagree"),
 ])
 def test_the_schedule_flag_is_an_alias_of_the_key(args, expected):
-    result = run_command([sys.executable, TRAIN_AT, STAGE1, *args, "--check"], timeout=60)
+    result = run_command([sys.executable, TRAIN_AT, STAGE1, *args, "--check", "--all"],
+                         timeout=60)
     assert expected in result.output, result.output
 
 

@@ -61,12 +61,15 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
     """Things this machine lacks; warnings under --check (login nodes have no data or GPUs)."""
     import torch
 
+    from rebm.config.datasets import dataset_reads_files
+
     problems = []
-    file_datasets = {"cifar10", "cifar10-conditional", "cifar100", "cifar100-conditional",
-                     "imagefolder", "ImageNet"}
-    if cfg.data.indist_dataset in file_datasets and not os.path.exists(cfg.data.indist_ds_dir):
+    data = cfg.data
+    if dataset_reads_files("indist", data.indist_dataset) and not os.path.exists(
+            data.indist_ds_dir):
         problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
-    if "noise" not in cfg.data.outdist_dataset and not os.path.exists(cfg.data.outdist_std_dir):
+    if dataset_reads_files("outdist", data.outdist_dataset) and not os.path.exists(
+            data.outdist_std_dir):
         problems.append(f"data.outdist_std_dir '{cfg.data.outdist_std_dir}' does not exist here")
     seeds = cfg.image_log.seed_images
     if seeds not in SEED_NOISES and not os.path.exists(seeds):

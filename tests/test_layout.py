@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import REPO
 
-MAX_FILE_LINES = 450
+MAX_FILE_LINES = 600  # one concern per file; split by giving state an owner, not by length
 MAX_FUNCTION_LINES = 80
 CHECKED = ("rebm", "InNOutRobustnessMean0_cifar100", "tests", "benchmarks")
 

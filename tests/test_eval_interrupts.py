@@ -32,10 +32,12 @@ def test_a_signal_stops_evaluate_on_every_rank_with_one_line(tmp_path, signame):
     ckpt = tmp_path / "model.pth"
     torch.save(model_from_config(load_config(CONFIG)).state_dict(), ckpt)
     out = tmp_path / "out"
-    # robust accuracy with many PGD steps: the evaluation is running when the signal comes
+    # robust accuracy in many short batches: the evaluation is running when the signal comes,
+    # and its next batch comes well within torchrun's grace period even on a loaded machine
     cmd = torchrun_cmd("rebm.eval.evaluate", [CONFIG, f"model.ckpt_path={ckpt}", f"run_dir={out}",
-                                              "data.num_workers=0", "robust_eval_steps=200",
-                                              "eval.num_images=256"], 2)
+                                              "data.num_workers=0", "robust_eval_steps=50",
+                                              "per_device_eval_batch_size=8",
+                                              "eval.num_images=1024"], 2)
     log = tmp_path / "console.log"
     proc = popen(cmd, base_env(1), REPO, output=str(log))
     wait_for(log, "eval.json will be written", proc)

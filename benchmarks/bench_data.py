@@ -186,7 +186,7 @@ def bench_jpeg(work_dir: str, reps: int, size: int, n: int = 64) -> None:
 
 def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int = 4,
                         timed_steps: int = 2) -> None:
-    """A real DAT step (rebm.methods.dat.step.dat_step: T-step negatives, the classifier's
+    """A real DAT step (tests.steps.dat_update, the Trainer's update: T-step negatives, the classifier's
     K-step attack of the config, the fused loss forward/backward, the optimizer) of
     ResNet50ImageNet with the ResNet-50 config's options, on batches the real pipeline decoded
     from ImageNet-sized JPEGs beforehand (so the time is the step's alone); one warm-up step,
@@ -196,8 +196,9 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm.config import load_config
     from rebm.distributed.precision import Precision
     from rebm.engine.build import get_model, get_optimizer
-    from rebm.methods.dat.step import DAT, dat_step
+    from rebm.methods.dat.step import DAT
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
+    from tests.steps import dat_update
 
     steps = 1 + timed_steps
     imagenet = write_fake_imagenet(os.path.join(work_dir, "ImageNet"), num_classes=3,
@@ -219,7 +220,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     times = []
     for micro_batches in batches:
         t0 = time.perf_counter()
-        dat_step(model, optimizer, micro_batches, outdist_steps, cfg, plan, precision)
+        dat_update(model, optimizer, micro_batches, outdist_steps, cfg, plan, precision)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
     images = 3 * batch  # in-distribution, classifier and out-distribution streams

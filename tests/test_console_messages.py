@@ -83,7 +83,6 @@ def test_a_summary_line_per_metrics_log_without_a_progress_bar(dat_run):
     assert [line.split(" INFO ")[1].split(" (")[0] for line in summaries] == ["step 1/2",
                                                                             "step 2/2"], out
     assert "train_clf_loss " in summaries[0] and "imgs_per_s " in summaries[0]
-    assert "replicas_identical" not in summaries[0]  # true: nothing to say
     (files,) = _lines(out, r"INFO files in ")
     assert files.endswith(f"files in {run_dir}: model_final.pth (evaluated weights), "
                           "metrics.jsonl, checkpoints/ (training states; the same command "

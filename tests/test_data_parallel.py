@@ -13,7 +13,8 @@ from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import get_model, get_optimizer
 from rebm.methods.dat import step as step_module
-from rebm.methods.dat.step import DAT, dat_step
+from rebm.methods.dat.step import DAT
+from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +38,7 @@ def _step(cfg, runtime, monkeypatch=None):
             return real(module, *args, **kwargs)
 
         monkeypatch.setattr(step_module, "pgd_from_config", record)
-    result = dat_step(model, get_optimizer(cfg, raw.parameters()), batches, 2, cfg, plan,
+    result = dat_update(model, get_optimizer(cfg, raw.parameters()), batches, 2, cfg, plan,
                       Precision(cfg.amp, runtime.device))
     return result, attacked, [p.detach().clone() for p in raw.parameters()]
 

@@ -108,7 +108,6 @@ def test_two_process_dat_from_the_public_checkpoint(imagenet_run, data):
     records = read_metrics(run_dir)
     train = _train_records(run_dir)
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all(r["replicas_identical"] for r in train)
     assert max(r["cur_outdist_steps"] for r in train) >= 1  # the negatives were attacked
     # the truncated JPEG: the run finished, the metrics count it, each rank's log lists it once
     assert sum(r["data_replaced_images"] for r in train) >= 1

@@ -222,7 +222,8 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{source}: '{key}' must be a positive integer, got {getattr(cfg, key)}")
     for key in ("per_device_batch_size", "per_device_eval_batch_size", "max_steps",
-                "total_epochs", "samples_per_attack_step", "n_imgs_per_evaluation_log"):
+                "total_epochs", "samples_per_attack_step", "n_imgs_per_evaluation_log",
+                "max_grad_norm"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{source}: '{key}' must be positive or null, got {value}")

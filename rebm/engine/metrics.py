@@ -55,8 +55,6 @@ class MetricsWindow:
     def restored(cls, saved: Dict[str, float], is_main: bool) -> "MetricsWindow":
         """A window resumed from a state: rank 0 carries the global sums, the others start at
         zero, so the next all-reduce counts them once."""
-        if isinstance(saved, list):  # stage-1 states before the engine: [loss sum, correct, n]
-            saved = dict(zip(("clf_sum", "correct", "images"), saved, strict=True))
         return cls({k: (v if is_main else 0.0) for k, v in saved.items()})
 
 

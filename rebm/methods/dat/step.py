@@ -22,6 +22,7 @@ import torch
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.config import TrainConfig
+from rebm.config.schedule import check_stage_schedule
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
@@ -56,6 +57,7 @@ class DAT(Method):
     @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:
         check_loss_weights(cfg)
+        check_stage_schedule(cfg, cls.stage)  # a constant rate, on every path into DAT
 
     @classmethod
     def loss_streams(cls, cfg: TrainConfig) -> int:

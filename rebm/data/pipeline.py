@@ -25,6 +25,7 @@ over all ranks, no padding duplicates — as (x, y, index) batches.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -266,6 +267,10 @@ class TrainData:
                 for m in range(self.plan.accumulation_steps)]
 
     def __iter__(self) -> Iterator[List[MicroBatch]]:
+        if not self._loader_kwargs["num_workers"] and not self._loader_kwargs["pin_memory"]:
+            # in this process: a DataLoader would only call step_batch's items one by one
+            yield from (self.step_batch(step) for step in itertools.count(self.start_step))
+            return
         loader = DataLoader(
             self._dataset,
             batch_size=None,  # items are already micro-batches

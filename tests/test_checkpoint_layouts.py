@@ -12,9 +12,9 @@ from timm.models.resnet import Bottleneck, ResNet
 from rebm.checkpoint.layouts import NormaliserMismatch
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.models import build_model
-from rebm.models.imagenet import timm_arguments
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
 from tests.fake_data import write_robustness_checkpoint
+from tests.timm_reference import timm_arguments
 
 X = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 

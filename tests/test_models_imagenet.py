@@ -14,8 +14,9 @@ from timm.models.resnet import Bottleneck, ResNet
 
 from rebm.config import TrainConfig
 from rebm.models import build_model, model_from_config, model_names
-from rebm.models.imagenet import CONVNEXTS, RESNETS, timm_arguments, timm_name
+from rebm.models.imagenet import CONVNEXTS, RESNETS
 from rebm.models.stats import IMAGENET_MEAN, IMAGENET_STD
+from tests.timm_reference import timm_arguments, timm_name
 
 IMAGENET_TYPES = list(RESNETS) + list(CONVNEXTS)
 NUM_CLASSES = 7

@@ -16,7 +16,7 @@ config stays cheap. The ConvNeXts declare their own `model.*` options, `use_conv
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from rebm.models.registry import register
 
@@ -42,22 +42,6 @@ CONVNEXTS: Dict[str, tuple] = {
                                               convstem_three_convs=True)),
     "convnext_test": (None, dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))),
 }
-
-
-def timm_name(model_type: str) -> Optional[str]:
-    """timm's registered name of the same network (None: timm has none)."""
-    entry = RESNETS.get(model_type) or CONVNEXTS.get(model_type)
-    return entry[0] if entry else None
-
-
-def timm_arguments(model_type: str) -> Dict[str, Any]:
-    """The timm constructor arguments (ResNet or ConvNeXt) of a registered ImageNet model,
-    without rebm's options: `timm.models.resnet.ResNet(block=Bottleneck, **these)`."""
-    if model_type in RESNETS:
-        return dict(RESNETS[model_type][1])
-    args = dict(CONVNEXTS[model_type][1])
-    args.pop("convstem_three_convs", None)
-    return args
 
 
 def _register_resnet(name: str, arguments: Dict[str, Any]) -> None:

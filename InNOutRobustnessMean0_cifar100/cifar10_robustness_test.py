@@ -23,17 +23,17 @@ from rebm import cli
 
 def run(cfg, runtime, calibration_only: bool, autoattack: bool) -> dict:
     from rebm.distributed import print_line, setup_logging
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
     from rebm.eval.registry import standard_metrics
 
     setup_logging(runtime)
+    names = (("ece",) if calibration_only else
+             standard_metrics(cfg, samples=False, extra=["autoattack"] if autoattack else []))
+    evaluator = Evaluator(cfg, runtime, names).start_all_ranks()
     model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
+    metrics = evaluator.evaluate_all_ranks(model).values
     if calibration_only:
-        metrics = evaluate_model(model, cfg, runtime, EvalSpec(("ece",)))
         metrics.pop("n_test")
-    else:
-        names = standard_metrics(cfg, samples=False, extra=["autoattack"] if autoattack else [])
-        metrics = evaluate_model(model, cfg, runtime, EvalSpec(names))
     metrics.update(ckpt_path=os.path.abspath(cfg.model.ckpt_path),
                    world_size=runtime.world_size)
     # NaN (an empty test set) is not JSON: report it as null.

@@ -2,7 +2,7 @@
 all and prints the table). Every figure times the functions the training loop itself calls
 (`Parts.train_step`, `DAT.step`, `pgd_from_config`, `dat_loss`, `Precision`, `ema.update`,
 `DAT.after_step` (global AUCs + curriculum), `consensus`, `log_metrics`, `save_training_state`,
-`Parts.load_state_dict`, `build_train_data`, `evaluate_model`) with the thread count set
+`Parts.load_state_dict`, `build_train_data`, `Evaluator.evaluate_all_ranks`) with the thread count set
 explicitly.
 
     .venv/bin/python benchmarks/bench_train.py SECTION [--config quickstart|wrn] [--threads N]
@@ -19,7 +19,7 @@ Sections (the code of each is in benchmarks/sections/):
   ddp         images/s of the loop's step on W ranks (rebm.distributed.spawn, gloo on CPU; or
               under torchrun); with W > 1 also the gradient all-reduce (exposed and raw)
   attack      one PGD step (input gradient only) vs one training forward+backward
-  eval        evaluate_model (accuracy + robust accuracy) on the digits test set, W ranks;
+  eval        Evaluator.evaluate_all_ranks (accuracy + robust accuracy) on the digits test set, W ranks;
               --independent: each rank evaluates all of it at once (the contention ceiling)
   resume      restore + build_train_data(start_step=k) + first batch, k = 10 vs 10,000
   checkpoint  save_training_state of the WRN-16-4 training state (training is blocked for it)

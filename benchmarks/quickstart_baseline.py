@@ -20,7 +20,7 @@ from rebm.config import eval_batch_size, load_config
 from rebm.data import load_indist
 from rebm.distributed import Runtime
 from rebm.engine.build import get_optimizer
-from rebm.eval.evaluation import EvalSpec, evaluate_model
+from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
 from rebm.models import model_from_config
 
@@ -42,7 +42,8 @@ def main(argv):
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
     runtime = Runtime()
-    metrics = evaluate_model(model, cfg, runtime, EvalSpec(standard_metrics(cfg, samples=False)))
+    evaluator = Evaluator(cfg, runtime, standard_metrics(cfg, samples=False))
+    metrics = evaluator.evaluate_all_ranks(model).values
     attack = cfg.indist_attack_clf
     metrics.update(eps=attack.eps, norm=attack.norm,
                    steps=cfg.robust_eval_steps or attack.max_steps,

@@ -264,6 +264,15 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
                 raise ConfigError("--nproc starts its own processes: do not combine it with "
                                   "torchrun")
             plan_batches(cfg, nproc)  # fail here, once, not in N children
+    return launch(body, cfg, args, nproc)
+
+
+def launch(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace,
+           nproc: int = 1) -> int:
+    """Run `body(cfg, runtime, args)` in this process (plain, or a rank of torchrun) or in
+    `nproc` spawned ones, each through `run_worker`; 0, or the exit of a failed child. `cfg`
+    None (the table runner, whose rows each have their own config): the process group's
+    defaults."""
     import_libraries()  # once the arguments are good
     from torch.multiprocessing import ProcessExitedException
 
@@ -302,7 +311,7 @@ def import_libraries() -> None:
         import torchvision  # noqa: F401
 
 
-def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
+def run_worker(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
     `record` writes a failing worker's error where the agent reports it; every error, one-line
     or not, also goes to this rank's log file."""
@@ -312,13 +321,14 @@ def run_worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
     record(_worker)(body, cfg, args)
 
 
-def _worker(body: Body, cfg: TrainConfig, args: argparse.Namespace) -> None:
+def _worker(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace) -> None:
     from rebm.distributed.logs import log_to_file
     from rebm.distributed.runtime import setup_distributed, teardown
 
     with user_errors_exit():
-        runtime = setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
-                                    device=cfg.device, timeout_s=cfg.ddp_timeout_s)
+        runtime = (setup_distributed() if cfg is None else
+                   setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
+                                     device=cfg.device, timeout_s=cfg.ddp_timeout_s))
         try:
             body(cfg, runtime, args)
         except UserError as err:

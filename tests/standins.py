@@ -1,6 +1,7 @@
 """Stand-ins the tests share: rebm's own stand-in for Inception (rebm.eval.standin, named by
 REBM_FID_FEATURES in real subprocesses), pytorch-fid's Inception architecture with random weights
-(the real file cannot be downloaded here), and a fitted head."""
+(the real file cannot be downloaded here), a fitted head, and every sample of a config in
+memory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from rebm.eval.standin import SPEC as STANDIN
 from rebm.eval.standin import features as standin_features
 
-__all__ = ["STANDIN", "standin_features", "random_fid_inception_state", "fit_head"]
+__all__ = ["STANDIN", "standin_features", "random_fid_inception_state", "fit_head",
+           "generate_samples"]
 
 
 def random_fid_inception_state() -> dict:
@@ -42,3 +44,25 @@ def fit_head(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         w = torch.linalg.solve(feats.T @ feats + ridge, feats.T @ target)
         model.fc.weight.copy_(w[:-1].T)
         model.fc.bias.copy_(w[-1])
+
+
+def generate_samples(model: torch.nn.Module, cfg, runtime=None, num_samples=None,
+                     batch_size: int = 128):
+    """(images (N, 3, S, S) float [0, 1], labels (N,)) of samples 0..N-1 (N: num_samples, else
+    image_log.num_samples), all in memory, for small sets: rebm's SampleGenerator over chunks
+    of `batch_size` samples, as an evaluation on one rank generates them (an evaluation streams
+    them and keeps none). Rank-local: under several ranks each computes them all."""
+    from rebm.distributed import Runtime
+    from rebm.eval.accuracy import eval_mode
+    from rebm.eval.generation import SampleGenerator, balanced_labels
+    from rebm.eval.samples import seed_source
+
+    local = Runtime(device=runtime.device if runtime is not None else torch.device("cpu"))
+    n = cfg.image_log.num_samples if num_samples is None else num_samples
+    generate = SampleGenerator(model, cfg, local, seed_source(cfg, {}))
+    with eval_mode(generate.model):
+        images = [generate(torch.arange(start, min(start + batch_size, n))).images
+                  for start in range(0, n, batch_size)]
+    size = cfg.data.image_size
+    return (torch.cat(images) if images else torch.zeros(0, 3, size, size),
+            balanced_labels(torch.arange(n), cfg.data.num_classes))

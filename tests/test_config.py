@@ -240,8 +240,8 @@ def test_fields_with_an_effect_rebm_lacks_are_refused(capsys, override, expected
 
 def _samples_from(overrides, tmp_path):
     """Samples of a seeded model through the real generation code (one process)."""
-    from rebm.eval.generation import generate_samples
     from rebm.models import model_from_config
+    from tests.standins import generate_samples
 
     cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"),
                       ["image_log.num_steps=2", *overrides])

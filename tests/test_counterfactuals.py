@@ -96,7 +96,12 @@ def test_class_statistics_are_those_of_the_class_images(setup):
 def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.data.ood_sets import indist_test_set
     from rebm.distributed.signals import PreemptionFlag
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
+
+    def evaluate_model(model, cfg, runtime, batch_size, run_dir):
+        evaluator = Evaluator(cfg, runtime, ("counterfactuals",), batch_size=batch_size,
+                              run_dir=run_dir)
+        return evaluator.evaluate_all_ranks(model).values
 
     runtime = rd.setup_distributed()
     base = [*OVERRIDES, f"data.indist_ds_dir={root}", f"model.ckpt_path={root}/model.pth",
@@ -105,18 +110,17 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
                              f"eval.counterfactual_fid_stats={stats}"])
     model = load_eval_model(cfg, runtime)
     folder = os.path.join(out, f"run{runtime.world_size}")
-    result = evaluate_model(model, cfg, runtime, EvalSpec(("counterfactuals",), 20, folder))
+    result = evaluate_model(model, cfg, runtime, 20, folder)
     original = load_config(None, [*base, "eval.counterfactual_protocol=original",
                                   f"eval.counterfactual_fid_stats={stats}"])
     # as inside training: every loop polls the preemption flag through a collective, which
     # must line up with the per-class FID collectives on ranks with different chunk counts
     polled = dataclasses.replace(runtime, preemption=PreemptionFlag().install())
-    result["original"] = evaluate_model(model, original, polled, EvalSpec(
-        ("counterfactuals",), 4, os.path.join(out, f"original{runtime.world_size}")))
+    result["original"] = evaluate_model(model, original, polled, 4,
+                                        os.path.join(out, f"original{runtime.world_size}"))
     few = load_config(None, [*base, "eval.counterfactual_num_images=3",
                              "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])
-    result["few"] = evaluate_model(model, few, runtime,
-                                   EvalSpec(("counterfactuals",), 20, folder + "_few"))
+    result["few"] = evaluate_model(model, few, runtime, 20, folder + "_few")
     with torch.no_grad():  # the clean target-class confidence, for comparison
         x = indist_test_set(cfg).images(np.arange(7))
         y = torch.tensor([int(v) for v in indist_test_set(cfg).labels(np.arange(7))])

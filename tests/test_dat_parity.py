@@ -16,13 +16,14 @@ from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model as rebm_get_model
 from rebm.engine.build import get_optimizer as rebm_get_optimizer
-from rebm.eval.generation import SeedImages, blur_kernel_size, gaussian_blur, generate_samples
+from rebm.eval.generation import SeedImages, blur_kernel_size, gaussian_blur
 from rebm.methods.dat import DAT, ebm_loss
 from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats
 from rebm.models.wideresnet import WideResNet
 from rebm.training.modeling import get_model, get_optimizer, load_checkpoint
 from tests.helpers import randomise_bn as _randomise_bn  # non-trivial BatchNorm statistics
+from tests.standins import generate_samples
 from tests.steps import dat_update
 
 pytestmark = pytest.mark.timeout(120)

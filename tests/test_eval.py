@@ -7,7 +7,6 @@ real on-disk format with an odd test set (101 images), in real processes (gloo).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 
@@ -18,7 +17,7 @@ import torch
 from rebm import distributed as rd
 from rebm.config import load_config, plan_batches
 from rebm.eval import fid
-from rebm.eval.calibration import calibration_bins, ece_from_bins, expected_calibration_error
+from rebm.eval.calibration import calibration_bins, ece_from_bins
 from rebm.eval.generation import SeedImageError, SeedImages
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
@@ -67,27 +66,18 @@ def fake_cifar(tmp_path_factory):
 
 
 def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
-    from rebm.data.pipeline import build_eval_data
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
-    from rebm.eval.fid import compute_fid
-    from rebm.eval.generation import generate_samples
-    from rebm.eval.ood import build_ood_data, evaluate_ood
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
     runtime = rd.setup_distributed()
     cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
     model = load_eval_model(cfg, runtime)
-    spec = EvalSpec(("accuracy", "robust_accuracy", "ece", "ood"), batch_size=16)
-    result = evaluate_model(model, cfg, runtime, spec)
-    loader = build_eval_data(cfg, runtime, batch_size=16)
-    ood_loader = build_ood_data(cfg, runtime, batch_size=16, num_samples=37)
-    adversarial = evaluate_ood(model, loader, ood_loader, runtime, score="lse",
-                               attack_cfg=cfg.indist_attack_clf, seed=cfg.rand_seed)
-    result["adv_ood_auroc"] = adversarial["adv_ood_auroc"]
-    images, labels = generate_samples(model, cfg, runtime, batch_size=4)
-    result["images"], result["labels"] = images, labels
-    # FID without reference/weights: every rank agrees to skip (no rank left in a collective)
-    result["fid"] = compute_fid(images, os.path.join(out_dir, "absent.npz"), runtime.device,
-                                runtime=runtime)
+    run_dir = os.path.join(out_dir, f"w{runtime.world_size}")
+    evaluator = Evaluator(cfg, runtime, ("accuracy", "robust_accuracy", "ece", "ood",
+                                         "samples_npz"), batch_size=16, run_dir=run_dir)
+    evaluation = evaluator.evaluate_all_ranks(model)
+    result = dict(evaluation.values)
+    with np.load(evaluation.files["samples_npz"]) as npz:  # every sample, index order
+        result["pixels"] = torch.from_numpy(npz["arr_0"])
     torch.save(result, os.path.join(out_dir, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)
 
@@ -113,32 +103,26 @@ def test_accuracy_identical_on_1_2_3_ranks(sharded_results):
         for rank_result in sharded_results[world]:
             for key in ("test_acc", "robust_test_acc", "n_test", "n_ood"):
                 assert rank_result[key] == single[key], (world, key)
-            assert rank_result["fid"] is None
             assert rank_result["ece"] == pytest.approx(single["ece"], abs=1e-12)
             assert rank_result["ood_auroc"] == pytest.approx(single["ood_auroc"], abs=1e-12)
-            assert rank_result["adv_ood_auroc"] == pytest.approx(single["adv_ood_auroc"],
-                                                                 abs=1e-12)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_samples_identical_on_1_2_3_ranks(sharded_results):
+    from rebm.eval.metric import to_pixels
+
     single = sharded_results[1][0]
-    assert single["images"].shape == (13, 3, 16, 16)
-    assert single["labels"].tolist() == [i % 10 for i in range(13)]
+    assert single["pixels"].shape == (13, 16, 16, 3)
     for world in (2, 3):
         for rank_result in sharded_results[world]:
             # Same seeds, labels, steps and batch neighbours per index (chunk k on rank k % W)
-            assert torch.equal(rank_result["images"], single["images"]), world
-    # the attack moved the seeds, and stayed in [0, 1]
+            assert torch.equal(rank_result["pixels"], single["pixels"]), world
+    # the attack moved the seeds
     seeds = SeedImages("noise", 16, rand_seed=3)(torch.arange(13))
-    assert not torch.equal(single["images"], seeds)
-    assert 0.0 <= float(single["images"].min()) and float(single["images"].max()) <= 1.0
+    assert not torch.equal(single["pixels"], to_pixels(seeds).permute(0, 2, 3, 1))
 
 
-# --------------------------------------------------------------------------------------------
-# Metric math
-# --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, expected", [
     ((), {1: 64, 2: 64, 4: 48, 8: 24}),  # batch_size 64: min(64, 3 x 64/W)
     (("per_device_batch_size=8",), {1: 24, 2: 24, 4: 24, 8: 24}),
@@ -169,8 +153,8 @@ def test_ece_hand_example():
     ])
     labels = torch.tensor([0, 1, 1, 0, 0])
     # (2|0.5 - 0.92| + |1 - .64| + |0 - .66| + |0 - .78|) / 5
-    assert expected_calibration_error(probs, labels) == pytest.approx(0.528)
-    assert expected_calibration_error(probs, labels, n_bins=10) == pytest.approx(0.384)
+    assert ece_from_bins(calibration_bins(probs, labels)) == pytest.approx(0.528)
+    assert ece_from_bins(calibration_bins(probs, labels, n_bins=10)) == pytest.approx(0.384)
     # bin sums add up over shards, so a sharded ECE is exact
     halves = calibration_bins(probs[:2], labels[:2]) + calibration_bins(probs[2:], labels[2:])
     assert ece_from_bins(halves) == pytest.approx(0.528)
@@ -191,43 +175,40 @@ def test_frechet_distance_closed_form():
     assert np.isfinite(fid.frechet_distance(mu, cov, mu2, np.diag(s2)))
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
+def _fid_evaluator(tmp_path, *overrides):
+    from rebm.distributed import Runtime
+    from rebm.eval.evaluator import Evaluator
 
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def rebm_warnings(monkeypatch):
-    """Warnings of the 'rebm' logger (it may not propagate to caplog), with FID's
-    warn-once memory reset."""
-    monkeypatch.setattr(fid, "_warned", set())
-    handler = _Records()
-    logger = logging.getLogger("rebm")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+    cfg = _eval_cfg(str(tmp_path), "image_log.log_fid=true", *overrides)
+    return Evaluator(cfg, Runtime(), ("fid",))
 
 
-def test_fid_missing_reference_is_skipped_with_warning(rebm_warnings, tmp_path):
+def test_fid_missing_reference_stops_the_evaluation_at_start(tmp_path, monkeypatch):
+    from rebm.eval.metric import EvalError
+
+    monkeypatch.setenv(fid.FEATURES_ENV, "rebm.eval.standin:features")
     missing = tmp_path / "nope" / "cifar10_stats.npz"
-    assert fid.compute_fid(torch.rand(4, 3, 8, 8), str(missing), "cpu") is None
-    assert any(str(missing) in m for m in rebm_warnings), rebm_warnings
+    evaluator = _fid_evaluator(tmp_path, f"image_log.data_dir={missing}")
+    assert len(evaluator.problems()) == 1 and str(missing) in evaluator.problems()[0]
+    with pytest.raises(EvalError, match="does not exist") as err:
+        evaluator.start_all_ranks()
+    assert str(missing) in str(err.value) and "\n" not in str(err.value)
 
 
-def test_fid_without_inception_weights_is_skipped_with_one_warning(rebm_warnings, tmp_path,
-                                                                   monkeypatch):
+def test_fid_without_inception_weights_stops_the_evaluation_with_one_line(tmp_path,
+                                                                        monkeypatch):
+    from rebm.eval.metric import EvalError
+
+    monkeypatch.delenv(fid.FEATURES_ENV, raising=False)
     ref = tmp_path / "stats.npz"
     np.savez(ref, mu=np.zeros(2048), sigma=np.eye(2048))
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "empty_hub"))
-    for _ in range(2):
-        assert fid.compute_fid(torch.rand(4, 3, 8, 8), str(ref), "cpu") is None
-    inception = [m for m in rebm_warnings if "Inception" in m]
-    assert len(inception) == 1, rebm_warnings
-    assert "FID skipped" in inception[0]
+    evaluator = _fid_evaluator(tmp_path, f"image_log.data_dir={ref}")
+    (problem,) = evaluator.problems()
+    assert "Inception" in problem and fid.STANDIN_SPEC in problem
+    with pytest.raises(EvalError, match="Inception"):
+        evaluator.start_all_ranks()
+    assert not evaluator.started
 
 
 def test_seed_images_errors_name_the_path(tmp_path):

@@ -119,14 +119,14 @@ def _torch_fidelity(folder, cfg, extractor: str, **kwargs) -> dict:
 # 1, 2, 3 ranks
 # --------------------------------------------------------------------------------------------
 def _worker(root: str, out: str) -> None:
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
     runtime = rd.setup_distributed()
     cfg = _cfg(root, "eval.num_images=4")
     run_dir = os.path.join(out, f"w{runtime.world_size}")
-    spec = EvalSpec(("accuracy", "robust_accuracy", "autoattack", "ece", *SAMPLE_METRICS),
-                    batch_size=2, run_dir=run_dir)
-    result = evaluate_model(load_eval_model(cfg, runtime), cfg, runtime, spec)
+    evaluator = Evaluator(cfg, runtime, ("accuracy", "robust_accuracy", "autoattack", "ece",
+                                         *SAMPLE_METRICS), batch_size=2, run_dir=run_dir)
+    result = evaluator.evaluate_all_ranks(load_eval_model(cfg, runtime)).values
     torch.save(result, os.path.join(out, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)
 
@@ -185,11 +185,12 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     from pyautoattack import AutoAttack
 
     from rebm.data.pipeline import indist_source
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
     cfg = _cfg(data, "eval.num_images=4")
     model = load_eval_model(cfg, Runtime())
-    ours = evaluate_model(model, cfg, Runtime(), EvalSpec(("autoattack",), batch_size=2))
+    ours = Evaluator(cfg, Runtime(), ("autoattack",), batch_size=2).evaluate_all_ranks(
+        model).values
     test = indist_source(cfg, "test")
     correct = 0
     for chunk in (np.arange(0, 2), np.arange(2, 4)):
@@ -231,7 +232,7 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
     pytorch-fid's layout: the real file is the same state dict) without any download."""
     from torch_fidelity import feature_extractor_inceptionv3 as tf_inception
 
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
     from tests.standins import random_fid_inception_state
 
     torch.manual_seed(0)
@@ -244,9 +245,9 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
 
     monkeypatch.setattr(tf_inception, "load_state_dict_from_url", no_network)
     cfg = _cfg(data, f"image_log.inception_weights={weights}", "eval.is_resize=fidelity")
-    spec = EvalSpec(("keep_samples", "inception_score", "precision_recall"), batch_size=4,
-                    run_dir=str(tmp_path))
-    ours = evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
+    evaluator = Evaluator(cfg, Runtime(), ("keep_samples", "inception_score", "precision_recall"),
+                          batch_size=4, run_dir=str(tmp_path))
+    ours = evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime())).values
     library = _torch_fidelity(tmp_path / "samples" / "eval", cfg, "inception-v3-compat",
                               feature_extractor_weights_path=str(weights))
     # another batch composition (torch-fidelity reads the files in name order) moves the
@@ -299,18 +300,19 @@ def test_image_ids_as_paths_relative_to_imagenet_val(tmp_path):
 
 def test_unconditional_samples_ascend_logsumexp(data):
     from rebm.attacks.pgd import pgd_attack
-    from rebm.eval.evaluation import load_eval_model
+    from rebm.eval.evaluator import load_eval_model
     from rebm.eval.generation import SampleGenerator, SeedImages
 
     cfg = _cfg(data, "eval.unconditional_samples=true")
     model = load_eval_model(cfg, Runtime())
     idx = torch.arange(5)
-    samples = SampleGenerator(model, cfg, Runtime())(idx).images
+    source = SeedImages(cfg.image_log.seed_images, 16, cfg.rand_seed)
+    samples = SampleGenerator(model, cfg, Runtime(), source)(idx).images
     seeds = SeedImages("noise", 16, rand_seed=3)(idx)
     expected = pgd_attack(model, seeds, steps=2, step_size=0.5, eps=cfg.image_log.eps,
                           norm="L2", objective="lse")
     assert torch.equal(samples, expected)
-    conditional = SampleGenerator(model, _cfg(data), Runtime())(idx).images
+    conditional = SampleGenerator(model, _cfg(data), Runtime(), source)(idx).images
     assert not torch.equal(samples, conditional)
     assert torch.logsumexp(model(samples), 1).mean() > torch.logsumexp(model(seeds), 1).mean()
 
@@ -318,11 +320,14 @@ def test_unconditional_samples_ascend_logsumexp(data):
 def test_calibration_writes_the_reliability_diagram(data, tmp_path):
     from PIL import Image
 
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
     cfg = _cfg(data)
-    spec = EvalSpec(("ece",), batch_size=8, run_dir=str(tmp_path), step=12)
-    result = evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
+    evaluator = Evaluator(cfg, Runtime(), ("ece",), batch_size=8, run_dir=str(tmp_path))
+    evaluation = evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime()), step=12)
+    result = evaluation.values
+    assert evaluation.files == {
+        "reliability_diagram": str(tmp_path / "reliability_step00000012.png")}
     assert 0 <= result["ece"] <= 1 and result["n_test"] == N_TEST
     with Image.open(tmp_path / "reliability_step00000012.png") as image:
         assert image.size[0] > 100 and image.size[1] > 100

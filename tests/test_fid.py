@@ -23,7 +23,12 @@ from rebm.distributed import Runtime
 from rebm.eval import fid
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
-from tests.standins import STANDIN, random_fid_inception_state, standin_features  # noqa: E402
+from tests.standins import (  # noqa: E402
+    STANDIN,
+    generate_samples,
+    random_fid_inception_state,
+    standin_features,
+)
 
 OVERRIDES = [
     "data.indist_dataset=cifar10",
@@ -78,9 +83,20 @@ def _standin_env():
 
 
 def _model(cfg):
-    from rebm.eval.evaluation import load_eval_model
+    from rebm.eval.evaluator import load_eval_model
 
     return load_eval_model(cfg, Runtime())
+
+
+def _fid_of(images, stats_path, batch_size: int = 100) -> float:
+    """FID of float [0, 1] images (floor pixels) against a statistics file, in chunks of
+    `batch_size`: the scorer an evaluation's FID uses."""
+    scorer = fid.FIDScorer(fid.feature_extractor("cpu"), fid.load_reference(str(stats_path)),
+                           Runtime(), batch_size)
+    sums = fid.MomentSums()
+    for chunk in images.split(batch_size):
+        scorer.add(sums, chunk)
+    return scorer.score(sums)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +205,7 @@ def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path, 
 
         pngs = torch.stack([torch.from_numpy(np.array(Image.open(run_dir / "samples" / "eval" / f)))
                             for f in files]).permute(0, 3, 1, 2).float() / 255
-        again = fid.compute_fid(pngs, str(stats_file), "cpu")
+        again = _fid_of(pngs, stats_file)
         assert again == pytest.approx(metrics["fid_standin"], rel=1e-9)
 
 
@@ -207,37 +223,40 @@ def test_sweep_candidates():
 
 @pytest.mark.timeout(60)
 def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin):
-    from rebm.eval.evaluation import EvalSpec, evaluate_model
-    from rebm.eval.generation import generate_samples
-    from rebm.eval.sweep import with_steps
+    from rebm.eval.evaluator import Evaluator
 
     ref = tmp_path / "ref.npz"
-    cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={ref}",
-               "image_log.adaptive_steps=true", "image_log.num_steps=2",
-               "image_log.sweep_radius=2", "image_log.sweep_num_samples=20",
-               "image_log.num_samples=30", "image_log.step_size=3.0", "keep_samples=true")
+    cfg_overrides = ["image_log.log_fid=true", f"image_log.data_dir={ref}",
+                     "image_log.adaptive_steps=true", "image_log.num_steps=2",
+                     "image_log.sweep_radius=2", "image_log.sweep_num_samples=20",
+                     "image_log.num_samples=30", "image_log.step_size=3.0", "keep_samples=true"]
+    cfg = _cfg(setup, *cfg_overrides)
     model, runtime = _model(cfg), Runtime()
     # The reference is the sweep's own samples at 4 steps, so 4 steps has FID 0 and must win,
     # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).
-    images, _ = generate_samples(model, with_steps(cfg, 4), runtime, num_samples=20,
-                                 batch_size=8)
+    at_4 = load_config(setup[1], [*setup[2], *cfg_overrides, "image_log.num_steps=4"])
+    images, _ = generate_samples(model, at_4, runtime, num_samples=20, batch_size=8)
     np.savez(ref, **dict(zip(("mu", "sigma"),
                              fid.feature_statistics(standin_features(fid.to_8bit(images, "floor"))),
                              strict=True)))
-    spec = EvalSpec(("sample_grid", "keep_samples", "fid"), 8, str(tmp_path), step=7)
-    metrics = evaluate_model(model, cfg, runtime, spec)
+    evaluator = Evaluator(cfg, runtime, ("sample_grid", "keep_samples", "fid"), batch_size=8,
+                          run_dir=str(tmp_path))
+    evaluation = evaluator.evaluate_all_ranks(model, step=7)
+    metrics = evaluation.values
     sweep = {s: metrics[f"fid_standin_sweep/{s}"] for s in (1, 2, 3, 4)}
     assert metrics["fid_standin_best_steps"] == 4
     assert sweep[4] == pytest.approx(0.0, abs=1e-6)
     assert min(sweep[s] for s in (1, 2, 3)) > 1e-3
     # the reported fid is of num_samples samples at the chosen step count
-    final, _ = generate_samples(model, with_steps(cfg, 4), runtime, batch_size=8)
+    final, _ = generate_samples(model, at_4, runtime, num_samples=30, batch_size=8)
     assert final.shape[0] == 30
     kept = tmp_path / "samples" / "step_00000007"
     assert sorted(os.listdir(kept)) == sorted(f"{i}.png" for i in range(30))
-    assert (tmp_path / "samples" / "samples_step00000007.png").is_file()
-    assert metrics["fid_standin"] == pytest.approx(
-        fid.compute_fid(final, str(ref), "cpu", batch_size=8), rel=1e-12)
+    grid = tmp_path / "samples" / "samples_step00000007.png"
+    assert evaluation.files == {"sample_grid": str(grid), "samples": str(kept)}
+    assert grid.is_file()
+    assert metrics["fid_standin"] == pytest.approx(_fid_of(final, ref, batch_size=8),
+                                                   rel=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,9 +269,19 @@ def empty_hub(monkeypatch, tmp_path):
     return tmp_path / "torch_home" / "hub" / "checkpoints" / fid.INCEPTION_WEIGHTS_FILE
 
 
+def _evaluator(cfg):
+    """The Evaluator of a training run of `cfg` (its standard metrics, with samples)."""
+    from rebm.eval.evaluator import Evaluator
+    from rebm.eval.registry import standard_metrics
+
+    return Evaluator(cfg, Runtime(), standard_metrics(cfg, samples=True))
+
+
 def _one_line_error(cfg) -> str:
-    with pytest.raises(fid.FIDError) as info:
-        fid.require_fid_ready(cfg)
+    from rebm.eval.metric import EvalError
+
+    with pytest.raises(EvalError) as info:
+        _evaluator(cfg).start_all_ranks()
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -269,10 +298,10 @@ def test_missing_weights_and_statistics_are_one_line_naming_path_and_key(setup, 
                                    f"image_log.inception_weights={absent}"))
     assert str(absent) in message and "image_log.inception_weights" in message
     # without log_fid nothing is needed; a stand-in needs no Inception weights
-    assert fid.fid_problems(_cfg(setup, f"image_log.data_dir={tmp_path / 'none.npz'}")) == []
+    assert _evaluator(_cfg(setup, f"image_log.data_dir={tmp_path / 'none.npz'}")).problems() == []
     monkeypatch.setenv(fid.FEATURES_ENV, STANDIN)
-    assert fid.fid_problems(_cfg(setup, "image_log.log_fid=true",
-                                 f"image_log.data_dir={stats}")) == []
+    assert _evaluator(_cfg(setup, "image_log.log_fid=true",
+                           f"image_log.data_dir={stats}")).problems() == []
 
 
 @pytest.mark.parametrize("content, words", [
@@ -380,4 +409,6 @@ def test_real_inception_weights_when_present():
     mu, sigma = sums.statistics(Runtime())
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048)
     assert fid.frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-3)
-    assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4)(torch.rand(8, 3, 32, 32)) > 1.0
+    other = fid.MomentSums()
+    fid.FIDScorer(features, (mu, sigma), Runtime(), 4).add(other, torch.rand(8, 3, 32, 32))
+    assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4).score(other) > 1.0

@@ -175,7 +175,7 @@ def ood_data(tmp_path_factory):
 
 
 def _ood_worker(root: str, out: str) -> None:
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
     runtime = rd.setup_distributed()
     results = {}
@@ -188,7 +188,8 @@ def _ood_worker(root: str, out: str) -> None:
             f"eval.ood_score={score}", "eval.ood_attack_steps=3", "eval.ood_attack_step_size=0.3",
             f"eval.ood_roots.svhn={root}/svhn", f"eval.ood_roots.cifar100={root}/cifar100"])
         model = load_eval_model(cfg, runtime)
-        results[score] = evaluate_model(model, cfg, runtime, EvalSpec(("ood_sets",), 5))
+        evaluator = Evaluator(cfg, runtime, ("ood_sets",), batch_size=5)
+        results[score] = evaluator.evaluate_all_ranks(model).values
     torch.save(results, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))
     rd.teardown(runtime)
 

@@ -66,16 +66,16 @@ def _cfg(root, *extra):
 
 
 def _evaluate(cfg, metrics, run_dir=None, batch_size=5):
-    from rebm.eval.evaluation import EvalSpec, evaluate_model, load_eval_model
+    from rebm.eval.evaluator import Evaluator, load_eval_model
 
-    spec = EvalSpec(tuple(metrics), batch_size=batch_size,
-                    run_dir=None if run_dir is None else str(run_dir))
-    return evaluate_model(load_eval_model(cfg, Runtime()), cfg, Runtime(), spec)
+    evaluator = Evaluator(cfg, Runtime(), tuple(metrics), batch_size=batch_size,
+                          run_dir=None if run_dir is None else str(run_dir))
+    return evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime())).values
 
 
 def _samples(cfg):
-    from rebm.eval.evaluation import load_eval_model
-    from rebm.eval.generation import generate_samples
+    from rebm.eval.evaluator import load_eval_model
+    from tests.standins import generate_samples
 
     return generate_samples(load_eval_model(cfg, Runtime()), cfg, Runtime(), batch_size=5)[0]
 
@@ -273,17 +273,17 @@ def test_logsumexp_sampling_makes_the_samples_unconditional(data, caplog):
 
 
 def test_seeds_are_unblurred_unless_blur_fid_seeds(data):
-    from rebm.eval.generation import SampleGenerator, SeedImages, blur_kernel_size
+    from rebm.eval.generation import SeedImages, blur_kernel_size
+    from rebm.eval.samples import seed_source
 
     idx = torch.arange(6)
-    model = torch.nn.Identity()
     plain = SeedImages("noise", 16, rand_seed=3)(idx)
     kept = _cfg(data, "image_log.blur_kernel_size=5", "image_log.adaptive_blur=true")
     assert blur_kernel_size(kept) == 3  # 5 at 32 px, scaled to 16 px
-    assert torch.equal(SampleGenerator(model, kept, Runtime()).seeds(idx), plain)
+    assert torch.equal(seed_source(kept, {})(idx), plain)
     blurred = _cfg(data, "image_log.blur_kernel_size=5", "image_log.blur_fid_seeds=true")
     expected = SeedImages("noise", 16, rand_seed=3, blur_kernel_size=5)(idx)
-    assert torch.equal(SampleGenerator(model, blurred, Runtime()).seeds(idx), expected)
+    assert torch.equal(seed_source(blurred, {})(idx), expected)
     assert not torch.equal(expected, plain)
 
 
@@ -389,7 +389,11 @@ def test_pr_reference_npz_is_read_and_checked(data, tmp_path, monkeypatch):
 # Files and settings
 # --------------------------------------------------------------------------------------------
 def test_metrics_name_their_files_and_protocol(data, tmp_path, monkeypatch):
-    from rebm.eval.registry import metric_classes, metric_settings
+    from rebm.eval.evaluator import Evaluator
+    from rebm.eval.registry import metric_classes
+
+    def metric_settings(cfg, names):
+        return Evaluator(cfg, Runtime(), names).settings()
 
     monkeypatch.delenv(FEATURES_ENV, raising=False)
     weights = str(tmp_path / "w.pth")
@@ -423,19 +427,18 @@ def test_metrics_name_their_files_and_protocol(data, tmp_path, monkeypatch):
 
 def test_metrics_of_one_pass_keep_their_own_inception_weights(data, monkeypatch):
     """The table runner gives every metric of a shared sample pass its own config and one
-    resources dict: a metric naming other Inception weights gets its own network, never the
-    one another metric built first."""
+    Evaluator: a metric naming other Inception weights gets its own network, never the one
+    another metric built first, and each network is built once, at start."""
+    from rebm.eval.evaluator import Evaluator
     from rebm.eval.fidelity import shared_extractor
-    from rebm.eval.metric import EvalContext, EvalSpec
 
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
-    resources: dict = {}
-    spec = EvalSpec(("inception_score", "precision_recall"))
-
-    def context(weights):
-        cfg = _cfg(data, f"image_log.inception_weights={weights}")
-        return EvalContext(None, cfg, Runtime(), spec, 5, resources)
-
-    first, again = shared_extractor(context("a.pth")), shared_extractor(context("a.pth"))
-    other = shared_extractor(context("b.pth"))
-    assert first is again and other is not first
+    configs = {"inception_score": _cfg(data, "image_log.inception_weights=a.pth"),
+               "precision_recall": _cfg(data, "image_log.inception_weights=b.pth")}
+    evaluator = Evaluator(configs["inception_score"], Runtime(), list(configs),
+                          configs=configs).start_all_ranks()
+    built = dict(evaluator.resources)
+    first = shared_extractor(configs["inception_score"], Runtime(), evaluator.resources)
+    other = shared_extractor(configs["precision_recall"], Runtime(), evaluator.resources)
+    assert first is built["fidelity extractor a.pth"] and other is not first
+    assert evaluator.resources == built

@@ -1,4 +1,4 @@
-"""Section `eval`: evaluate_model (accuracy + robust accuracy) on the digits test set on W ranks;
+"""Section `eval`: Evaluator.evaluate_all_ranks (accuracy + robust accuracy) on the digits test set on W ranks;
 --independent: every rank evaluates all of it at once (the contention ceiling)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sections.common import (
 
 def _eval_worker(opts: dict) -> None:
     from rebm.config import eval_batch_size
-    from rebm.eval.evaluation import EvalSpec, evaluate_model
+    from rebm.eval.evaluator import Evaluator
     from rebm.eval.registry import standard_metrics
     from rebm.models import model_from_config
 
@@ -31,15 +31,16 @@ def _eval_worker(opts: dict) -> None:
                           opts["device"])
         torch.manual_seed(cfg.rand_seed)
         model = model_from_config(cfg).to(runtime.device)
-        spec = EvalSpec(standard_metrics(cfg, samples=False))
+        metrics = standard_metrics(cfg, samples=False)
         # independent: every rank evaluates the whole test set on its own (no sharding, no
         # collective inside), all starting together: how much the ranks slow each other down
         # on this machine's shared cores, caches and memory (the ceiling of any 2-rank split).
         eval_runtime = Runtime(device=runtime.device) if opts["independent"] else runtime
+        evaluator = Evaluator(cfg, eval_runtime, metrics)  # one per run: test data built once
         times = []
         for rep in range(opts["warmup"] + opts["reps"]):
             rd.barrier(runtime)
-            result, seconds = timed(lambda: evaluate_model(model, cfg, eval_runtime, spec),
+            result, seconds = timed(lambda: evaluator.evaluate_all_ranks(model).values,
                                     runtime.device)
             if rep >= opts["warmup"]:
                 times.append(seconds)

@@ -97,11 +97,9 @@ def progress_enabled(stream=None) -> bool:
 
 
 def progress(iterable: Iterable, runtime: Runtime, desc: str, total: int) -> Iterable:
-    """The loop of an evaluation or generation over this rank's `total` items: interruptible by
-    a preemption (rebm.distributed.signals), with a tqdm bar on rank 0 when bars are on."""
-    from rebm.distributed.signals import interruptible
-
-    iterable = interruptible(iterable, runtime, total)
+    """`iterable` with a tqdm bar on rank 0 when bars are on, else as it is. Pure: no
+    collective, no stop (the loops call their stop points themselves: rebm.distributed.signals
+    `StopPoints`)."""
     if not runtime.is_main or not progress_enabled():
         return iterable
     from tqdm import tqdm

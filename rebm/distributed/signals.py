@@ -2,9 +2,9 @@
 consensus, so all ranks stop at the same point (docs/distributed.md, "Preemption").
 
 - SIGTERM / SIGUSR1 (SLURM, torchrun's agent) and a first SIGINT (Ctrl-C) ask for a save at the
-  next step boundary, or inside a running evaluation (`interruptible` loops), then an exit. The
-  evaluation entry points (`stop_on_signal`) stop the same way at their next batch or metric,
-  keeping what they finished.
+  next step boundary, or inside a running evaluation (its loops call `StopPoints.check_all_ranks`
+  before each batch), then an exit. The evaluation entry points (`stop_on_signal`) stop the same
+  way at their next batch or metric, keeping what they finished.
 - A second SIGINT, at least `ECHO_WINDOW_S` after the first, aborts at once without saving. A
   launcher that passes the terminal's Ctrl-C on to its workers (torchrun's agent, the `--nproc`
   parent, srun) makes them see one Ctrl-C twice within milliseconds: that echo is not a second
@@ -17,7 +17,7 @@ import os
 import signal as _signal
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from rebm.distributed.runtime import Runtime
 
@@ -26,8 +26,8 @@ EXIT_ABORTED = 130  # the shell's code for "killed by SIGINT"
 
 
 class Preempted(Exception):
-    """Raised inside an interruptible loop once every rank has agreed to stop; the training loop
-    catches it, saves and exits."""
+    """Raised at a stop point once every rank has agreed to stop; the training loop catches it,
+    saves and exits; the evaluation entry points exit with one line."""
 
 
 class PreemptionFlag:
@@ -104,9 +104,9 @@ class PreemptionFlag:
 
 @contextmanager
 def stop_on_signal(runtime: Runtime, notice: str) -> Iterator[Runtime]:
-    """For the evaluation entry points: with the handlers installed, the runtime whose
-    `interruptible` loops (and `stop_point_all_ranks`) raise Preempted once every rank agrees
-    to stop; `notice` is what rank 0 says at the first interrupt."""
+    """For the evaluation entry points: with the handlers installed, the runtime whose stop
+    points (`stop_point_all_ranks`, `StopPoints`) raise Preempted once every rank agrees to
+    stop; `notice` is what rank 0 says at the first interrupt."""
     import dataclasses
 
     with PreemptionFlag(notice) as flag:
@@ -127,17 +127,52 @@ def exit_stopped(runtime: Runtime, outcome: str) -> None:
     raise SystemExit(flag.exit_code if flag is not None else 128 + int(_signal.SIGINT))
 
 
-def stop_point_all_ranks(runtime: Runtime) -> None:
-    """A point between two units of work (rows, metrics) where a stop asked for on any rank
-    ends the job: one consensus, so every rank must call it at the same point; nothing without
-    an installed flag."""
+def should_stop_all_ranks(runtime: Runtime) -> bool:
+    """Whether a stop was asked for on any rank: one consensus, so every rank must call it at
+    the same point. Without an installed flag in `runtime.preemption` (an evaluation outside
+    training and the entry points' `stop_on_signal`) it is False at no cost, not even a
+    collective."""
     flag = runtime.preemption
     if flag is None or not flag.installed:
-        return
+        return False
     from rebm.distributed.collectives import consensus
 
-    if consensus(runtime, preempt=flag.raised)["preempt"]:
+    return bool(consensus(runtime, preempt=flag.raised)["preempt"])
+
+
+def stop_point_all_ranks(runtime: Runtime) -> None:
+    """A point between two units of work (rows, metrics, batches) where a stop asked for on any
+    rank ends the job: Preempted on every rank when `should_stop_all_ranks`."""
+    if should_stop_all_ranks(runtime):
+        flag = runtime.preemption
         raise Preempted(flag.signal_name or "signal")
+
+
+class StopPoints:
+    """The stop points of one loop over this rank's shard (an evaluation or generation loop):
+    `check_all_ranks(i)` before item i. Ranks' shards may differ by a batch, so only the first
+    `common` items (the fewest any rank has) are stop points: every rank reaches every one."""
+
+    def __init__(self, runtime: Runtime, common: int):
+        self.runtime, self.common = runtime, common
+
+    def check_all_ranks(self, index: int) -> None:
+        if index < self.common:
+            stop_point_all_ranks(self.runtime)
+
+
+def stop_points_all_ranks(runtime: Runtime, length: int) -> StopPoints:
+    """The stop points of a loop over this rank's `length` items; with an installed flag on
+    several ranks, one all-reduce finds the fewest items of any rank (every rank calls this)."""
+    flag = runtime.preemption
+    if flag is None or not flag.installed or not runtime.distributed:
+        return StopPoints(runtime, length)
+    import torch
+
+    from rebm.distributed.collectives import all_reduce_min
+
+    common = int(all_reduce_min(runtime, torch.tensor([length], dtype=torch.int64))[0])
+    return StopPoints(runtime, common)
 
 
 @contextmanager
@@ -162,26 +197,3 @@ def forward_signals(pids: List[int]) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             _signal.signal(signum, handler)
-
-
-def interruptible(iterable: Iterable, runtime: Runtime, length: int) -> Iterator:
-    """`iterable` (this rank's `length` items of an evaluation or generation loop), polling the
-    preemption flag before each item through a consensus. Ranks' shards may differ by a batch,
-    so only the first min-over-ranks items are polled: every rank reaches every poll. Without
-    an installed flag in `runtime.preemption` (evaluation outside training) this adds nothing,
-    not even a collective."""
-    flag = runtime.preemption
-    if flag is None or not flag.installed:
-        yield from iterable
-        return
-    from rebm.distributed.collectives import all_reduce_min, consensus
-
-    common = length
-    if runtime.distributed:
-        import torch
-
-        common = int(all_reduce_min(runtime, torch.tensor([length], dtype=torch.int64))[0])
-    for index, item in enumerate(iterable):
-        if index < common and consensus(runtime, preempt=flag.raised)["preempt"]:
-            raise Preempted(flag.signal_name or "signal")
-        yield item

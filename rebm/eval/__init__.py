@@ -1,6 +1,6 @@
 """Evaluation: registered metrics (registry.py) over the test set and over generated samples —
 accuracy, robust accuracy, AutoAttack, calibration, OOD AUROC, FID, Inception Score,
-precision/recall, sample files — run by `evaluation.evaluate_model(model, cfg, runtime, spec)`.
+precision/recall, sample files — run by one `evaluator.Evaluator` per run.
 
 Every function that takes a `runtime` is called by *every* rank: each rank works on its shard
 (chunks of one evaluation batch, chunk k on rank k % W — no padding duplicates) and the results
@@ -17,7 +17,7 @@ __all__ = [
     "calibration",
     "counterfactuals",
     "evaluate",
-    "evaluation",
+    "evaluator",
     "fid",
     "fid_metric",
     "fid_stats",

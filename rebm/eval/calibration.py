@@ -46,11 +46,6 @@ def ece_from_bins(sums: Tensor) -> float:
     return float((sums[2] - sums[1]).abs().sum()) / total
 
 
-def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = N_BINS) -> float:
-    """ECE of one set of predicted probabilities (N, K) and labels (N,)."""
-    return ece_from_bins(calibration_bins(probs, labels, n_bins))
-
-
 def diagram_path(run_dir: str, step: Optional[int]) -> str:
     """<run_dir>/reliability.png, reliability_step<8-digit step>.png in training."""
     name = "reliability.png" if step is None else f"reliability_step{step:08d}.png"
@@ -116,12 +111,16 @@ class Calibration(Metric):
     def finish(self) -> Dict[str, Any]:
         sums = all_reduce_sum(self.ctx.runtime, self.sums).cpu()
         ece = ece_from_bins(sums)
-        spec = self.ctx.spec
-        if spec.run_dir is not None:
-            path = diagram_path(spec.run_dir, spec.step)
+        if self.ctx.run_dir is not None:
+            path = diagram_path(self.ctx.run_dir, self.ctx.step)
             on_main(self.ctx.runtime, lambda: reliability_diagram(sums, ece, path),
                     f"write {path}")
         return {"ece": ece}
+
+    def outputs(self) -> Dict[str, str]:
+        if self.ctx.run_dir is None:
+            return {}
+        return {"reliability_diagram": diagram_path(self.ctx.run_dir, self.ctx.step)}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

@@ -24,6 +24,7 @@ from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
+from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.accuracy import eval_mode
 from rebm.eval.counterfactual_attack import (
     CounterfactualSettings,
@@ -109,7 +110,10 @@ def evaluate_grid_counterfactuals(model: nn.Module, sources: FixedImageSet,
     loader = chunk_loader(sources.images, n, per_chunk, runtime)
     chunks: List[_Chunk] = []
     with eval_mode(model):
-        for images, positions in progress(loader, runtime, "counterfactuals", total=len(loader)):
+        stops = stop_points_all_ranks(runtime, len(loader))
+        for index, (images, positions) in enumerate(progress(loader, runtime, "counterfactuals",
+                                                             total=len(loader))):
+            stops.check_all_ranks(index)
             labels = sources.labels(positions.numpy()).to(runtime.device)
             targets = target_classes(labels, num_classes, settings.num_targets)
             parts = _attack_chunk(model, images.to(runtime.device), targets, settings, features)

@@ -29,6 +29,7 @@ from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
+from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.accuracy import eval_mode
 from rebm.eval.counterfactual_attack import (
     CounterfactualSettings,
@@ -171,8 +172,11 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
     with eval_mode(model):
         for c in range(num_classes):  # one loop per class: its collectives come after it
             count = int(per_class_chunks[c])
-            for images, positions in progress(itertools.islice(items, count), runtime,
-                                              f"counterfactuals toward class {c}", count):
+            stops = stop_points_all_ranks(runtime, count)
+            for index, (images, positions) in enumerate(progress(
+                    itertools.islice(items, count), runtime, f"counterfactuals toward class {c}",
+                    count)):
+                stops.check_all_ranks(index)
                 run.attack(model, images, positions, c)
             run.finish_class(c)
     scores = gather_parts(runtime, run.scores, n, (torch.float64, 2))

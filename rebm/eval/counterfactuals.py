@@ -125,8 +125,7 @@ class Counterfactuals(Metric):
 
     def finish(self) -> Dict[str, Any]:
         ctx, cfg = self.ctx, self.ctx.cfg
-        folder = (os.path.join(ctx.spec.run_dir, "counterfactuals") if ctx.spec.run_dir
-                  else None)
+        folder = os.path.join(ctx.run_dir, "counterfactuals") if ctx.run_dir else None
         settings = counterfactual_settings(cfg)
         if settings.protocol == "original":
             from rebm.data.pipeline import loader_workers

@@ -2,7 +2,7 @@
 
 Runs as one process or under torchrun (`torchrun --nproc_per_node=N -m rebm.eval.evaluate ...`);
 the test set and the samples are sharded over the ranks and the numbers are those of a single
-process (rebm.eval.evaluation). The flags choose the metrics (an EvalSpec). Rank 0 logs a table
+process (rebm.eval.evaluator). The flags choose the metrics of the Evaluator. Rank 0 logs a table
 of the values with what each was computed on, prints the metrics as one JSON object on the last
 stdout line and writes them to <run_dir>/eval.json (with "settings": each metric's settings;
 an infinite value, e.g. a radius `.inf`, as the string "inf"), where run_dir is `run_dir` if
@@ -16,22 +16,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from rebm import cli
 
 
-def evaluation_spec(cfg, args, run_dir: Optional[str] = None):
-    """The EvalSpec of the command line: clean and robust accuracy, the calibration error
-    unless --no-ece, the sample metrics with --samples, --ood, --autoattack, then eval.metrics
-    and --metrics (registry names)."""
-    from rebm.eval.metric import EvalSpec
+def evaluation_metrics(cfg, args) -> Tuple[str, ...]:
+    """The metrics of the command line: clean and robust accuracy, the calibration error unless
+    --no-ece, the sample metrics with --samples, --ood, --autoattack, then eval.metrics and
+    --metrics (registry names)."""
     from rebm.eval.registry import standard_metrics
 
     extra = [name for name, on in (("ece", not args.no_ece), ("ood", args.ood),
                                    ("autoattack", args.autoattack)) if on]
-    return EvalSpec(standard_metrics(cfg, args.samples, [*extra, *args.metrics]),
-                    run_dir=run_dir)
+    return standard_metrics(cfg, args.samples, [*extra, *args.metrics])
 
 
 STOP_NOTICE = "stopping at the next batch, then exiting (interrupt again to stop at once)"
@@ -55,36 +53,36 @@ def evaluate(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.checkpoint.paths import with_model_file
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main
-    from rebm.eval.evaluation import LOGGER, evaluate_model, load_eval_model, require_ready
-    from rebm.eval.registry import metric_settings
+    from rebm.eval.evaluator import LOGGER, Evaluator, load_eval_model
     from rebm.eval.report import describe_evaluation, evaluation_table, jsonable
 
     setup_logging(runtime)
-    require_ready(cfg, evaluation_spec(cfg, args))  # before any work: a missing file is one line
+    evaluator = Evaluator(cfg, runtime, evaluation_metrics(cfg, args))
+    evaluator.start_all_ranks()  # before any other work: a missing file is one line
     cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
     model = load_eval_model(cfg, runtime)
     run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
-    run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
-    LOGGER.info("%s", output_notice(run_dir, chosen=cfg.run_dir is not None))
-    spec = evaluation_spec(cfg, args, run_dir)
-    values = evaluate_model(model, cfg, runtime, spec)
-    settings = metric_settings(cfg, spec.metrics)
+    evaluator.run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
+    LOGGER.info("%s", output_notice(evaluator.run_dir, chosen=cfg.run_dir is not None))
+    evaluation = evaluator.evaluate_all_ranks(model)
+    values, settings = evaluation.values, evaluation.settings
     table = evaluation_table(values, settings)
     metrics = {k: jsonable(v) for k, v in {**values, "world_size": runtime.world_size,
                                            "ckpt_path": os.path.abspath(cfg.model.ckpt_path)}.items()}
     metrics["settings"] = jsonable(settings)  # what each value was computed on, by metric
+    path = os.path.join(evaluator.run_dir, "eval.json")
 
     def write() -> None:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "eval.json"), "w") as fh:
+        os.makedirs(evaluator.run_dir, exist_ok=True)
+        with open(path, "w") as fh:
             json.dump(metrics, fh, indent=2)
         LOGGER.info("%s", describe_evaluation(values))
         LOGGER.info("evaluation of %s:\n%s", cfg.model.ckpt_path, table)
-        LOGGER.info("metrics written to %s", os.path.join(run_dir, "eval.json"))
+        LOGGER.info("metrics written to %s", path)
         sys.stderr.flush()
         print_line(json.dumps(metrics))  # the last stdout line, for scripts
 
-    on_main(runtime, write, f"write {os.path.join(run_dir, 'eval.json')}")
+    on_main(runtime, write, f"write {path}")
     return metrics
 
 
@@ -123,10 +121,10 @@ def build_parser():
 def check_metrics(args, cfg) -> None:
     """Unknown metric names fail here (one line); `--check`: what the metrics lack on this
     machine, as warnings (the run itself would stop)."""
-    from rebm.eval.registry import metric_problems
+    from rebm.distributed import Runtime
+    from rebm.eval.evaluator import Evaluator
 
-    spec = evaluation_spec(cfg, args)
-    problems = metric_problems(cfg, spec.metrics)  # also raises on an unknown name
+    problems = Evaluator(cfg, Runtime(), evaluation_metrics(cfg, args)).problems()
     if args.check:
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)

@@ -24,9 +24,11 @@ image's features do not depend on the world size); only float64 sums of the feat
 their outer products are kept (`MomentSums`), and all-reduced, so every rank gets the same mu and
 sigma.
 
-`fid_problems(cfg)` lists what is missing (a `--check` warning each); `require_fid_ready(cfg)`
-raises one `FIDError` line at the start of a run. Inside an evaluation, a missing piece makes
-every rank (by consensus) skip FID with one warning: never a made-up number, never a hang.
+`reference_problems(cfg)` lists what is missing (the FID metric's `problems`: a `--check` warning
+each, one `EvalError` line at the start of a run, rebm/eval/evaluator.py), and the Evaluator
+loads the network and the statistics once at start (`fid_scorer`): a broken file fails then,
+never a made-up number. A score that cannot be computed (fewer than 2 samples, statistics of
+another size) is skipped with one warning, on every rank alike.
 """
 
 from __future__ import annotations
@@ -38,15 +40,13 @@ import logging
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rebm.data.sampling import eval_chunks
-from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum, consensus
-from rebm.distributed.logs import progress
+from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
 from rebm.errors import UserError
 from rebm.eval import standin
 from rebm.eval.metric import to_pixels
@@ -319,27 +319,6 @@ def reference_problems(cfg) -> List[str]:
     return problems
 
 
-def fid_problems(cfg) -> List[str]:
-    """One line per thing FID needs and this machine lacks, when the config computes FID
-    (`image_log.log_fid` with samples): the Inception weights (unless REBM_FID_FEATURES names a
-    stand-in) and the reference statistics. For `--check` warnings; loads nothing big."""
-    log = cfg.image_log
-    if not log.log_fid or log.num_samples <= 0:
-        return []
-    return reference_problems(cfg)
-
-
-def require_fid_ready(cfg) -> None:
-    """At the start of a run that computes FID: raise one FIDError line when the weights or the
-    statistics are missing, and load the feature network once (a broken weights file fails now,
-    not after hours of training)."""
-    problems = fid_problems(cfg)
-    if problems:
-        raise FIDError("; ".join(problems))
-    if cfg.image_log.log_fid and cfg.image_log.num_samples > 0:
-        feature_extractor("cpu", cfg.image_log.inception_weights)
-
-
 def feature_network_name() -> str:
     """What computes the features: Inception, or the stand-in REBM_FID_FEATURES names."""
     spec = os.environ.get(FEATURES_ENV)
@@ -395,46 +374,17 @@ class FIDScorer:
                        "`python -m rebm.eval.fid_stats`)")
             return None
 
-    def __call__(self, images: Tensor) -> Optional[float]:
-        """FID of `images` (float [0, 1], the same on every rank): chunk k of batch_size images
-        on rank k % W, as evaluation does."""
-        rt, sums = self.runtime, MomentSums()
-        chunks = eval_chunks(images.shape[0], self.batch_size, rt.rank, rt.world_size)
-        for chunk in progress(chunks, rt, "FID features", total=len(chunks)):
-            self.add(sums, images[chunk.start:chunk.stop])
-        return self.score(sums)
 
-
-def prepare_fid(ref_stats_path: Optional[str], runtime: Runtime, batch_size: int = 100,
-                inception_weights: Optional[str] = None,
-                pixel_mode: str = "floor") -> Optional[FIDScorer]:
-    """A scorer against the statistics at `ref_stats_path`, or None on every rank (one warning)
-    when any rank lacks the statistics or the feature network. Every rank must call this."""
-    problem = None
-    try:
-        reference = load_reference(ref_stats_path)
-        features = feature_extractor(runtime.device, inception_weights)
-    except FIDError as err:
-        problem = str(err)
-    if consensus(runtime, skip=problem is not None)["skip"]:
-        _warn_once(f"FID skipped: {problem or 'another rank cannot compute FID (see its log)'}")
-        return None
-    return FIDScorer(features, reference, runtime, batch_size, str(ref_stats_path), pixel_mode)
-
-
-def fid_scorer(cfg, runtime: Runtime, batch_size: int) -> Optional[FIDScorer]:
-    """`prepare_fid` with the config's statistics (image_log.data_dir) and weights."""
-    return prepare_fid(cfg.image_log.data_dir, runtime, batch_size,
-                       cfg.image_log.inception_weights, cfg.eval.sample_pixels)
-
-
-def compute_fid(images: Tensor, ref_stats_path: Optional[str], device, batch_size: int = 100,
-                runtime: Optional[Runtime] = None,
-                inception_weights: Optional[str] = None,
-                pixel_mode: str = "floor") -> Optional[float]:
-    """FID of `images` (float [0, 1], N x 3 x H x W, the same on every rank) against the
-    statistics at `ref_stats_path`, or None when it cannot be computed (reason logged once).
-    Without `runtime`, a single process on `device`."""
-    runtime = runtime or Runtime(device=torch.device(device))
-    scorer = prepare_fid(ref_stats_path, runtime, batch_size, inception_weights, pixel_mode)
-    return None if scorer is None else scorer(images)
+def fid_scorer(cfg, runtime: Runtime, batch_size: int, resources: Dict[str, Any]) -> FIDScorer:
+    """The scorer of the config's FID (image_log.data_dir, inception_weights, sample pixels),
+    its feature network and reference statistics taken from `resources` (an Evaluator's, built
+    there on first use: FIDError, one line, when missing or unreadable). Rank-local."""
+    log = cfg.image_log
+    key = f"fid features {log.inception_weights}"
+    if key not in resources:
+        resources[key] = feature_extractor(runtime.device, log.inception_weights)
+    reference = f"fid reference {log.data_dir}"
+    if reference not in resources:
+        resources[reference] = load_reference(log.data_dir)
+    return FIDScorer(resources[key], resources[reference], runtime, batch_size,
+                     str(log.data_dir), cfg.eval.sample_pixels)

@@ -3,9 +3,10 @@
 Each generated chunk's features (pytorch-fid's Inception pool3 of the 8-bit samples, or the
 REBM_FID_FEATURES stand-in) go into float64 sums; `finish` all-reduces them and computes the
 Fréchet distance to `image_log.data_dir`. With `image_log.adaptive_steps` the step sweep runs
-first (its own generation passes, same chunks) and fixes the main pass's step count. A missing
-weights or statistics file stops the evaluation before any work (`problems`); a rank that cannot
-compute FID mid-run makes every rank skip it with one warning.
+before the generation pass (`generation_steps_all_ranks`: its own generation passes, same
+chunks) and fixes the main pass's step count. A missing weights or statistics file stops the
+evaluation before any work (`problems`); the network and the statistics are loaded once per
+Evaluator (`build`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rebm.eval.fid import (
     weights_files,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import describe_samples, sample_files, sample_settings
+from rebm.eval.samples import describe_samples, sample_files, sample_settings, seed_source
 from rebm.eval.sweep import sweep_candidates, sweep_steps
 
 
@@ -51,26 +52,30 @@ class FID(Metric):
     def problems(cls, cfg) -> List[str]:
         return reference_problems(cfg) if cfg.image_log.num_samples > 0 else []
 
+    @classmethod
+    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
+        if cfg.image_log.num_samples > 0:  # the network and the statistics, loaded once
+            fid_scorer(cfg, runtime, 1, resources)
+
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.key = standin_key("fid")
-        self.scorer = fid_scorer(ctx.cfg, ctx.runtime, ctx.batch_size)
+        self.scorer = fid_scorer(ctx.cfg, ctx.runtime, ctx.batch_size, ctx.resources)
         self.sums = MomentSums()
         self.best: Optional[int] = None
         self.sweep: Dict[int, float] = {}
-        if self.scorer is not None and ctx.cfg.image_log.adaptive_steps:
-            self.best, self.sweep = sweep_steps(ctx, self.scorer)
 
-    def generation_steps(self) -> Optional[int]:
+    def generation_steps_all_ranks(self) -> Optional[int]:
+        """With image_log.adaptive_steps, the step sweep (its own generation passes)."""
+        if self.ctx.cfg.image_log.adaptive_steps:
+            seeds = seed_source(self.ctx.cfg, self.ctx.resources)
+            self.best, self.sweep = sweep_steps(self.ctx, seeds, self.scorer)
         return self.best
 
     def update(self, chunk: SampleChunk) -> None:
-        if self.scorer is not None:
-            self.scorer.add_pixels(self.sums, chunk.pixels())
+        self.scorer.add_pixels(self.sums, chunk.pixels())
 
     def finish(self) -> Dict[str, Any]:
-        if self.scorer is None:
-            return {}
         results: Dict[str, Any] = {}
         if self.best is not None:
             results[f"{self.key}_best_steps"] = self.best

@@ -22,7 +22,7 @@ rows taken in that order give the numbers of `fidelity --input1 <that folder>`.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from torch import Tensor
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.eval.fid import FEATURES_ENV, env_features, inception_weights_path, offline_loader
 from rebm.eval.generation import gather_by_index
-from rebm.eval.metric import EvalContext, SampleChunk
+from rebm.eval.metric import SampleChunk
 
 INCEPTION_NAME = "inception-v3-compat"
 STANDIN_NAME = "rebm-standin"
@@ -104,13 +104,16 @@ def build_extractor(weights, device):
     return extractor.requires_grad_(False).eval().to(device)
 
 
-def shared_extractor(ctx: EvalContext):
-    """The evaluation's torch-fidelity feature network for this metric's weights (built on
-    first use). Keyed by the weights setting: metrics of one sample pass may name different
-    weights files (the table's metric_overrides)."""
-    weights = ctx.cfg.image_log.inception_weights
-    return ctx.shared(f"fidelity extractor {weights}", lambda: build_extractor(
-        weights, ctx.runtime.device))
+def shared_extractor(cfg, runtime: Runtime, resources: Dict[str, Any]):
+    """The run's torch-fidelity feature network for the config's weights, built once into
+    an Evaluator's `resources` (at start, `Metric.build`). Keyed by the weights setting:
+    metrics of one sample pass may name different weights files (the table's
+    metric_overrides)."""
+    weights = cfg.image_log.inception_weights
+    key = f"fidelity extractor {weights}"
+    if key not in resources:
+        resources[key] = build_extractor(weights, runtime.device)
+    return resources[key]
 
 
 def feature_layer(extractor, metric: str) -> str:

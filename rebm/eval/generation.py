@@ -44,12 +44,10 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
-from rebm.data.sampling import eval_chunks, sample_keys
+from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
-from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
-from rebm.eval.accuracy import eval_mode
 from rebm.eval.metric import SampleChunk
 
 LOGGER = logging.getLogger("rebm")
@@ -251,11 +249,6 @@ class SeedImages:
         return (mean + z @ chol.T).float().clamp(0, 1).view(-1, 3, self.size, self.size)
 
 
-def check_seed_images(cfg) -> None:
-    """Open `image_log.seed_images` once (SeedImageError, one line, when it is unusable)."""
-    SeedImages(cfg.image_log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg)
-
-
 def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
     return indices.to(torch.int64) % num_classes
 
@@ -314,10 +307,12 @@ def sampling_notice(cfg) -> Optional[str]:
 
 
 class SampleGenerator:
-    """Sample i for any index i: seed image i, label i % num_classes, and `num_steps` PGD steps
-    ascending f_y (conditional) or logsumexp_k f_k (unconditional, `sampling_mode`)."""
+    """Sample i for any index i: seed image i of `seeds` (a SeedImages of cfg), label
+    i % num_classes, and `num_steps` PGD steps ascending f_y (conditional) or logsumexp_k f_k
+    (unconditional, `sampling_mode`)."""
 
-    def __init__(self, model: nn.Module, cfg, runtime: Runtime, num_steps: Optional[int] = None):
+    def __init__(self, model: nn.Module, cfg, runtime: Runtime, seeds: "SeedImages",
+                 num_steps: Optional[int] = None):
         self.model = unwrap(model)  # defensive: never a rank-local forward through DDP
         self.cfg, self.runtime = cfg, runtime
         log = cfg.image_log
@@ -327,8 +322,7 @@ class SampleGenerator:
         if notice and runtime.is_main and notice not in _NOTICES:
             _NOTICES.add(notice)
             LOGGER.info(notice)
-        self.seeds = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
-                                blur_kernel_size=seed_blur_kernel_size(cfg))
+        self.seeds = seeds
 
     def __call__(self, indices: Tensor) -> SampleChunk:
         """The samples of `indices` (cpu int64) as a SampleChunk; the model must be in eval mode."""
@@ -341,41 +335,18 @@ class SampleGenerator:
         return SampleChunk(indices, labels, images.detach(), self.cfg.eval.sample_pixels)
 
 
-def generate_samples(
-    model: nn.Module,
-    cfg,
-    runtime: Runtime,
-    num_samples: Optional[int] = None,
-    batch_size: int = 128,
-) -> Tuple[Tensor, Tensor]:
-    """(images (N, 3, S, S) float [0, 1], labels (N,)) on every rank, index-ordered: all samples
-    in memory, for small sets (parity checks, tests). Evaluation streams them instead
-    (rebm/eval/samples.py). Generated in the same chunks as evaluation (chunk k of `batch_size`
-    samples on rank k % W). Every rank must call this: it ends with all-gathers."""
-    n = cfg.image_log.num_samples if num_samples is None else num_samples
-    generate = SampleGenerator(model, cfg, runtime)
-    size = cfg.data.image_size
-    images, indices = [], []
-    with eval_mode(generate.model):
-        chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
-        for chunk in progress(chunks, runtime, "samples", total=len(chunks)):
-            idx = torch.arange(chunk.start, chunk.stop, dtype=torch.int64)
-            images.append(generate(idx).images)
-            indices.append(idx)
-    mine = torch.cat(images) if images else torch.zeros(0, 3, size, size, device=runtime.device)
-    local = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64)
-    all_images = gather_by_index(runtime, mine, local.to(runtime.device), n)
-    return all_images, balanced_labels(torch.arange(n), cfg.data.num_classes)
+def grid_path(run_dir: str, step: Optional[int] = None) -> str:
+    """<run_dir>/samples/samples.png, samples_step<8-digit step>.png in training."""
+    name = "samples.png" if step is None else f"samples_step{step:08d}.png"
+    return os.path.join(run_dir, "samples", name)
 
 
 def save_grid(images: Tensor, run_dir: str, num_classes: int, step: Optional[int] = None) -> str:
     """PNG grid under <run_dir>/samples/ with one column per class (rank 0 only calls this)."""
     from torchvision.utils import save_image
 
-    folder = os.path.join(run_dir, "samples")
-    os.makedirs(folder, exist_ok=True)
-    name = "samples.png" if step is None else f"samples_step{step:08d}.png"
-    path = os.path.join(folder, name)
+    path = grid_path(run_dir, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     # label i = i % num_classes, so num_classes images per row puts each class in one column
     save_image(images.detach().float().cpu(), path, nrow=max(1, min(num_classes, len(images))),
                padding=1)

@@ -103,11 +103,15 @@ class InceptionScore(Metric):
     def problems(cls, cfg) -> List[str]:
         return feature_problems(cfg.image_log.inception_weights)
 
+    @classmethod
+    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
+        shared_extractor(cfg, runtime, resources)  # the network, loaded once
+
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.key = standin_key("inception_score")
         self.pil = ctx.cfg.eval.is_resize == "pil"
-        self.extractor = shared_extractor(ctx)
+        self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "isc")
         self.rows = FeatureRows()
 

@@ -4,18 +4,22 @@ two kinds of input a metric is fed (docs/evaluation.md, "Adding a metric").
 Adding a metric is one module plus one registration:
 
 1. In a module of its own under rebm/eval/, subclass `Metric`:
-   - `name`: the registry name (what `--metrics` / `eval.metrics` / `EvalSpec.metrics` say);
+   - `name`: the registry name (what `--metrics` / `eval.metrics` / an Evaluator's metrics say);
    - `source`: `TEST_SET` (fed every `TestBatch` of this rank's shard of the test set, in one
      pass shared by all such metrics) or `SAMPLES` (fed every `SampleChunk` of this rank's
      generated samples, in one generation pass shared by all such metrics);
    - `settings(cfg)`: a JSON-able dict of everything that decides the value (attack, number of
      images, feature network, ...). It is written to eval.json next to the value and can serve
      as a cache key, so it must depend on the config (and environment) only;
-   - `__init__(ctx)`, `update(batch_or_chunk)`: keep only what the value needs (counts, feature
-     sums, feature rows), never the images;
+   - `build(cfg, runtime, resources)` (optional): load once per run what every evaluation
+     reuses (a feature network, reference statistics); `problems(cfg)`: what this machine lacks;
+   - `__init__(ctx)` (cheap: no collective, no generation), `start_all_ranks()` (optional:
+     collective preparation, e.g. reference features), `update(batch_or_chunk)`: keep only what
+     the value needs (counts, feature sums, feature rows), never the images;
    - `finish()`: combine the ranks (every rank calls it; collectives go here) and return the
      same {key: value} dict on every rank;
-   - `describe(results, settings)`: the console table's rows for it.
+   - `describe(results, settings)`: the console table's rows for it; `outputs()`: the files
+     it wrote.
 2. Add the class to `METRICS` in rebm/eval/registry.py.
 
 Every rank builds the same metrics in the same order and feeds them its own shard, so a metric's
@@ -41,37 +45,30 @@ SAMPLES = "samples"
 
 
 class EvalError(UserError, ValueError):
-    """The evaluation cannot start (no checkpoint, an unknown metric, a bad ids file); one line."""
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    """One evaluation: which metrics (registry names, any order; they run in registry order),
-    the images per rank and batch (None: `rebm.config.eval_batch_size`), the folder for files
-    (sample grid, PNGs, npz, diagrams; None: no files) and the training step (names the files;
-    None: an evaluation of a checkpoint). `rebm.eval.registry.standard_metrics` gives the usual
-    metric lists."""
-
-    metrics: Tuple[str, ...]
-    batch_size: Optional[int] = None
-    run_dir: Optional[str] = None
-    step: Optional[int] = None
+    """The evaluation cannot start (no checkpoint, an unknown metric, a bad ids file, what a
+    metric needs and this machine lacks); one line."""
 
 
 @dataclass
 class EvalContext:
-    """What a metric instance gets: the unwrapped model (in eval mode while the evaluation
-    runs), the config, this rank's runtime, the spec and the resolved batch size. `shared`
-    builds a resource once per evaluation for every metric that asks (a feature network)."""
+    """What a metric instance gets from the Evaluator (rebm/eval/evaluator.py): the unwrapped
+    model (in eval mode while the evaluation runs), the metric's config, this rank's runtime,
+    the images per rank and batch, the folder for files (sample grid, PNGs, npz, diagrams; None:
+    no files) and the training step (names the files; None: an evaluation of a checkpoint).
+    `resources` are the Evaluator's, kept for the whole run: the feature networks and
+    reference statistics `Metric.build` made at start, the reference features a metric computes
+    once (`shared`)."""
 
     model: nn.Module
     cfg: Any
     runtime: Runtime
-    spec: EvalSpec
     batch_size: int
+    run_dir: Optional[str] = None
+    step: Optional[int] = None
     resources: Dict[str, Any] = field(default_factory=dict)
 
     def shared(self, key: str, build: Callable[[], Any]) -> Any:
+        """The resource `key`, built by `build()` the first time any metric of the run asks."""
         if key not in self.resources:
             self.resources[key] = build()
         return self.resources[key]
@@ -162,10 +159,27 @@ class Metric:
         before any work (`--check` prints them as warnings)."""
         return []
 
-    def generation_steps(self) -> Optional[int]:
+    @classmethod
+    def build(cls, cfg, runtime: Runtime, resources: Dict[str, Any]) -> None:
+        """Put into `resources` what every evaluation of this metric reuses (feature networks,
+        reference statistics), under keys that name what they depend on; called once per
+        Evaluator at start, on every rank, after `problems` found nothing. Rank-local (no
+        collective): a missing or broken file raises its one-line error here."""
+
+    def start_all_ranks(self) -> None:
+        """Before this evaluation's pass, on every rank: work with collectives that the pass
+        needs (the real images' features of precision/recall, kept in `ctx.resources` for the
+        next evaluations)."""
+
+    def generation_steps_all_ranks(self) -> Optional[int]:
         """SAMPLES metrics: a PGD step count chosen before the generation pass (FID's adaptive
-        sweep), else None (image_log.num_steps)."""
+        sweep, which generates), else None (image_log.num_steps). Every rank calls this."""
         return None
+
+    def outputs(self) -> Dict[str, str]:
+        """The files this evaluation wrote, {what: path} (the same on every rank), after
+        `finish`: e.g. the sample grid."""
+        return {}
 
     def update(self, item) -> None:
         """Take one TestBatch (TEST_SET) or SampleChunk (SAMPLES) of this rank."""

@@ -9,14 +9,12 @@ budgets by the side of the OOD images (`original_ood_attack`), which the origina
 for CIFAR models and at 224 px for every ImageNet model (`ood_image_size`). In-distribution
 images are not attacked.
 
-Two entry points:
-- metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
-  shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` images each).
-  OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank
-  k % W, and the scores are gathered by position, so every number is the same on any number of
-  processes (bit for bit at the same number of threads per process).
-- `evaluate_ood` (the training loop's `--ood`): the configured out-distribution against a test
-  loader, scores all-gathered (order does not matter for AUROC).
+The metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
+shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` images each).
+OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank k % W,
+and the scores are gathered by position, so every number is the same on any number of
+processes (bit for bit at the same number of threads per process). The loader and the padded
+gather of metric "ood" (rebm/eval/ood_metric.py) are here too.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from rebm.attacks.pgd import pgd_attack, pgd_from_config
+from rebm.attacks.pgd import pgd_attack
 from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import loader_workers
@@ -38,14 +36,14 @@ from rebm.data.sampling import eval_chunks, eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
-from rebm.eval.accuracy import eval_mode, index_keys
+from rebm.distributed.signals import stop_points_all_ranks
+from rebm.eval.accuracy import eval_mode
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.test_set import test_set_settings
 
 SCORES = ("msp", "lse")
 SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
-OOD_ATTACK_EPOCH = 1  # key stream of the OOD attack, distinct from the robust-accuracy attack
 LARGE_IMAGE_SIZE = 128  # from here on ImageNet-size models: OOD sets at 224 px, ImageNet budget
 ORIGINAL_IMAGENET_OOD_SIZE = 224  # the original's OOD side for ImageNet models of any size
 TPR_PERCENT = 95
@@ -148,7 +146,9 @@ def chunk_scores(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime,
     """(n,) float64 scores by position, on every rank (all-gathered). With `attack`, each
     batch is first moved by PGD to raise the score. Every rank must call this."""
     values, positions = [], []
-    for images, pos in progress(loader, runtime, label, total=len(loader)):
+    stops = stop_points_all_ranks(runtime, len(loader))
+    for index, (images, pos) in enumerate(progress(loader, runtime, label, total=len(loader))):
+        stops.check_all_ranks(index)
         x = images.to(runtime.device)
         if attack is not None:
             x = pgd_attack(model, x, steps=attack.steps, step_size=attack.step_size,
@@ -243,28 +243,8 @@ def _means(metrics: Dict[str, float]) -> Dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# The training loop's OOD AUROC (`--ood`): the configured out-distribution
+# The out-distribution of metric "ood" (rebm/eval/ood_metric.py)
 # --------------------------------------------------------------------------------------------
-def _attack_ood(model: nn.Module, x: Tensor, index: Tensor, attack_cfg, score: str,
-                seed: int) -> Tensor:
-    keys = index_keys(seed, index, epoch=OOD_ATTACK_EPOCH).to(x.device)
-    return pgd_from_config(model, x, attack_cfg, objective=attack_objective(score),
-                           random_start_keys=keys)
-
-
-def _local_scores(model: nn.Module, loader, runtime: Runtime, score: str,
-                  attack_cfg=None, seed: int = 0) -> Tensor:
-    scores = []
-    for batch in progress(loader, runtime, "OOD scores", total=len(loader)):
-        x, index = batch[0].to(runtime.device), batch[-1]
-        if attack_cfg is not None:
-            x = _attack_ood(model, x, index, attack_cfg, score, seed)
-        with torch.no_grad():
-            scores.append(ood_score(model(x), score))
-    return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64,
-                                                        device=runtime.device)
-
-
 def gather_scores(runtime: Runtime, local: Tensor) -> Tensor:
     """All ranks' scores on every rank (padded all-gather; order irrelevant for AUROC)."""
     count = torch.tensor([local.shape[0]], device=local.device)
@@ -274,34 +254,6 @@ def gather_scores(runtime: Runtime, local: Tensor) -> Tensor:
     padded[:local.shape[0], 1] = 1.0  # validity flag
     everything = all_gather_cat(runtime, padded)
     return everything[everything[:, 1] > 0, 0]
-
-
-def evaluate_ood(
-    model: nn.Module,
-    in_loader,
-    ood_loader,
-    runtime: Runtime,
-    score: str = "msp",
-    attack_cfg=None,
-    seed: int = 0,
-) -> Dict[str, float]:
-    """{"ood_auroc"} (and "adv_ood_auroc" when attack_cfg is given) over all ranks.
-
-    Loaders yield this rank's shard as (x, y, dataset_index) batches. Every rank must call this.
-    """
-    score = canonical_score(score)
-    model = unwrap(model)
-    with eval_mode(model):
-        pos = gather_scores(runtime, _local_scores(model, in_loader, runtime, score))
-        neg = gather_scores(runtime, _local_scores(model, ood_loader, runtime, score))
-        adv = None
-        if attack_cfg is not None:
-            adv = gather_scores(runtime, _local_scores(model, ood_loader, runtime, score,
-                                                       attack_cfg, seed))
-    result = {"ood_auroc": float(binary_auc(pos, neg))}
-    if adv is not None:
-        result["adv_ood_auroc"] = float(binary_auc(pos, adv))
-    return result
 
 
 class _FirstN(Dataset):

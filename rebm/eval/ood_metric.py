@@ -14,6 +14,7 @@ import torch
 
 from rebm.distributed import all_reduce_sum
 from rebm.distributed.logs import progress
+from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.ood import build_ood_data, gather_scores, ood_score
@@ -61,8 +62,10 @@ class OODDetection(Metric):
         n_test = int(all_reduce_sum(rt, torch.tensor([positives.shape[0]]))[0])
         loader = build_ood_data(ctx.cfg, rt, ctx.batch_size, num_samples=n_test)
         negatives = []
+        stops = stop_points_all_ranks(rt, len(loader))
         with torch.no_grad():
-            for batch in progress(loader, rt, "OOD scores", total=len(loader)):
+            for index, batch in enumerate(progress(loader, rt, "OOD scores", total=len(loader))):
+                stops.check_all_ranks(index)
                 negatives.append(ood_score(ctx.model(batch[0].to(rt.device)), self.score).double())
         pos, neg = gather_scores(rt, positives), gather_scores(rt, self._local(negatives))
         return {"ood_auroc": float(binary_auc(pos, neg)), "n_ood": int(neg.shape[0])}

@@ -24,6 +24,7 @@ so its numbers are comparable with torch-fidelity's, not with that evaluator's.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zipfile
@@ -35,6 +36,7 @@ import torch
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.collectives import decide_on_main
 from rebm.distributed.logs import progress
+from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.fid import feature_problems, standin_key, weights_files
 from rebm.eval.fidelity import (
     FeatureRows,
@@ -177,7 +179,9 @@ def real_features(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
     reference = _Reference(ctx.cfg)
     rows = FeatureRows()
     chunks = eval_chunks(reference.n, ctx.batch_size, rt.rank, rt.world_size)
-    for chunk in progress(chunks, rt, "real features", total=len(chunks)):
+    stops = stop_points_all_ranks(rt, len(chunks))
+    for index, chunk in enumerate(progress(chunks, rt, "real features", total=len(chunks))):
+        stops.check_all_ranks(index)
         features = extract(extractor, reference.images(chunk).to(rt.device))[layer]
         rows.add(torch.arange(chunk.start, chunk.stop), features)
     return rows.gather(rt, reference.n)
@@ -224,12 +228,24 @@ class PrecisionRecall(Metric):
                 problems.append(str(err))
         return problems
 
+    @classmethod
+    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
+        shared_extractor(cfg, runtime, resources)  # the network, loaded once
+
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.extractor = shared_extractor(ctx)
+        self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "prc")
-        self.real = real_features(ctx, self.extractor, self.layer)
+        self.real: Optional[torch.Tensor] = None
         self.rows = FeatureRows()
+
+    def start_all_ranks(self) -> None:
+        """The real images' features: computed at the run's first evaluation, then kept."""
+        cfg = self.ctx.cfg
+        key = json.dumps(["precision_recall real features", self.settings(cfg),
+                          cfg.image_log.inception_weights], sort_keys=True, default=str)
+        self.real = self.ctx.shared(key, lambda: real_features(self.ctx, self.extractor,
+                                                               self.layer))
 
     def update(self, chunk: SampleChunk) -> None:
         self.rows.add(chunk.indices, chunk_features(chunk, self.extractor)[self.layer])

@@ -1,8 +1,8 @@
 """The list of evaluation metrics, and the metric lists the entry points use.
 
 To add a metric: write its module (a `Metric` subclass; see rebm/eval/metric.py for what it
-defines) and add the class to `METRICS` below. Its name then works everywhere: in
-`EvalSpec(metrics=...)`, in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
+defines) and add the class to `METRICS` below. Its name then works everywhere: in an
+`Evaluator`'s metrics (rebm/eval/evaluator.py), in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
 config (added to every evaluation, training's included); its settings go to eval.json and its
 rows to the console table. Metrics run, and are reported, in the order of `METRICS`.
 """
@@ -10,7 +10,7 @@ rows to the console table. Metrics run, and are reported, in the order of `METRI
 from __future__ import annotations
 
 import difflib
-from typing import Any, Dict, List, Sequence, Tuple, Type
+from typing import List, Sequence, Tuple, Type
 
 from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
 from rebm.eval.autoattack import AutoAttackAccuracy
@@ -70,13 +70,3 @@ def standard_metrics(cfg, samples: bool, extra: Sequence[str] = ()) -> Tuple[str
         names += ["fid"] if cfg.image_log.log_fid else []
         names += ["keep_samples"] if cfg.keep_samples else []
     return tuple(dict.fromkeys([*names, *cfg.eval.metrics, *extra]))
-
-
-def metric_settings(cfg, names: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """{metric name: its settings} for eval.json (and cache keys), in registry order."""
-    return {m.name: m.settings(cfg) for m in metric_classes(names)}
-
-
-def metric_problems(cfg, names: Sequence[str]) -> List[str]:
-    """What this machine lacks for the metrics, one line each."""
-    return [p for m in metric_classes(names) for p in m.problems(cfg)]

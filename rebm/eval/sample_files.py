@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from rebm.distributed.collectives import decide_on_main, on_every_rank, on_main
-from rebm.eval.generation import gather_by_index, save_grid
+from rebm.eval.generation import gather_by_index, grid_path, save_grid
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.samples import sample_files, sample_settings
 
@@ -83,7 +83,7 @@ class SampleGrid(SampleFileMetric):
 
     def finish(self) -> Dict[str, Any]:
         ctx = self.ctx
-        if ctx.spec.run_dir is None or self.total == 0:
+        if ctx.run_dir is None or self.total == 0:
             return {}
         size = ctx.cfg.data.image_size
         # k / 255: save_image writes back exactly the pixels k
@@ -94,11 +94,16 @@ class SampleGrid(SampleFileMetric):
         grid = gather_by_index(ctx.runtime, mine.to(device), idx.to(device), self.total)
 
         def write() -> None:
-            path = save_grid(grid, ctx.spec.run_dir, ctx.cfg.data.num_classes, ctx.spec.step)
+            path = save_grid(grid, ctx.run_dir, ctx.cfg.data.num_classes, ctx.step)
             LOGGER.info("samples saved to %s", path)
 
-        on_main(ctx.runtime, write, f"write the samples into {ctx.spec.run_dir}/samples")
+        on_main(ctx.runtime, write, f"write the samples into {ctx.run_dir}/samples")
         return {}
+
+    def outputs(self) -> Dict[str, str]:
+        if self.ctx.run_dir is None or self.total == 0:
+            return {}
+        return {"sample_grid": grid_path(self.ctx.run_dir, self.ctx.step)}
 
 
 class KeepSamples(SampleFileMetric):
@@ -110,8 +115,8 @@ class KeepSamples(SampleFileMetric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        run_dir = ctx.spec.run_dir
-        self.folder = None if run_dir is None else samples_folder(run_dir, ctx.spec.step)
+        run_dir = ctx.run_dir
+        self.folder = None if run_dir is None else samples_folder(run_dir, ctx.step)
         self.error: Optional[OSError] = None
 
     def update(self, chunk: SampleChunk) -> None:
@@ -135,6 +140,9 @@ class KeepSamples(SampleFileMetric):
         if self.ctx.runtime.is_main:
             LOGGER.info("every sample saved to %s", self.folder)
         return {}
+
+    def outputs(self) -> Dict[str, str]:
+        return {} if self.folder is None else {"samples": self.folder}
 
 
 def npz_path(run_dir: str, step: Optional[int]) -> str:
@@ -176,7 +184,7 @@ class SamplesNpz(SampleFileMetric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.error: Optional[OSError] = None
-        self.path = None if ctx.spec.run_dir is None else npz_path(ctx.spec.run_dir, ctx.spec.step)
+        self.path = None if ctx.run_dir is None else npz_path(ctx.run_dir, ctx.step)
         if self.path is None:
             return
         self.npy = self.path + ".arr_0.npy"
@@ -213,3 +221,6 @@ class SamplesNpz(SampleFileMetric):
         if self.ctx.runtime.is_main:
             LOGGER.info("every sample saved to %s (arr_0, uint8 NHWC)", self.path)
         return {}
+
+    def outputs(self) -> Dict[str, str]:
+        return {} if self.path is None else {"samples_npz": self.path}

@@ -15,37 +15,53 @@ import torch
 
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
+from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.metric import EvalContext, EvalError, Metric
 
 
-def stream_samples(ctx: EvalContext, sinks: Sequence[Any], num_samples: int,
+def seed_source(cfg, resources: Dict[str, Any]):
+    """The samples' seed images of `cfg` (rebm.eval.generation.SeedImages), opened once per
+    Evaluator and kept in its `resources` (SeedImageError, one line, when unusable)."""
+    from rebm.eval.generation import SeedImages, seed_blur_kernel_size
+
+    log, blur = cfg.image_log, seed_blur_kernel_size(cfg)
+    key = f"seeds {log.seed_images} {cfg.data.image_size} {cfg.rand_seed} {blur}"
+    if key not in resources:
+        resources[key] = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
+                                    blur_kernel_size=blur)
+    return resources[key]
+
+
+def stream_samples(ctx: EvalContext, seeds, sinks: Sequence[Any], num_samples: int,
                    num_steps: Optional[int] = None, what: str = "samples") -> None:
-    """Generate samples 0..num_samples-1 chunk by chunk (this rank's chunks) and feed each chunk
-    to every sink (anything with `update(SampleChunk)`). `num_steps`: PGD steps (default image_log.num_steps). No collective inside:
-    the sinks' `finish` combines the ranks."""
+    """Generate samples 0..num_samples-1 from `seeds` chunk by chunk (this rank's chunks) and
+    feed each chunk to every sink (anything with `update(SampleChunk)`). `num_steps`: PGD
+    steps (default image_log.num_steps). Its only collectives are the stop points (a stop asked
+    for ends it: rebm.distributed.signals); the sinks' `finish` combines the ranks. Every rank
+    calls this."""
     from rebm.eval.generation import SampleGenerator
 
     rt = ctx.runtime
-    generate = SampleGenerator(ctx.model, ctx.cfg, rt, num_steps)
+    generate = SampleGenerator(ctx.model, ctx.cfg, rt, seeds, num_steps)
     chunks = eval_chunks(num_samples, ctx.batch_size, rt.rank, rt.world_size)
-    for chunk in progress(chunks, rt, what, total=len(chunks)):
+    stops = stop_points_all_ranks(rt, len(chunks))
+    for index, chunk in enumerate(progress(chunks, rt, what, total=len(chunks))):
+        stops.check_all_ranks(index)
         samples = generate(torch.arange(chunk.start, chunk.stop, dtype=torch.int64))
         for sink in sinks:
             sink.update(samples)
         del samples  # the chunk's images go before the next chunk is generated
 
 
-def run_sample_pass(ctx: EvalContext, metrics: List[Metric]) -> Dict[str, Any]:
-    """The generation pass for the sample metrics, then their results (every rank calls this).
-    A metric may fix the number of PGD steps first (FID's adaptive sweep)."""
-    chosen = [s for s in (m.generation_steps() for m in metrics) if s is not None]
+def run_sample_pass(ctx: EvalContext, seeds, metrics: List[Metric]) -> List[Dict[str, Any]]:
+    """The generation pass for the sample metrics, then each metric's results (every rank calls
+    this). A metric may fix the number of PGD steps first (FID's adaptive sweep)."""
+    chosen = [s for s in (m.generation_steps_all_ranks() for m in metrics) if s is not None]
     if len(set(chosen)) > 1:
         raise EvalError(f"sample metrics chose different step counts {sorted(set(chosen))}")
-    stream_samples(ctx, metrics, ctx.cfg.image_log.num_samples, chosen[0] if chosen else None)
-    results: Dict[str, Any] = {}
-    for metric in metrics:
-        results.update(metric.finish())
-    return results
+    stream_samples(ctx, seeds, metrics, ctx.cfg.image_log.num_samples,
+                   chosen[0] if chosen else None)
+    return [metric.finish() for metric in metrics]
 
 
 def sample_settings(cfg) -> Dict[str, Any]:

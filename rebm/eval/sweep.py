@@ -10,7 +10,6 @@ sample, so the choice is the same on any world size; rank 0's choice is broadcas
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Dict, List, Tuple
@@ -33,11 +32,6 @@ def sweep_candidates(image_log) -> List[int]:
     return sorted({max(1, s) for s in steps})
 
 
-def with_steps(cfg, steps: int):
-    """A copy of the (frozen) config that generates with `steps` PGD steps."""
-    return dataclasses.replace(cfg, image_log=dataclasses.replace(cfg.image_log, num_steps=steps))
-
-
 class _FeatureSums:
     """Feeds the generated chunks' features into one MomentSums (a sweep candidate)."""
 
@@ -48,7 +42,7 @@ class _FeatureSums:
         self.scorer.add_pixels(self.sums, chunk.pixels())
 
 
-def sweep_steps(ctx: EvalContext, scorer: FIDScorer) -> Tuple[int, Dict[int, float]]:
+def sweep_steps(ctx: EvalContext, seeds, scorer: FIDScorer) -> Tuple[int, Dict[int, float]]:
     """(best step count, {step count: FID of its sweep samples}). A candidate whose FID cannot
     be computed counts as +inf; when none can, the configured num_steps stays. Every rank must
     call this."""
@@ -58,7 +52,8 @@ def sweep_steps(ctx: EvalContext, scorer: FIDScorer) -> Tuple[int, Dict[int, flo
     fids: Dict[int, float] = {}
     for steps in candidates:
         sink = _FeatureSums(scorer)
-        stream_samples(ctx, [sink], log.sweep_num_samples, steps, what=f"sweep {steps} steps")
+        stream_samples(ctx, seeds, [sink], log.sweep_num_samples, steps,
+                       what=f"sweep {steps} steps")
         value = scorer.score(sink.sums)
         fids[steps] = math.inf if value is None else value
         LOGGER.info("FID step sweep: %d steps -> FID %.4f", steps, fids[steps])

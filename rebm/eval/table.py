@@ -46,21 +46,6 @@ class RowsSkipped(UserError, RuntimeError):
     """Rows were skipped (checkpoint missing); the table of the others is written. One line."""
 
 
-class _Recorded:
-    """A sample metric whose own results are kept (the shared pass returns them merged)."""
-
-    def __init__(self, metric):
-        self.metric = metric
-        self.results: Dict[str, Any] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self.metric, name)
-
-    def finish(self) -> Dict[str, Any]:
-        self.results = self.metric.finish()
-        return self.results
-
-
 class TableRun:
     """The state of one run of a table on every rank (every rank calls every method)."""
 
@@ -93,16 +78,13 @@ class TableRun:
     def run(self) -> Dict[str, Any]:
         from rebm.distributed.collectives import decide_on_main, on_main
         from rebm.distributed.signals import stop_point_all_ranks
-        from rebm.eval.evaluation import require_ready
-        from rebm.eval.metric import EvalError, EvalSpec
+        from rebm.eval.metric import EvalError
         from rebm.eval.table_report import write_report
 
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
-            for metric in self.selected.metrics:
-                try:
-                    require_ready(self.configs[row.name][metric], EvalSpec((metric,)))
-                except EvalError as err:
-                    raise EvalError(f"row {row.name}: {err}") from None
+            problems = self.evaluator(row, self.selected.metrics).problems()
+            if problems:
+                raise EvalError(f"row {row.name}: {'; '.join(problems)}")
         total = len(self.selected.rows)
         for number, row in enumerate(self.selected.rows, start=1):
             stop_point_all_ranks(self.runtime)
@@ -183,43 +165,44 @@ class TableRun:
                                 []).append(cls.name)
         return list(by_model.values())
 
+    def evaluator(self, row, names: List[str]):
+        """The Evaluator of `names` (metrics of one model) of the row: each metric with its own
+        config, files into <out>/<row>/."""
+        from rebm.eval.evaluator import Evaluator
+
+        configs = self.configs[row.name]
+        return Evaluator(configs[names[0]], self.runtime, names, batch_size=self.spec.batch_size,
+                         run_dir=os.path.join(self.out, row.name), configs=configs)
+
     def run_metrics(self, row, names: List[str], cache, keys: Dict[str, str], label: str
                     ) -> None:
-        """Compute and store `names` (metrics of one model) of the row."""
+        """Compute and store `names` (metrics of one model) of the row: the test-set metrics
+        one by one, the sample metrics in one generation pass per set of samples they draw."""
         from rebm.distributed.signals import stop_point_all_ranks
+        from rebm.eval.evaluator import load_eval_model
         from rebm.eval.metric import SAMPLES
-        from rebm.eval.registry import metric_classes
 
-        model = self.load_model(row, names[0])
-        for cls in metric_classes(names):
+        model = load_eval_model(self.configs[row.name][names[0]], self.runtime)
+        evaluator = self.evaluator(row, names)
+        for cls in evaluator.classes:
             if cls.source == SAMPLES:
                 continue
             stop_point_all_ranks(self.runtime)
             start = time.monotonic()
-            results = self.test_metric(model, row, cls.name)
-            self.store(cache, row, cls.name, keys[cls.name], results, start, label)
-        samples = [c.name for c in metric_classes(names) if c.source == SAMPLES]
+            results = evaluator.evaluate_all_ranks(model, metrics=[cls.name]).by_metric
+            self.store(cache, row, cls.name, keys[cls.name], results[cls.name], start, label)
+        samples = [c.name for c in evaluator.classes if c.source == SAMPLES]
         if samples:
             stop_point_all_ranks(self.runtime)
             start = time.monotonic()
-            for name, results in self.sample_metrics(model, row, samples).items():
-                self.store(cache, row, name, keys[name], results, start, label)
+            for group in self.sample_passes(row, samples):
+                found = evaluator.evaluate_all_ranks(model, metrics=group).by_metric
+                for name in group:
+                    self.store(cache, row, name, keys[name], found.get(name, {}), start, label)
 
-    def load_model(self, row, metric: str):
-        from rebm.eval.evaluation import load_eval_model
-
-        return load_eval_model(self.configs[row.name][metric], self.runtime)
-
-    def test_metric(self, model, row, metric: str) -> Dict[str, Any]:
-        from rebm.eval.evaluation import evaluate_model
-        from rebm.eval.metric import EvalSpec
-
-        spec = EvalSpec((metric,), self.spec.batch_size, os.path.join(self.out, row.name))
-        return evaluate_model(model, self.configs[row.name][metric], self.runtime, spec)
-
-    def sample_metrics(self, model, row, names: List[str]) -> Dict[str, Dict[str, Any]]:
-        """The row's sample metrics, {name: results}: one generation pass for the metrics whose
-        configs draw the same samples (metric_overrides may make them differ)."""
+    def sample_passes(self, row, names: List[str]) -> List[List[str]]:
+        """The row's sample metrics by the samples their configs draw (metric_overrides may
+        make them differ): one generation pass each."""
         from rebm.eval.samples import sample_settings
         from rebm.eval.table_cache import data_settings
 
@@ -229,31 +212,7 @@ class TableRun:
             drawn = json.dumps([sample_settings(cfg), data_settings(cfg)], sort_keys=True,
                                default=str)
             passes.setdefault(drawn, []).append(name)
-        results: Dict[str, Dict[str, Any]] = {}
-        for group in passes.values():
-            results.update(self.sample_pass(model, row, group))
-        return results
-
-    def sample_pass(self, model, row, names: List[str]) -> Dict[str, Dict[str, Any]]:
-        from rebm.eval.accuracy import eval_mode
-        from rebm.eval.metric import EvalContext, EvalSpec
-        from rebm.eval.registry import metric_classes
-        from rebm.eval.samples import run_sample_pass
-
-        cfg = self.configs[row.name][names[0]]
-        spec = EvalSpec(tuple(names), self.spec.batch_size, os.path.join(self.out, row.name))
-        ctx = EvalContext(model, cfg, self.runtime, spec, self.spec.batch_size)
-        with eval_mode(model):
-            # one pass draws the samples (their settings are equal); each metric still reads
-            # its own config (e.g. a metric_overrides entry for eval.pr_reference), and they
-            # share the feature networks through the context's resources
-            recorded = [_Recorded(cls(EvalContext(model, self.configs[row.name][cls.name],
-                                                  self.runtime, spec, self.spec.batch_size,
-                                                  ctx.resources)))
-                        for cls in metric_classes(names)]
-            if cfg.image_log.num_samples > 0:
-                run_sample_pass(ctx, recorded)
-        return {r.metric.name: r.results for r in recorded}
+        return list(passes.values())
 
     def store(self, cache, row, metric: str, key: str, results, start: float, label: str
               ) -> None:
@@ -359,29 +318,27 @@ def run_tables(specs, args, runtime) -> None:
                           f"{', '.join(skipped)}; the table of the other rows is written")
 
 
-def run(specs, args) -> None:
-    """One process of the tables (under torchrun, every rank calls this)."""
-    from rebm.cli import import_libraries, user_errors_exit
+def log_dir(specs, args) -> str:
+    """Where the ranks' logs go: the table's folder (one table), else --out or runs/tables."""
+    if len(specs) == 1:
+        return out_dir(specs[0], args, 1)
+    return args.out or os.path.join("runs", "tables")
 
-    import_libraries()  # first: its collector pause covers importing torch
-    from torch.distributed.elastic.multiprocessing.errors import record
 
-    from rebm.distributed import setup_distributed, setup_logging, teardown
-    from rebm.distributed.signals import stop_on_signal
+def run(specs, args) -> int:
+    """Every process of the tables (under torchrun, every rank), through the entry points'
+    launch (rebm.cli.launch): logs, the stop on a signal, the tables."""
+    from rebm.cli import launch
 
-    @record
-    def worker() -> None:
-        with user_errors_exit():
-            runtime = setup_distributed()
-            try:
-                setup_logging(runtime, out_dir(specs[0], args, 1) if len(specs) == 1
-                              else args.out or os.path.join("runs", "tables"))
-                with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
-                    run_tables(specs, args, stoppable)
-            finally:
-                teardown(runtime)
+    def body(_cfg, runtime, _args) -> None:
+        from rebm.distributed import setup_logging
+        from rebm.distributed.signals import stop_on_signal
 
-    worker()
+        setup_logging(runtime, log_dir(specs, args))
+        with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
+            run_tables(specs, args, stoppable)
+
+    return launch(body, None, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -456,8 +413,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not os.path.isdir(args.checkpoints):
             raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "
                              "the folder the rows' checkpoint paths are relative to")
-    run(specs, args)
-    return 0
+    return run(specs, args)
 
 
 if __name__ == "__main__":

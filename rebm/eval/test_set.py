@@ -13,15 +13,16 @@ numbers per batch) give the same results on 1, 2 or 3 ranks.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from rebm.data.sampling import eval_chunks
-from rebm.distributed import all_reduce_sum
+from rebm.distributed import Runtime, all_reduce_sum
 from rebm.distributed.logs import progress
-from rebm.eval.metric import EvalContext, EvalError, Metric, TestBatch
+from rebm.distributed.signals import stop_points_all_ranks
+from rebm.eval.metric import EvalError, Metric, TestBatch
 
 ROBUSTBENCH_IDS = os.path.join(os.path.dirname(__file__), "data",
                                "imagenet_val_5000_robustbench.txt")
@@ -103,26 +104,35 @@ def test_indices(cfg) -> Sequence[int]:
     return indices[:cfg.eval.num_images] if cfg.eval.num_images else indices
 
 
-def run_test_pass(ctx: EvalContext, metrics: List[Metric]) -> Dict[str, Any]:
-    """Feed every batch of this rank's test chunks to every metric, then finish them; returns
-    "n_test" (images evaluated over all ranks) and each metric's results. Every rank calls this."""
-    from rebm.data.pipeline import build_eval_data
+class TestData:
+    """This rank's test images, built once per Evaluator and config: the indices of
+    `test_indices`, this rank's chunks of them, and their loader (every chunk but the last one
+    overall is full, so the loader's batches are the chunks)."""
 
-    rt, size = ctx.runtime, ctx.batch_size
-    indices = test_indices(ctx.cfg)
-    mine = [int(indices[p]) for chunk in eval_chunks(len(indices), size, rt.rank, rt.world_size)
-            for p in chunk]
-    # Every chunk but the last one overall is full, so the loader's batches are the chunks.
-    loader = build_eval_data(ctx.cfg, rt, size, indices=mine)
+    def __init__(self, cfg, runtime: Runtime, batch_size: int):
+        from rebm.data.pipeline import build_eval_data
+
+        indices = test_indices(cfg)
+        mine = [int(indices[p]) for chunk in eval_chunks(len(indices), batch_size, runtime.rank,
+                                                         runtime.world_size) for p in chunk]
+        self.loader = build_eval_data(cfg, runtime, batch_size, indices=mine)
+
+
+def run_test_pass(data: TestData, model, runtime: Runtime, metrics: List[Metric]
+                  ) -> Tuple[int, List[Dict[str, Any]]]:
+    """Feed every batch of this rank's test chunks to every metric, then finish them: (images
+    evaluated over all ranks, each metric's results). Stops at a stop point when a stop is
+    asked for (rebm.distributed.signals). Every rank calls this."""
+    loader = data.loader
+    stops = stop_points_all_ranks(runtime, len(loader))
     count = 0
-    for x, y, index in progress(loader, rt, "evaluation", total=len(loader)):
-        batch = TestBatch(ctx.model, x.to(rt.device, non_blocking=True),
-                          y.to(rt.device, non_blocking=True), index)
+    for index, (x, y, dataset_index) in enumerate(progress(loader, runtime, "evaluation",
+                                                           total=len(loader))):
+        stops.check_all_ranks(index)
+        batch = TestBatch(model, x.to(runtime.device, non_blocking=True),
+                          y.to(runtime.device, non_blocking=True), dataset_index)
         for metric in metrics:
             metric.update(batch)
         count += int(y.shape[0])
-    results: Dict[str, Any] = {
-        "n_test": int(all_reduce_sum(rt, torch.tensor([count], dtype=torch.int64))[0])}
-    for metric in metrics:
-        results.update(metric.finish())
-    return results
+    n_test = int(all_reduce_sum(runtime, torch.tensor([count], dtype=torch.int64))[0])
+    return n_test, [metric.finish() for metric in metrics]

@@ -29,7 +29,8 @@ def loss_streams(cfg) -> int:
 
 
 def check_dat(args, cfg) -> None:
-    """DAT's own config rules (and stage 2's schedule: a constant rate); under `--check`, also what FID lacks on this machine, as
+    """DAT's own config rules (and stage 2's schedule: a constant rate); under `--check`, also
+    what its evaluations lack on this machine (the Evaluator's problems: FID's files, ...), as
     warnings (training would stop at start), and how many training images there are against
     batch_size."""
     from rebm.config.schedule import check_stage_schedule
@@ -39,12 +40,14 @@ def check_dat(args, cfg) -> None:
     DAT.check_config(cfg)
     if args.check:
         from rebm.config import plan_batches
-        from rebm.eval.fid import fid_problems
+        from rebm.distributed import Runtime
+        from rebm.eval.evaluator import Evaluator
+        from rebm.eval.registry import standard_metrics
 
         # a batch split that cannot work is the one line --check prints, before any note
         plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg))
-
-        for problem in fid_problems(cfg):
+        evaluator = Evaluator(cfg, Runtime(), standard_metrics(cfg, DAT.eval_samples))
+        for problem in evaluator.problems():  # what its evaluations would stop on at start
             print(f"warning: {problem}", file=sys.stderr)
         line = training_images_line(cfg)
         if line:

@@ -1,0 +1,195 @@
+"""One Evaluator per run: every evaluation of a run, whatever its front door (the Trainer's
+periodic and final evaluation, `python -m rebm.eval.evaluate`, `python -m rebm.eval.table`,
+stage 1's robustness test), goes through `Evaluator.evaluate_all_ranks`.
+
+Built once from the config, the runtime and the metric names (rebm/eval/registry.py), the
+Evaluator holds what every evaluation of the run reuses:
+- readiness: `problems()`, what the metrics need and this machine lacks (a weights or
+  statistics file, a package), one line each; `start_all_ranks()` stops every rank on them
+  with one line before any work, then builds the rest;
+- the feature networks and reference statistics (`Metric.build`, at start), the seed source of
+  the samples (at start: an unusable seed file stops the run now, not at its first evaluation),
+  the real images' features of precision/recall (at their first evaluation): `resources`;
+- the test images: this rank's chunks and their loader, built at the first evaluation.
+
+`evaluate_all_ranks(model, step)` returns an `Evaluation`: the values, each metric's own
+results, the settings each value was computed on, and the files written. The test-set metrics
+share one pass over the test chunks (rebm/eval/test_set.py); the sample metrics share one
+generation pass (rebm/eval/samples.py), after the metrics chose its step count (FID's adaptive
+sweep). No constructor generates or gathers: what needs every rank is a method named
+`..._all_ranks`, and the loops stop at their stop points (rebm.distributed.signals) when a stop
+is asked for. The numbers are those of a single process on any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
+
+from torch import nn
+
+from rebm.checkpoint.weights import CheckpointError, load_checkpoint
+from rebm.config import eval_batch_size
+from rebm.distributed import Runtime
+from rebm.distributed.collectives import on_every_rank
+from rebm.distributed.parallel import unwrap
+from rebm.eval.accuracy import eval_mode
+from rebm.eval.metric import SAMPLES, TEST_SET, EvalContext, EvalError, Metric
+from rebm.eval.registry import metric_classes
+from rebm.eval.samples import run_sample_pass, seed_source
+from rebm.eval.test_set import TestData, run_test_pass
+from rebm.models import model_from_config
+
+LOGGER = logging.getLogger("rebm")
+
+
+@dataclass
+class Evaluation:
+    """What one evaluation gives, the same on every rank: `values` ({key: value}: "n_test"
+    and each test-set metric's keys when one ran, each sample metric's keys), `by_metric`
+    (each metric's own results), `settings` ({metric: what its value was computed on}) and
+    `files` ({what: path} of the files it wrote, e.g. "sample_grid")."""
+
+    values: Dict[str, Any] = field(default_factory=dict)
+    by_metric: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    files: Dict[str, str] = field(default_factory=dict)
+
+
+class Evaluator:
+    """The evaluations of one run (the module docstring). `metrics`: registry names (any order;
+    they run in registry order); `batch_size`: images per rank and batch (None:
+    `rebm.config.eval_batch_size`); `run_dir`: the folder for files (None: no files);
+    `configs`: a config per metric name where one differs from `cfg` (the table's
+    metric_overrides). Building it is cheap and rank-local (an unknown name: EvalError)."""
+
+    def __init__(self, cfg, runtime: Runtime, metrics: Sequence[str], *,
+                 batch_size: Optional[int] = None, run_dir: Optional[str] = None,
+                 configs: Optional[Mapping[str, Any]] = None):
+        self.cfg, self.runtime, self.run_dir = cfg, runtime, run_dir
+        self.classes: List[Type[Metric]] = metric_classes(metrics)
+        self.configs = {cls.name: (configs or {}).get(cls.name, cfg) for cls in self.classes}
+        self.batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
+        self.resources: Dict[str, Any] = {}  # feature networks, reference statistics, seeds
+        self.test_data: Dict[int, TestData] = {}  # by id of the config: built on first use
+        self.started = False
+
+    @property
+    def names(self) -> List[str]:
+        return [cls.name for cls in self.classes]
+
+    def problems(self) -> List[str]:
+        """What the metrics need and this machine lacks, one line each (`--check` prints them as
+        warnings; `start_all_ranks` stops on them)."""
+        return [p for cls in self.classes for p in cls.problems(self.configs[cls.name])]
+
+    def settings(self) -> Dict[str, Dict[str, Any]]:
+        """{metric: its settings}, in registry order (eval.json, cache keys)."""
+        return {cls.name: cls.settings(self.configs[cls.name]) for cls in self.classes}
+
+    def start_all_ranks(self) -> "Evaluator":
+        """Before any work, on every rank: one EvalError line when the metrics lack something
+        here (`problems`), then the feature networks, reference statistics and the samples'
+        seed source; a failure on any rank stops every rank."""
+        on_every_rank(self.runtime, self._start, "find the evaluation's files")
+        return self
+
+    def _start(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise EvalError("; ".join(problems))
+        for cls in self.classes:
+            cls.build(self.configs[cls.name], self.runtime, self.resources)
+        for cls in self._of(SAMPLES, self.names):
+            cfg = self.configs[cls.name]
+            if cfg.image_log.num_samples > 0:
+                seed_source(cfg, self.resources)
+        self.started = True
+
+    def _of(self, source: str, names: Sequence[str]) -> List[Type[Metric]]:
+        return [cls for cls in self.classes if cls.source == source and cls.name in names]
+
+    def evaluate_all_ranks(self, model: nn.Module, step: Optional[int] = None,
+                           metrics: Optional[Sequence[str]] = None) -> Evaluation:
+        """Evaluate `model` (wrapped or not; the unwrapped module is used, in eval mode for the
+        call) on every rank: the Evaluator's metrics, or the subset `metrics`. `step` names the
+        files of a training evaluation. Every rank calls this with the same arguments."""
+        if not self.started:
+            self.start_all_ranks()
+        names = self.names if metrics is None else list(metrics)
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise EvalError(f"metric '{unknown[0]}' is not one of this evaluator's "
+                            f"({', '.join(self.names)})")
+        model = unwrap(model)
+        evaluation = Evaluation(settings={n: s for n, s in self.settings().items()
+                                          if n in names})
+        with eval_mode(model):
+            for group in self._test_groups(names):
+                self._test_pass(model, step, group, evaluation)
+            samples = self._of(SAMPLES, names)
+            if samples and self.configs[samples[0].name].image_log.num_samples > 0:
+                self._sample_pass(model, step, samples, evaluation)
+        return evaluation
+
+    def _context(self, model: nn.Module, cls: Type[Metric], step: Optional[int]) -> EvalContext:
+        return EvalContext(model, self.configs[cls.name], self.runtime, self.batch_size,
+                           self.run_dir, step, self.resources)
+
+    def _test_groups(self, names: Sequence[str]) -> List[List[Type[Metric]]]:
+        """The test-set metrics of `names` by the config they read (one pass each: the test
+        images follow the config)."""
+        groups: Dict[int, List[Type[Metric]]] = {}
+        for cls in self._of(TEST_SET, names):
+            groups.setdefault(id(self.configs[cls.name]), []).append(cls)
+        return list(groups.values())
+
+    def _test_pass(self, model: nn.Module, step: Optional[int], classes: List[Type[Metric]],
+                   evaluation: Evaluation) -> None:
+        cfg = self.configs[classes[0].name]
+        if id(cfg) not in self.test_data:
+            self.test_data[id(cfg)] = TestData(cfg, self.runtime, self.batch_size)
+        metrics = [cls(self._context(model, cls, step)) for cls in classes]
+        for metric in metrics:
+            metric.start_all_ranks()
+        n_test, results = run_test_pass(self.test_data[id(cfg)], model, self.runtime, metrics)
+        self._record(evaluation, metrics, results, {"n_test": n_test})
+
+    def _sample_pass(self, model: nn.Module, step: Optional[int], classes: List[Type[Metric]],
+                     evaluation: Evaluation) -> None:
+        """One generation pass with the config of the first sample metric (the metrics of one
+        call draw the same samples; each still reads its own config)."""
+        ctx = self._context(model, classes[0], step)
+        metrics = [cls(self._context(model, cls, step)) for cls in classes]
+        for metric in metrics:
+            metric.start_all_ranks()
+        results = run_sample_pass(ctx, seed_source(ctx.cfg, self.resources), metrics)
+        self._record(evaluation, metrics, results)
+
+    @staticmethod
+    def _record(evaluation: Evaluation, metrics: List[Metric],
+                results: List[Dict[str, Any]], shared: Optional[Dict[str, Any]] = None) -> None:
+        evaluation.values.update(shared or {})
+        for metric, found in zip(metrics, results, strict=True):
+            evaluation.by_metric[metric.name] = {**(shared or {}), **found}
+            evaluation.values.update(found)
+            evaluation.files.update(metric.outputs())
+
+
+def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
+    """The plain model with the weights of `model.ckpt_path` (EMA weights of a training state
+    when use_ema), on this rank's device, never wrapped: evaluation runs no DDP forward."""
+    path = cfg.model.ckpt_path
+    if not path:
+        raise EvalError("model.ckpt_path is not set; pass model.ckpt_path=PATH of the "
+                        "checkpoint to evaluate")
+    if not os.path.isfile(path):
+        raise EvalError(f"model.ckpt_path '{path}' does not exist")
+    model = model_from_config(cfg)
+    try:
+        load_checkpoint(model, path, prefer_ema=cfg.use_ema, trust=cfg.model.trust_checkpoint)
+    except CheckpointError as err:
+        raise EvalError(str(err)) from None
+    return model.to(runtime.device).eval()

@@ -55,9 +55,7 @@ from rebm.engine.saving import (
 )
 from rebm.engine.step import step_context, update_all_ranks
 from rebm.engine.tracking import Tracker, progress_bar
-from rebm.eval.evaluation import EvalSpec, evaluate_model
-from rebm.eval.fid import require_fid_ready
-from rebm.eval.generation import check_seed_images
+from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
 from rebm.eval.report import describe_evaluation
 from rebm.methods.base import Method, StepResult
@@ -153,10 +151,12 @@ class Trainer:
         notice = ignored_fields_notice(cfg)
         if notice:
             LOGGER.info(notice)
-        if method.eval_samples and cfg.n_imgs_per_evaluation_log:
-            # a missing FID or seed-image file (on any node) stops the run now, not after hours
-            on_every_rank(runtime, lambda: (require_fid_ready(cfg), check_seed_images(cfg)),
-                          "find the FID and seed-image files")
+        self.evaluator = Evaluator(cfg, runtime, standard_metrics(cfg, method.eval_samples),
+                                   batch_size=plan.eval_batch_size, run_dir=cfg.run_dir)
+        if cfg.n_imgs_per_evaluation_log:
+            # a missing FID, seed-image or other metric file (on any node) stops the run now,
+            # not after hours
+            self.evaluator.start_all_ranks()
 
     def fit(self) -> Dict[str, Any]:
         """Train to the last step: step, agree on stopping, log, evaluate, save, at their
@@ -281,16 +281,15 @@ class Trainer:
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
         with patient_collectives(self.runtime, self.cfg, progress):
-            spec = EvalSpec(standard_metrics(self.cfg, samples=self.parts.method.eval_samples),
-                            self.plan.eval_batch_size, self.tracker.run_dir, step)
-            results = evaluate_model(self.parts.eval_model, self.cfg, self.runtime, spec)
+            evaluation = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
+        results = evaluation.values
         progress.last_eval, progress.last_eval_step = results, step
         progress.eval_pending = False
         self.tracker.log_all_ranks(step, self.plan.images(step), self.epoch, results)
         LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
         self.tracker.log_table_all_ranks("eval/table", step, results)
-        self.tracker.log_image_all_ranks(os.path.join(self.tracker.run_dir, "samples",
-                                            f"samples_step{step:08d}.png"), step)
+        if "sample_grid" in evaluation.files:  # the same on every rank
+            self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
         if self.parts.method.keep_best:
             keep_best_all_ranks(self.parts, self.cfg, self.runtime, results)
         return results

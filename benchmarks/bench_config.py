@@ -57,8 +57,7 @@ def main() -> None:
     os.chdir(ROOT)  # the tables name their configs relative to the repository
 
     from rebm.config import load_config, to_dict
-    from rebm.eval.table import row_configs
-    from rebm.eval.table_spec import load_table
+    from rebm.eval.table.spec import load_table, row_configs
 
     cfg = load_config(CONFIG)
     assert to_dict(cfg) == omegaconf_dict(cfg)

@@ -127,7 +127,7 @@ def _accuracy_blue_pixels(tmp_path, confidence: float) -> int:
     import numpy as np
     from PIL import Image
 
-    from rebm.eval.calibration import N_BINS, reliability_diagram
+    from rebm.eval.metrics.calibration import N_BINS, reliability_diagram
 
     sums = torch.zeros(3, N_BINS, dtype=torch.float64)
     sums[:, N_BINS - 1] = torch.tensor([100.0, 100 * confidence, 90.0])
@@ -213,7 +213,7 @@ def test_the_shipped_stand_in_works_from_anywhere_and_labels_what_it_makes(tmp_p
     network refuses the file in one line."""
     import numpy as np
 
-    from rebm.eval import fid
+    from rebm.eval.features import fid
 
     out = tmp_path / "stats.npz"
     env = {k: v for k, v in base_env(1).items() if k != "PYTHONPATH"}

@@ -18,11 +18,11 @@ from PIL import Image
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.eval.counterfactual_attack import CounterfactualSettings
-from rebm.eval.counterfactual_grid import target_classes
-from rebm.eval.counterfactual_original import class_chunks, random_targets, train_image_set
-from rebm.eval.counterfactual_stats import class_image_set
-from rebm.eval.counterfactuals import Counterfactuals, counterfactual_settings
+from rebm.eval.counterfactual.attack import CounterfactualSettings
+from rebm.eval.counterfactual.grid import target_classes
+from rebm.eval.counterfactual.original import class_chunks, random_targets, train_image_set
+from rebm.eval.counterfactual.stats import class_image_set
+from rebm.eval.metrics.counterfactuals import Counterfactuals, counterfactual_settings
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
@@ -98,7 +98,7 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.distributed.signals import PreemptionFlag
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
-    def evaluate_model(model, cfg, runtime, batch_size, run_dir):
+    def counterfactuals_of(model, cfg, runtime, batch_size, run_dir):
         evaluator = Evaluator(cfg, runtime, ("counterfactuals",), batch_size=batch_size,
                               run_dir=run_dir)
         return evaluator.evaluate_all_ranks(model).values
@@ -110,17 +110,17 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
                              f"eval.counterfactual_fid_stats={stats}"])
     model = load_eval_model(cfg, runtime)
     folder = os.path.join(out, f"run{runtime.world_size}")
-    result = evaluate_model(model, cfg, runtime, 20, folder)
+    result = counterfactuals_of(model, cfg, runtime, 20, folder)
     original = load_config(None, [*base, "eval.counterfactual_protocol=original",
                                   f"eval.counterfactual_fid_stats={stats}"])
     # as inside training: every loop polls the preemption flag through a collective, which
     # must line up with the per-class FID collectives on ranks with different chunk counts
     polled = dataclasses.replace(runtime, preemption=PreemptionFlag().install())
-    result["original"] = evaluate_model(model, original, polled, 4,
+    result["original"] = counterfactuals_of(model, original, polled, 4,
                                         os.path.join(out, f"original{runtime.world_size}"))
     few = load_config(None, [*base, "eval.counterfactual_num_images=3",
                              "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])
-    result["few"] = evaluate_model(model, few, runtime, 20, folder + "_few")
+    result["few"] = counterfactuals_of(model, few, runtime, 20, folder + "_few")
     with torch.no_grad():  # the clean target-class confidence, for comparison
         x = indist_test_set(cfg).images(np.arange(7))
         y = torch.tensor([int(v) for v in indist_test_set(cfg).labels(np.arange(7))])
@@ -240,8 +240,8 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     images toward it, round to 8 bits, features, FID against the class's statistics file."""
     from rebm.attacks.pgd import pgd_attack
     from rebm.distributed import Runtime
-    from rebm.eval.counterfactual_original import evaluate_original_counterfactuals
-    from rebm.eval.fid import feature_statistics, frechet_distance, load_reference
+    from rebm.eval.counterfactual.original import evaluate_original_counterfactuals
+    from rebm.eval.features.fid import feature_statistics, frechet_distance, load_reference
     from rebm.models import build_model
     from tests.standins import standin_features
 

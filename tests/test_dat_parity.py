@@ -16,7 +16,7 @@ from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
 from rebm.engine.build import get_model as rebm_get_model
 from rebm.engine.build import get_optimizer as rebm_get_optimizer
-from rebm.eval.generation import SeedImages, blur_kernel_size, gaussian_blur
+from rebm.eval.sampling.generation import SeedImages, blur_kernel_size, gaussian_blur
 from rebm.methods.dat import DAT, ebm_loss
 from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats

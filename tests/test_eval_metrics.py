@@ -27,7 +27,7 @@ import torch
 from rebm import distributed as rd
 from rebm.config import load_config
 from rebm.distributed import Runtime
-from rebm.eval.fid import FEATURES_ENV
+from rebm.eval.features.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.processes import spawn_ranks
@@ -64,7 +64,7 @@ def one_thread():
 def data(tmp_path_factory):
     """A tiny CIFAR-10, a model that fits half its test set, stand-in FID statistics."""
     from rebm.data.pipeline import indist_source
-    from rebm.eval.fid import feature_statistics, to_8bit
+    from rebm.eval.features.fid import feature_statistics, to_8bit
     from rebm.models import build_model
 
     root = tmp_path_factory.mktemp("metrics")
@@ -88,7 +88,7 @@ def _real_dataset(cfg, n: int):
     class-balanced subset of n."""
     from rebm.data.pipeline import load_indist
     from rebm.eval.metric import to_pixels
-    from rebm.eval.precision_recall import reference_indices
+    from rebm.eval.metrics.precision_recall import reference_indices
 
     dataset = load_indist(cfg, cfg.eval.pr_reference_split, "test")
     labels = np.array([dataset[i][1] for i in range(len(dataset))])
@@ -206,7 +206,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
 def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monkeypatch):
     """The real entry point on 2 ranks with the stand-in, then torch-fidelity itself (with the
     same stand-in registered as its feature extractor) on the PNGs keep_samples wrote."""
-    from rebm.eval.fidelity import register_standin
+    from rebm.eval.features.fidelity import register_standin
 
     args = [str(data / "config.yaml"), *_overrides(data),
             "keep_samples=true", "robust_eval=false", "per_device_eval_batch_size=4",
@@ -301,7 +301,7 @@ def test_image_ids_as_paths_relative_to_imagenet_val(tmp_path):
 def test_unconditional_samples_ascend_logsumexp(data):
     from rebm.attacks.pgd import pgd_attack
     from rebm.eval.evaluator import load_eval_model
-    from rebm.eval.generation import SampleGenerator, SeedImages
+    from rebm.eval.sampling.generation import SampleGenerator, SeedImages
 
     cfg = _cfg(data, "eval.unconditional_samples=true")
     model = load_eval_model(cfg, Runtime())

@@ -1,4 +1,4 @@
-"""FID through pytorch-fid (rebm/eval/fid.py, fid_stats.py, sweep.py; docs/evaluation.md).
+"""FID through pytorch-fid (rebm/eval/features/fid.py, fid_stats.py, sweep.py; docs/evaluation.md).
 
 The distance is always pytorch-fid's. The feature network is Inception where its weights are on
 disk; elsewhere `tests.standins.standin_features` stands in for it, named by
@@ -20,7 +20,7 @@ import torch
 from rebm.config import load_config
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime
-from rebm.eval import fid
+from rebm.eval.features import fid
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.standins import (  # noqa: E402
@@ -213,7 +213,7 @@ def test_fid_with_sweep_identical_on_1_and_2_ranks(setup, stats_file, tmp_path, 
 # The adaptive sweep
 # --------------------------------------------------------------------------------------------
 def test_sweep_candidates():
-    from rebm.eval.sweep import sweep_candidates
+    from rebm.eval.sampling.sweep import sweep_candidates
 
     cfg = load_config(None, ["image_log.num_steps=2", "image_log.sweep_radius=3"])
     assert sweep_candidates(cfg.image_log) == [1, 2, 3, 4, 5]  # clipped at 1, no repeats

@@ -20,7 +20,7 @@ from rebm.config.loading import load_config
 from rebm.data.pipeline import load_indist
 from rebm.eval.metric import SAMPLES
 from rebm.eval.registry import metric_classes
-from rebm.eval.table_spec import load_table, row_configs
+from rebm.eval.table.spec import load_table, row_configs
 from tests.fake_data import write_fake_imagenet
 from tests.helpers import REPO
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from rebm.eval.generation import SeedImageError, SeedImages
+from rebm.eval.sampling.generation import SeedImageError, SeedImages
 from rebm.models import build_model
 from tests.fake_data import (
     imagenet_wnids,

@@ -1,4 +1,4 @@
-"""OOD detection (rebm/eval/ood.py, rebm/data/ood_sets.py): the metrics against scikit-learn,
+"""OOD detection (rebm/eval/metrics/ood_sets.py, rebm/data/ood_sets.py): the metrics against scikit-learn,
 the original's attacks and their budget by the OOD image side, the OOD sets read from real
 on-disk formats (SVHN .mat files written with scipy in torchvision's layout, CIFAR pickles,
 image folders, a 1000-class ImageNet validation folder for restricted_imagenet), the original's
@@ -15,8 +15,14 @@ import torch
 from rebm import distributed as rd
 from rebm.config import load_config
 from rebm.data.ood_sets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
-from rebm.eval.ood import OODSets, fpr_at_tpr, ood_image_size, ood_score, original_ood_attack
-from rebm.eval.ood_metric import OODDetection
+from rebm.eval.metrics.ood_detection import OODDetection
+from rebm.eval.metrics.ood_sets import (
+    OODSets,
+    fpr_at_tpr,
+    ood_image_size,
+    ood_score,
+    original_ood_attack,
+)
 from tests.fake_data import (
     imagenet_wnids,
     write_fake_cifar10,

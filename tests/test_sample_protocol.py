@@ -24,7 +24,7 @@ import torch
 
 from rebm.config import load_config
 from rebm.distributed import Runtime
-from rebm.eval.fid import FEATURES_ENV
+from rebm.eval.features.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
 from tests.standins import STANDIN, random_fid_inception_state, standin_features
 
@@ -43,7 +43,7 @@ def one_thread():
 def data(tmp_path_factory):
     """A tiny CIFAR-10, a random WideResNet-10-1, stand-in FID statistics."""
     from rebm.data.pipeline import indist_source
-    from rebm.eval.fid import feature_statistics
+    from rebm.eval.features.fid import feature_statistics
     from rebm.models import build_model
 
     root = tmp_path_factory.mktemp("protocol")
@@ -125,7 +125,7 @@ def test_sample_files_and_fid_see_to_pil_image_pixels(data, tmp_path, monkeypatc
     from torchvision.transforms import ToTensor
     from torchvision.transforms.functional import to_pil_image
 
-    from rebm.eval.fid import feature_statistics, frechet_distance, load_reference
+    from rebm.eval.features.fid import feature_statistics, frechet_distance, load_reference
 
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
     cfg = _cfg(data, "keep_samples=true")
@@ -184,8 +184,8 @@ def _spread_inception_weights(path):
     """A random-weights Inception file whose logits differ between images: random weights give
     nearly the same tiny pool features (~1e-7) for every image, so the head is projected off
     their mean and scaled to logits of spread ~3 (else every score is 1.000)."""
-    from rebm.eval.fidelity import build_extractor
-    from rebm.eval.inception_score import pil_resize
+    from rebm.eval.features.fidelity import build_extractor
+    from rebm.eval.metrics.inception_score import pil_resize
 
     torch.manual_seed(0)
     state = random_fid_inception_state()
@@ -233,7 +233,7 @@ def test_inception_score_is_the_originals_path(data, tmp_path, monkeypatch):
 
 
 def test_split_scores_follow_torch_chunk_and_the_seed():
-    from rebm.eval.inception_score import split_scores
+    from rebm.eval.metrics.inception_score import split_scores
 
     torch.manual_seed(1)
     logits = torch.randn(23, 7)
@@ -249,8 +249,8 @@ def test_split_scores_follow_torch_chunk_and_the_seed():
 # Sampling decisions: logsumexp_sampling, blur, seed folders
 # --------------------------------------------------------------------------------------------
 def test_logsumexp_sampling_makes_the_samples_unconditional(data, caplog):
-    from rebm.eval import generation
-    from rebm.eval.samples import sample_settings
+    from rebm.eval.sampling import generation
+    from rebm.eval.sampling.samples import sample_settings
 
     generation._NOTICES.clear()
     with caplog.at_level(logging.INFO, logger="rebm"):
@@ -273,8 +273,8 @@ def test_logsumexp_sampling_makes_the_samples_unconditional(data, caplog):
 
 
 def test_seeds_are_unblurred_unless_blur_fid_seeds(data):
-    from rebm.eval.generation import SeedImages, blur_kernel_size
-    from rebm.eval.samples import seed_source
+    from rebm.eval.sampling.generation import SeedImages, blur_kernel_size
+    from rebm.eval.sampling.samples import seed_source
 
     idx = torch.arange(6)
     plain = SeedImages("noise", 16, rand_seed=3)(idx)
@@ -291,7 +291,7 @@ def test_seed_folder_is_read_as_the_originals_imagefolder(tmp_path):
     from PIL import Image
     from torchvision import datasets, transforms
 
-    from rebm.eval.generation import SeedImages
+    from rebm.eval.sampling.generation import SeedImages
 
     rng = np.random.default_rng(0)
     for name, (h, w) in {"a/2.png": (20, 31), "a/10.png": (16, 16), "b/x.jpg": (40, 25),
@@ -311,7 +311,7 @@ def test_seed_folder_is_read_as_the_originals_imagefolder(tmp_path):
 # Precision/recall references
 # --------------------------------------------------------------------------------------------
 def test_pr_reference_covers_every_class_of_a_class_sorted_split(tmp_path):
-    from rebm.eval.precision_recall import _Reference, reference_indices
+    from rebm.eval.metrics.precision_recall import _Reference, reference_indices
 
     root = write_fake_imagenet(str(tmp_path / "imagenet"), num_classes=5, n_train=6, n_val=1,
                                height=20, width=20)
@@ -350,9 +350,9 @@ class _Images(torch.utils.data.Dataset):
 def test_pr_reference_npz_is_read_and_checked(data, tmp_path, monkeypatch):
     import torch_fidelity
 
-    from rebm.eval.fidelity import register_standin
+    from rebm.eval.features.fidelity import register_standin
     from rebm.eval.metric import EvalError
-    from rebm.eval.precision_recall import PrecisionRecall, open_reference_batch
+    from rebm.eval.metrics.precision_recall import PrecisionRecall, open_reference_batch
 
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
     images = np.random.default_rng(0).integers(0, 256, (9, 16, 16, 3), dtype=np.uint8)
@@ -430,7 +430,7 @@ def test_metrics_of_one_pass_keep_their_own_inception_weights(data, monkeypatch)
     Evaluator: a metric naming other Inception weights gets its own network, never the one
     another metric built first, and each network is built once, at start."""
     from rebm.eval.evaluator import Evaluator
-    from rebm.eval.fidelity import shared_extractor
+    from rebm.eval.features.fidelity import shared_extractor
 
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
     configs = {"inception_score": _cfg(data, "image_log.inception_weights=a.pth"),

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rebm.eval.table_report import cell, group_stats
-from rebm.eval.table_spec import RowSpec, TableError, load_table
+from rebm.eval.table.report import cell, group_stats
+from rebm.eval.table.spec import RowSpec, TableError, load_table
 from tests.fake_data import write_fake_svhn
 from tests.helpers import BIN, REPO, base_env, finish, rebm_traceback_lines, run_command
 from tests.processes import popen
@@ -161,8 +161,8 @@ def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does
     """The key holds the checkpoint's content, not its path: the same file under another
     --checkpoints folder has the same keys; other bytes of the same size and mtime do not."""
     from rebm.eval.registry import metric_classes
-    from rebm.eval.table import row_configs
-    from rebm.eval.table_cache import FileHashes, metric_key
+    from rebm.eval.table.cache import FileHashes, metric_key
+    from rebm.eval.table.spec import row_configs
 
     table, ckpts = tiny
     spec = load_table(str(table)).select(["dat-s0"], ["accuracy", "fid"])
@@ -268,7 +268,7 @@ PAPER_TABLES = sorted(p.stem for p in (REPO / "experiments" / "paper").glob("*.y
 @pytest.mark.parametrize("name", PAPER_TABLES)
 def test_shipped_paper_tables_load_with_every_row_config(name):
     from rebm.eval.registry import metric_classes
-    from rebm.eval.table import row_configs
+    from rebm.eval.table.spec import row_configs
 
     spec = load_table(str(REPO / "experiments" / "paper" / f"{name}.yaml"))
     metric_classes(spec.metrics)  # every metric is registered

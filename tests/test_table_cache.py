@@ -126,7 +126,7 @@ def test_a_metric_is_recomputed_exactly_when_what_it_depends_on_changes(tiny):
 
 
 def test_file_hashes_read_each_file_once_and_count_folders_by_path(tmp_path):
-    from rebm.eval.table_cache import FileHashes
+    from rebm.eval.table.cache import FileHashes
 
     hashes = FileHashes()
     path = tmp_path / "x.bin"
@@ -143,7 +143,7 @@ def test_file_hashes_read_each_file_once_and_count_folders_by_path(tmp_path):
 def test_a_seed_folder_counts_by_its_files_a_dataset_root_by_its_path(tmp_path):
     """A seed image replaced in place changes the key of the sample metrics; a dataset root
     (1.3M ImageNet files) is not listed."""
-    from rebm.eval.table_cache import FileHashes
+    from rebm.eval.table.cache import FileHashes
 
     seeds = tmp_path / "seeds"
     (seeds / "a").mkdir(parents=True)
@@ -200,7 +200,7 @@ def test_check_lists_each_rows_files_and_computes_nothing(tiny, tmp_path):
 
 @pytest.mark.parametrize("table", PAPER_TABLES, ids=[p.stem for p in PAPER_TABLES])
 def test_check_of_every_paper_table_without_checkpoints_lists_them_missing(table, tmp_path):
-    from rebm.eval.table_spec import load_table
+    from rebm.eval.table.spec import load_table
 
     result = run_command([sys.executable, "-m", "rebm.eval.table", str(table), "--checkpoints",
                           str(tmp_path), "--check"], timeout=120, env=base_env(1))

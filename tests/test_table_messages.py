@@ -32,7 +32,7 @@ def tiny(tmp_path_factory):
 
 def _main(capsys, *argv: str):
     """(exit code, stderr) of the real entry function, in process."""
-    from rebm.eval.table import main
+    from rebm.eval.table.command import main
 
     try:
         code = main(list(argv))
@@ -148,8 +148,8 @@ def test_overrides_of_a_metric_not_run_are_one_notice(tiny, tmp_path, capsys):
 
 
 def test_the_legend_calls_a_baseline_row_a_baseline_not_published(tiny, tmp_path):
-    from rebm.eval.table_report import write_report
-    from rebm.eval.table_spec import load_table
+    from rebm.eval.table.report import write_report
+    from rebm.eval.table.spec import load_table
 
     tmp, _ = tiny
     table = _table(tmp, "legend", ["accuracy"], ["a"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rebm.eval.table_spec import TableError, load_table
+from rebm.eval.table.spec import TableError, load_table
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 
@@ -103,7 +103,8 @@ def _write(folder: Path, files: dict) -> Path:
 
 
 def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp_path):
-    from rebm.eval.table import load_tables, row_configs
+    from rebm.eval.table.command import load_tables
+    from rebm.eval.table.spec import row_configs
 
     folder = _write(tmp_path / "model_configs", ORIGINALS)
     cifar, imagenet = load_tables(str(folder))
@@ -157,7 +158,7 @@ def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp
 
 
 def test_keys_rebm_does_not_honour_are_one_notice_line_each(tmp_path):
-    from rebm.eval.original_configs import original_tables
+    from rebm.eval.table.original_configs import original_tables
 
     path = tmp_path / "imagenet-dat-ConvNeXtBase-convst.yaml"
     path.write_text(IMAGENET_DAT_CONVNEXT_BASE + "threat_modle: L2\n")
@@ -184,7 +185,7 @@ def test_keys_rebm_does_not_honour_are_one_notice_line_each(tmp_path):
     (("method: \"dat\"", "method: jem"), "method 'jem' is not one rebm knows"),
 ])
 def test_a_value_rebm_cannot_use_is_one_error_line(tmp_path, change, message):
-    from rebm.eval.original_configs import original_tables
+    from rebm.eval.table.original_configs import original_tables
 
     path = tmp_path / "cifar10-dat.yaml"
     path.write_text(CIFAR10_T40_SEED0.replace(*change))
@@ -287,8 +288,8 @@ def test_rows_pick_the_tables_before_metrics_are_checked(tmp_path):
     CIFAR-10 protocol has works for a CIFAR-10 row, and a wrong one names the selected tables."""
     import argparse
 
-    from rebm.eval.table import load_tables, select_all
-    from rebm.eval.table_spec import TableError
+    from rebm.eval.table.command import load_tables, select_all
+    from rebm.eval.table.spec import TableError
 
     folder = _write(tmp_path / "model_configs", ORIGINALS)
     specs = load_tables(str(folder))

@@ -102,7 +102,7 @@ def shipped_eval_work(path: str) -> dict:
     """What one training interval and one evaluation of a shipped config consist of, counted in
     images and PGD steps (T at its curriculum maximum: the most training work per interval)."""
     from rebm.config import load_config
-    from rebm.eval.accuracy import robust_eval_attack
+    from rebm.eval.metrics.accuracy import robust_eval_attack
     from sections.common import ROOT
 
     cfg = load_config(os.path.join(ROOT, path))

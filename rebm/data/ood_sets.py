@@ -1,5 +1,5 @@
 """Out-of-distribution evaluation sets: named image sets (and image folders) that OOD detection
-scores against the in-distribution test set (rebm/eval/ood.py, docs/evaluation.md).
+scores against the in-distribution test set (rebm/eval/metrics/ood_sets.py, docs/evaluation.md).
 
 A set is named by `spec`: one of `OOD_SET_NAMES`, read from its root (`roots[name]`, default
 `DEFAULT_ROOTS`), or the path of an image folder. Every set is brought to the evaluation size

@@ -1,41 +1,37 @@
-"""Evaluation: registered metrics (registry.py) over the test set and over generated samples —
-accuracy, robust accuracy, AutoAttack, calibration, OOD AUROC, FID, Inception Score,
-precision/recall, sample files — run by one `evaluator.Evaluator` per run.
+"""Evaluation, by concern (docs/design.md, "One evaluation"):
+
+- evaluator.py: the `Evaluator`, one per run, that every entry point evaluates through;
+  metric.py (what a metric is), registry.py (the metrics by name), test_set.py (the test
+  images and their pass), report.py (values as written and shown);
+- metrics/: the registered metrics, one module each;
+- sampling/: sample generation, the shared generation pass, FID's step sweep;
+- features/: the feature networks (pytorch-fid's Inception, torch-fidelity's) and FID's
+  statistics; standin.py, the shipped stand-in for them;
+- counterfactual/: the pieces of the counterfactual metric;
+- table/: the paper-table runner (`python -m rebm.eval.table`);
+- the commands: evaluate.py, fid_stats.py, counterfactuals.py; auc.py, the ROC-AUC that DAT's
+  curriculum uses too.
 
 Every function that takes a `runtime` is called by *every* rank: each rank works on its shard
 (chunks of one evaluation batch, chunk k on rank k % W — no padding duplicates) and the results
-are combined by collectives, so the numbers equal those of a single process. Models passed in are the unwrapped modules.
-
-Entry point: `python -m rebm.eval.evaluate CONFIG model.ckpt_path=PATH` (see evaluate.py).
-Submodules are imported on use, so `import rebm.eval` stays light.
+are combined by collectives, so the numbers equal those of a single process. Models passed in
+are the unwrapped modules. Submodules are imported on use, so `import rebm.eval` stays light.
 """
 
 __all__ = [
-    "accuracy",
     "auc",
-    "autoattack",
-    "calibration",
+    "counterfactual",
     "counterfactuals",
     "evaluate",
     "evaluator",
-    "fid",
-    "fid_metric",
+    "features",
     "fid_stats",
-    "fidelity",
-    "generation",
-    "inception_score",
     "metric",
-    "ood",
-    "ood_metric",
-    "precision_recall",
+    "metrics",
     "registry",
     "report",
-    "sample_files",
-    "samples",
-    "sweep",
+    "sampling",
+    "standin",
     "table",
-    "table_cache",
-    "table_report",
-    "table_spec",
     "test_set",
 ]

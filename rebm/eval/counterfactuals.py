@@ -1,181 +1,36 @@
-"""Counterfactual explanations: how an image must change for the model to see another class.
-The registered metric (`Counterfactuals`) and the command line of the per-class statistics.
+"""Per-class FID statistics for the counterfactual FID (metric "counterfactuals",
+rebm/eval/metrics/counterfactuals.py):
 
-Protocols (`eval.counterfactual_protocol`), both by targeted PGD ascent on the target logit with
-the generation threat model by default (`image_log`), counterfactuals rounded to 8 bits as the
-original's `save_image` wrote them:
-- `original` (default; rebm.eval.counterfactual_original): every training image (or the first
-  `num_images`) toward ONE random other class drawn from (rand_seed, dataset index); FID per
-  target class against that class's statistics, the per-class mean confidence averaged over the
-  classes.
-- `grid` (rebm.eval.counterfactual_grid): each of the first `num_images` test images (default
-  10) toward every other class (or `num_targets` of them: y+1, y+2, ... mod K).
-Per-class statistics (`fid_stats`, a path with `{label}`; rebm.eval.counterfactual_stats):
-`python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE`, by default of the training
-split like the original's reference folders. Classes without a file have no FID.
-What both protocols share (settings, the attack, the per-class FID):
-rebm.eval.counterfactual_attack.
+    python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE [--split train|test]
+
+writes TEMPLATE.format(label=c) (a pytorch-fid .npz) for every class c of the split
+(rebm/eval/counterfactual/stats.py); point `eval.counterfactual_fid_stats` at TEMPLATE. The work
+is imported once the arguments are good, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Optional, Tuple
+import sys
+from typing import List, Optional
 
-import numpy as np
-
-from rebm.data.ood_sets import indist_test_set
-from rebm.eval.counterfactual_attack import (
-    COUNTERFACTUAL_PIXELS,
-    CounterfactualSettings,
-    stats_classes,
-)
-from rebm.eval.counterfactual_grid import evaluate_grid_counterfactuals, grid_num_images
-from rebm.eval.counterfactual_original import (
-    evaluate_original_counterfactuals,
-    random_targets,
-    train_image_set,
-)
-from rebm.eval.counterfactual_stats import run_class_stats
-from rebm.eval.fid import (
-    FEATURES_ENV,
-    feature_network_name,
-    feature_problems,
-    hub_weights_path,
-    standin_key,
-)
-from rebm.eval.metric import TEST_SET, Metric
-from rebm.eval.test_set import test_indices, test_set_files, test_set_settings
-
-
-def counterfactual_settings(cfg) -> CounterfactualSettings:
-    """The `eval.counterfactual_*` fields; unset attack fields take `image_log`'s."""
-    ev, log = cfg.eval, cfg.image_log
-    num_images = ev.counterfactual_num_images
-    if ev.counterfactual_protocol == "grid":
-        num_images = grid_num_images(num_images)
-    return CounterfactualSettings(
-        protocol=ev.counterfactual_protocol, num_images=num_images,
-        num_targets=ev.counterfactual_num_targets,
-        steps=log.num_steps if ev.counterfactual_steps is None else ev.counterfactual_steps,
-        step_size=(log.step_size if ev.counterfactual_step_size is None
-                   else ev.counterfactual_step_size),
-        eps=log.eps if ev.counterfactual_eps is None else ev.counterfactual_eps, norm=log.norm,
-        fid_stats=ev.counterfactual_fid_stats, inception_weights=log.inception_weights)
-
-
-class Counterfactuals(Metric):
-    """Counterfactual explanations, by `eval.counterfactual_protocol` (the module docstring);
-    previews or grids into <run_dir>/counterfactuals/ when the spec has a run_dir."""
-
-    name = "counterfactuals"
-    source = TEST_SET
-    # 2: the original protocol (training images, one seeded random target each, per-class FID)
-    # is the default; settings name the protocol
-    protocol = 2
-
-    @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        cf = counterfactual_settings(cfg)
-        found: Dict[str, Any] = {
-            "protocol": cf.protocol, "steps": cf.steps, "step_size": cf.step_size,
-            "eps": cf.eps, "norm": cf.norm, "objective": "target logit",
-            "pixels": COUNTERFACTUAL_PIXELS}
-        if cf.protocol == "original":
-            found.update(dataset=cfg.data.indist_dataset, split="train",
-                         num_images=cf.num_images or "all", image_size=cfg.data.image_size,
-                         targets="one random other class per image", target_seed=cfg.rand_seed)
-        else:
-            found.update(test_set_settings(cfg))  # its num_images: of the test set
-            found.update(test_num_images=found["num_images"], num_images=cf.num_images,
-                         num_targets=cf.num_targets or "all others")
-        if cf.fid_stats:
-            found.update(fid_stats=cf.fid_stats, features=feature_network_name(),
-                         inception_weights=cf.inception_weights)
-        return found
-
-    @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        """The dataset root (and ids file), each class's statistics file and, for Inception
-        features, their weights."""
-        ev = cfg.eval
-        found: Dict[str, Optional[str]] = (
-            {"data.indist_ds_dir": cfg.data.indist_ds_dir}
-            if ev.counterfactual_protocol == "original" else test_set_files(cfg))
-        template = ev.counterfactual_fid_stats
-        if template:
-            for c in range(cfg.data.num_classes):
-                found[f"eval.counterfactual_fid_stats[{c}]"] = template.format(label=c)
-            if not os.environ.get(FEATURES_ENV):
-                found["image_log.inception_weights"] = (cfg.image_log.inception_weights
-                                                        or hub_weights_path())
-        return found
-
-    @classmethod
-    def problems(cls, cfg) -> List[str]:
-        template = cfg.eval.counterfactual_fid_stats
-        if not template:
-            return []
-        found = feature_problems(cfg.image_log.inception_weights)
-        if not stats_classes(template, cfg.data.num_classes):
-            found.append(f"eval.counterfactual_fid_stats '{template}': no class has a "
-                         "statistics file; make them with python -m rebm.eval.counterfactuals "
-                         f"CONFIG --class-stats '{template}'")
-        return found
-
-    def finish(self) -> Dict[str, Any]:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        folder = os.path.join(ctx.run_dir, "counterfactuals") if ctx.run_dir else None
-        settings = counterfactual_settings(cfg)
-        if settings.protocol == "original":
-            from rebm.data.pipeline import loader_workers
-
-            sources = train_image_set(cfg, settings.num_images)
-            targets = random_targets(sources.labels(np.arange(len(sources))), sources.indices,
-                                     cfg.data.num_classes, cfg.rand_seed)
-            results = evaluate_original_counterfactuals(
-                ctx.model, sources, targets, settings, ctx.runtime,
-                num_classes=cfg.data.num_classes, batch_size=ctx.batch_size, folder=folder,
-                num_workers=loader_workers(cfg, ctx.runtime))
-        else:
-            sources = indist_test_set(cfg, test_indices(cfg))
-            results = evaluate_grid_counterfactuals(
-                ctx.model, sources, settings, ctx.runtime, num_classes=cfg.data.num_classes,
-                batch_size=ctx.batch_size, folder=folder)
-        return {(standin_key("counterfactual_fid") + key[len("counterfactual_fid"):]
-                 if key.startswith("counterfactual_fid") else key): value
-                for key, value in results.items()}
-
-    @classmethod
-    def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]
-                 ) -> List[Tuple[str, str, str]]:
-        images = ("training images, one random target each"
-                  if settings.get("protocol") == "original" else "test images")
-        how = (f"{results['n_counterfactuals']} counterfactuals of {settings['num_images']} "
-               f"{images}, {settings['steps']} PGD steps ({settings['norm']}, step "
-               f"{settings['step_size']:g}, eps {settings['eps']:g})")
-        rows = [("counterfactual confidence", f"{results['counterfactual_confidence']:.4f}", how),
-                ("counterfactual success", f"{results['counterfactual_success']:.4f}", how)]
-        for key in ("counterfactual_fid", "counterfactual_fid_standin"):
-            if key in results:
-                rows.append((key.replace("_", " "), f"{results[key]:.2f}",
-                             f"per-class FID vs {settings['fid_stats']}, mean over classes"))
-        return rows
+from rebm import cli
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from rebm import cli
-
     parser = cli.build_parser("rebm.eval.counterfactuals",
                               "Per-class FID statistics for the counterfactual FID")
     parser.add_argument("--class-stats", required=True, metavar="TEMPLATE",
                         help="the .npz files to write, a path with {label}")
     parser.add_argument("--split", choices=("train", "test"), default="train")
     parser.add_argument("--batch-size", type=int, default=100, help="images per batch")
-    return cli.run_entry(parser, argv, run_class_stats)
+
+    def body(cfg, runtime, args):
+        from rebm.eval.counterfactual.stats import run_class_stats  # after --help
+
+        return run_class_stats(cfg, runtime, args)
+
+    return cli.run_entry(parser, argv, body)
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

@@ -15,7 +15,7 @@ Evaluator holds what every evaluation of the run reuses:
 `evaluate_all_ranks(model, step)` returns an `Evaluation`: the values, each metric's own
 results, the settings each value was computed on, and the files written. The test-set metrics
 share one pass over the test chunks (rebm/eval/test_set.py); the sample metrics share one
-generation pass (rebm/eval/samples.py), after the metrics chose its step count (FID's adaptive
+generation pass (rebm/eval/sampling/samples.py), after the metrics chose its step count (FID's adaptive
 sweep). No constructor generates or gathers: what needs every rank is a method named
 `..._all_ranks`, and the loops stop at their stop points (rebm.distributed.signals) when a stop
 is asked for. The numbers are those of a single process on any world size.
@@ -35,10 +35,10 @@ from rebm.config import eval_batch_size
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.parallel import unwrap
-from rebm.eval.accuracy import eval_mode
 from rebm.eval.metric import SAMPLES, TEST_SET, EvalContext, EvalError, Metric
+from rebm.eval.metrics.accuracy import eval_mode
 from rebm.eval.registry import metric_classes
-from rebm.eval.samples import run_sample_pass, seed_source
+from rebm.eval.sampling.samples import run_sample_pass, seed_source
 from rebm.eval.test_set import TestData, run_test_pass
 from rebm.models import model_from_config
 

@@ -32,7 +32,7 @@ from rebm.data.pipeline import loader_workers
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, print_line, setup_logging
 from rebm.distributed.collectives import on_main
-from rebm.eval.fid import (
+from rebm.eval.features.fid import (
     FEATURES_ENV,
     INCEPTION_WEIGHTS_FILE,
     STANDIN_SPEC,

@@ -3,7 +3,7 @@ two kinds of input a metric is fed (docs/evaluation.md, "Adding a metric").
 
 Adding a metric is one module plus one registration:
 
-1. In a module of its own under rebm/eval/, subclass `Metric`:
+1. In a module of its own under rebm/eval/metrics/, subclass `Metric`:
    - `name`: the registry name (what `--metrics` / `eval.metrics` / an Evaluator's metrics say);
    - `source`: `TEST_SET` (fed every `TestBatch` of this rank's shard of the test set, in one
      pass shared by all such metrics) or `SAMPLES` (fed every `SampleChunk` of this rank's
@@ -24,7 +24,7 @@ Adding a metric is one module plus one registration:
 
 Every rank builds the same metrics in the same order and feeds them its own shard, so a metric's
 collectives line up on all ranks. Results must not depend on the world size: test images are
-sharded by dataset index, samples by index chunk (rebm/eval/samples.py), and per-rank state is
+sharded by dataset index, samples by index chunk (rebm/eval/sampling/samples.py), and per-rank state is
 combined by sums or by index-ordered gathers.
 """
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 import difflib
 from typing import List, Sequence, Tuple, Type
 
-from rebm.eval.accuracy import CleanAccuracy, RobustAccuracy
-from rebm.eval.autoattack import AutoAttackAccuracy
-from rebm.eval.calibration import Calibration
-from rebm.eval.counterfactuals import Counterfactuals
-from rebm.eval.fid_metric import FID
-from rebm.eval.inception_score import InceptionScore
 from rebm.eval.metric import EvalError, Metric
-from rebm.eval.ood import OODSets
-from rebm.eval.ood_metric import OODDetection
-from rebm.eval.precision_recall import PrecisionRecall
-from rebm.eval.sample_files import KeepSamples, SampleGrid, SamplesNpz
+from rebm.eval.metrics.accuracy import CleanAccuracy, RobustAccuracy
+from rebm.eval.metrics.autoattack import AutoAttackAccuracy
+from rebm.eval.metrics.calibration import Calibration
+from rebm.eval.metrics.counterfactuals import Counterfactuals
+from rebm.eval.metrics.fid import FID
+from rebm.eval.metrics.inception_score import InceptionScore
+from rebm.eval.metrics.ood_detection import OODDetection
+from rebm.eval.metrics.ood_sets import OODSets
+from rebm.eval.metrics.precision_recall import PrecisionRecall
+from rebm.eval.metrics.sample_files import KeepSamples, SampleGrid, SamplesNpz
 
 METRICS: Tuple[Type[Metric], ...] = (
     CleanAccuracy,

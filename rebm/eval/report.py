@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from rebm.eval.registry import metric_classes
+
 
 def jsonable(value: Any) -> Any:
     """A metric value (or a settings dict) as valid JSON: tensors to numbers, NaN to null, an
@@ -45,8 +47,6 @@ def describe_evaluation(results: Dict[str, Any]) -> str:
 def evaluation_rows(results: Dict[str, Any], settings: Dict[str, Dict[str, Any]]
                     ) -> List[Tuple[str, str, str]]:
     """(metric, value, settings text) rows of the metrics in `settings` (registry order)."""
-    from rebm.eval.registry import metric_classes
-
     rows: List[Tuple[str, str, str]] = []
     for metric in metric_classes(list(settings)):
         try:

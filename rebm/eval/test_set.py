@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from rebm.data.pipeline import build_eval_data, indist_source
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_sum
 from rebm.distributed.logs import progress
@@ -93,8 +94,6 @@ def read_image_ids(path: str, source, cfg) -> np.ndarray:
 
 def test_indices(cfg) -> Sequence[int]:
     """The dataset indices of the evaluation's test images, in order."""
-    from rebm.data.pipeline import indist_source
-
     source = indist_source(cfg, "test")
     if cfg.eval.image_ids:
         path = ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench" else cfg.eval.image_ids
@@ -110,8 +109,6 @@ class TestData:
     overall is full, so the loader's batches are the chunks)."""
 
     def __init__(self, cfg, runtime: Runtime, batch_size: int):
-        from rebm.data.pipeline import build_eval_data
-
         indices = test_indices(cfg)
         mine = [int(indices[p]) for chunk in eval_chunks(len(indices), batch_size, runtime.rank,
                                                          runtime.world_size) for p in chunk]

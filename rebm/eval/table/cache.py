@@ -34,8 +34,9 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from rebm.config import to_dict
 from rebm.eval.report import jsonable
-from rebm.eval.table_spec import TableError
+from rebm.eval.table.spec import TableError
 
 LOGGER = logging.getLogger("rebm")
 
@@ -103,8 +104,6 @@ class FileHashes:
 
 def model_settings(cfg) -> Dict[str, Any]:
     """The resolved settings that decide the row's network apart from its weights file."""
-    from rebm.config import to_dict
-
     model = to_dict(cfg)["model"]
     return {"model": {k: v for k, v in model.items() if k not in MODEL_FIELDS_WITHOUT_EFFECT},
             "use_ema": cfg.use_ema}
@@ -112,8 +111,6 @@ def model_settings(cfg) -> Dict[str, Any]:
 
 def data_settings(cfg) -> Dict[str, Any]:
     """The resolved `data` section but the fields that cannot change a value."""
-    from rebm.config import to_dict
-
     data = to_dict(cfg)["data"]
     return {k: v for k, v in data.items() if k not in DATA_FIELDS_WITHOUT_EFFECT}
 

@@ -22,16 +22,18 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
+from torchvision.utils import save_image
 
+from rebm.data.augmentations import build_augmentation
 from rebm.data.ood_sets import FixedImageSet
+from rebm.data.pipeline import indist_source
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.accuracy import eval_mode
-from rebm.eval.counterfactual_attack import (
+from rebm.eval.counterfactual.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
@@ -39,8 +41,9 @@ from rebm.eval.counterfactual_attack import (
     stats_classes,
     write_per_class,
 )
-from rebm.eval.fid import MomentSums, feature_extractor
+from rebm.eval.features.fid import MomentSums, feature_extractor
 from rebm.eval.metric import EvalError
+from rebm.eval.metrics.accuracy import eval_mode
 
 LOGGER = logging.getLogger("rebm")
 TARGET_STREAM = "counterfactual"  # key stream of the random target classes
@@ -49,9 +52,6 @@ PREVIEW = 10  # the preview grid: PREVIEW counterfactuals toward each of the fir
 
 def train_image_set(cfg, num_images: Optional[int]) -> FixedImageSet:
     """The first `num_images` (None: all) training images, un-augmented, in dataset order."""
-    from rebm.data.augmentations import build_augmentation
-    from rebm.data.pipeline import indist_source
-
     source = indist_source(cfg, "train")
     n = len(source) if num_images is None else min(num_images, len(source))
     transform = build_augmentation("test", cfg.data.image_size, source.full_images)
@@ -203,8 +203,6 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
 
 def _write_original(folder: str, sources: FixedImageSet, pixels: Tensor,
                     slots: Dict[int, int], per_class: Dict[str, Any]) -> None:
-    from torchvision.utils import save_image
-
     os.makedirs(folder, exist_ok=True)
     if slots:  # a row per class; a class with fewer than PREVIEW counterfactuals ends in black
         originals = torch.zeros(pixels.shape, dtype=torch.float32)

@@ -33,12 +33,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from rebm.data.pipeline import load_indist
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.collectives import decide_on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.fid import feature_problems, standin_key, weights_files
-from rebm.eval.fidelity import (
+from rebm.eval.features.fid import feature_problems, standin_key, weights_files
+from rebm.eval.features.fidelity import (
     FeatureRows,
     chunk_features,
     extract,
@@ -49,7 +50,7 @@ from rebm.eval.fidelity import (
     text_order,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, EvalError, Metric, SampleChunk, to_pixels
-from rebm.eval.samples import describe_samples, sample_files, sample_settings
+from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings
 
 NEIGHBORHOOD = 3  # torch-fidelity's default prc_neighborhood
 DISTANCE_BATCH = 10000  # torch-fidelity's default prc_batch_size
@@ -155,8 +156,6 @@ class _Reference:
             self.batch = open_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
             self.n = num_real(cfg, self.batch.shape[0])
             return
-        from rebm.data.pipeline import load_indist
-
         split = cfg.eval.pr_reference_split
         self.batch = None
         self.dataset = load_indist(cfg, split, "test")

@@ -2,7 +2,7 @@
 batch of counterfactuals (8-bit pixels, target confidence, success), the per-class FID against a
 class's statistics file, the gather of per-image rows by position and `per_class.json`.
 
-The protocols themselves are rebm.eval.counterfactual_grid and rebm.eval.counterfactual_original;
+The protocols themselves are rebm.eval.counterfactual.grid and rebm.eval.counterfactual.original;
 the registered metric is rebm.eval.counterfactuals.
 """
 
@@ -21,9 +21,9 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_attack
 from rebm.distributed import Runtime
-from rebm.eval.fid import FIDError, frechet_distance, load_reference
+from rebm.eval.features.fid import FIDError, frechet_distance, load_reference
 from rebm.eval.metric import to_pixels
-from rebm.eval.ood import gather_by_position
+from rebm.eval.metrics.ood_sets import gather_by_position
 
 LOGGER = logging.getLogger("rebm")
 # 8-bit counterfactuals as the original wrote them: torchvision's save_image rounds
@@ -38,7 +38,7 @@ class CounterfactualSettings:
 
     protocol: str = "original"
     # images explained, the first N of the split; None: original: every training image,
-    # grid: GRID_NUM_IMAGES test images (rebm.eval.counterfactual_grid)
+    # grid: GRID_NUM_IMAGES test images (rebm.eval.counterfactual.grid)
     num_images: Optional[int] = None
     num_targets: Optional[int] = None  # grid: None: every other class
     steps: int = 20

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Tuple
 
-from rebm.eval.table_spec import own_metrics, own_rows, row_configs
+from rebm.eval.registry import metric_classes
+from rebm.eval.table.spec import own_metrics, own_rows, row_configs
 
 EXIT_MISSING = 1  # --check found a missing file
 Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that read it
@@ -20,8 +21,6 @@ Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that rea
 def row_needs(spec, row, configs, checkpoints: str) -> Tuple[Needs, Dict[str, List[str]]]:
     """(needs, {problem: metrics}) of one row: its checkpoint and every file of its metrics
     (`Metric.files`), and what its metrics report this machine lacks (`Metric.problems`)."""
-    from rebm.eval.registry import metric_classes
-
     needs: Needs = {("checkpoint", os.path.join(checkpoints, row.checkpoint)): []}
     problems: Dict[str, List[str]] = {}
     for cls in metric_classes(spec.metrics):

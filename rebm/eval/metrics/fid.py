@@ -1,4 +1,5 @@
-"""FID of the generated samples (registered metric "fid"; the pieces are in fid.py and sweep.py).
+"""FID of the generated samples (registered metric "fid"; the pieces are in
+rebm/eval/features/fid.py and rebm/eval/sampling/sweep.py).
 
 Each generated chunk's features (pytorch-fid's Inception pool3 of the 8-bit samples, or the
 REBM_FID_FEATURES stand-in) go into float64 sums; `finish` all-reduces them and computes the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from rebm.eval.fid import (
+from rebm.eval.features.fid import (
     MomentSums,
     feature_network_name,
     fid_scorer,
@@ -23,8 +24,8 @@ from rebm.eval.fid import (
     weights_files,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import describe_samples, sample_files, sample_settings, seed_source
-from rebm.eval.sweep import sweep_candidates, sweep_steps
+from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings, seed_source
+from rebm.eval.sampling.sweep import sweep_candidates, sweep_steps
 
 
 class FID(Metric):

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from rebm.distributed.logs import progress_enabled
-from rebm.eval.accuracy import CorrectCount
 from rebm.eval.metric import EvalContext, TestBatch
+from rebm.eval.metrics.accuracy import CorrectCount
 from rebm.eval.test_set import describe_test_set, test_set_settings
 
 VERSION = "standard"

@@ -29,7 +29,12 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import yaml
+
+from rebm.config import ConfigError, load_config
 from rebm.errors import UserError
+from rebm.eval.metric import EvalError
+from rebm.eval.registry import did_you_mean, metric_classes, metric_names
 
 TABLE_KEYS = ("title", "metrics", "batch_size", "overrides", "metric_overrides", "columns",
               "rows", "notes")
@@ -92,8 +97,6 @@ class TableSpec:
         if metrics:
             unknown = [m for m in metrics if m not in self.metrics]
             if unknown:
-                from rebm.eval.registry import did_you_mean
-
                 raise TableError(f"{self.path}: --metrics '{unknown[0]}' is not a metric of this "
                                  f"table; its metrics: {', '.join(self.metrics)}."
                                  f"{did_you_mean(unknown[0], self.metrics)}")
@@ -148,8 +151,6 @@ def _metric_overrides(raw: Any, metrics: Sequence[str], path: str
     overrides = {m: _overrides(v, f"{path}: metric_overrides.{m}") for m, v in raw.items()}
     unused = [m for m in raw if m not in metrics]
     if unused:
-        from rebm.eval.registry import did_you_mean, metric_names
-
         unknown = [m for m in unused if m not in metric_names()]
         if unknown:
             raise TableError(f"{path}: metric_overrides names '{unknown[0]}', which is no metric."
@@ -162,8 +163,6 @@ def _metric_overrides(raw: Any, metrics: Sequence[str], path: str
 
 def read_mapping(path: str, what: str = "table file") -> Dict[str, Any]:
     """The YAML mapping in `path`; TableError (one line) when it cannot be read or is not one."""
-    import yaml
-
     try:
         with open(path) as fh:
             raw = yaml.safe_load(fh)
@@ -230,9 +229,6 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
 def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
     """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
     override or key stops the table at once, naming the table file and the row."""
-    from rebm.eval.metric import EvalError
-    from rebm.eval.registry import metric_classes
-
     try:
         metric_classes(spec.metrics)
     except EvalError as err:
@@ -254,8 +250,6 @@ def _row_config(spec, row: RowSpec, metric: str, overrides: Tuple[str, ...]):
     """The config of `row` for `metric`. A ConfigError names the row and the list of overrides
     that broke it (the table's, the row's, the metric's, in the table file), found by loading
     them one list more at a time: only when the whole fails, so a good table loads once."""
-    from rebm.config import ConfigError, load_config
-
     try:
         return load_config(row.config, overrides)
     except ConfigError as err:

@@ -12,22 +12,22 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
+from rebm.data.augmentations import build_augmentation
 from rebm.data.ood_sets import FixedImageSet
-from rebm.distributed import Runtime
+from rebm.data.pipeline import indist_source
+from rebm.distributed import Runtime, setup_logging
 from rebm.distributed.collectives import on_main
 from rebm.distributed.logs import progress
-from rebm.eval.counterfactual_attack import COUNTERFACTUAL_PIXELS
-from rebm.eval.fid import FIDError, feature_extractor, moments_statistics, to_8bit
-from rebm.eval.ood import chunk_loader
+from rebm.eval.counterfactual.attack import COUNTERFACTUAL_PIXELS
+from rebm.eval.features.fid import FIDError, feature_extractor, moments_statistics, to_8bit
+from rebm.eval.fid_stats import save_statistics
+from rebm.eval.metrics.ood_sets import chunk_loader
 
 LOGGER = logging.getLogger("rebm")
 
 
 def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
     """The in-distribution images of class `label` in `split`, un-augmented, in dataset order."""
-    from rebm.data.augmentations import build_augmentation
-    from rebm.data.pipeline import indist_source
-
     source = indist_source(cfg, split)
     indices = np.flatnonzero(source.labels(np.arange(len(source))).numpy() == label)
     transform = build_augmentation("test", cfg.data.image_size, source.full_images)
@@ -49,9 +49,6 @@ def class_statistics(images: FixedImageSet, runtime: Runtime, features, batch_si
 def run_class_stats(cfg, runtime: Runtime, args) -> Dict[int, Any]:
     """Writes args.class_stats.format(label=c) for every class c of args.split; {c: (path,
     images)}. Every rank must call this."""
-    from rebm.distributed import setup_logging
-    from rebm.eval.fid_stats import save_statistics
-
     setup_logging(runtime)
     if "{label}" not in args.class_stats:
         raise FIDError(f"--class-stats '{args.class_stats}' must contain {{label}} (one file "

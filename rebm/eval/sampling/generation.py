@@ -21,7 +21,7 @@ data.image_size / 32 and rounds it to the nearest odd size. The blur is a pure f
 image, so seeds stay a function of the sample index alone.
 
 Evaluation generates the samples in chunks of one evaluation batch, chunk k (samples
-[k·B, (k+1)·B)) on rank k % W, and hands each chunk to the metrics (rebm/eval/samples.py): a
+[k·B, (k+1)·B)) on rank k % W, and hands each chunk to the metrics (rebm/eval/sampling/samples.py): a
 sample's seed, label and batch neighbours depend on its index only, so the samples are the same
 on any world size, and no rank ever holds all of them.
 
@@ -40,10 +40,14 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor, nn
+from torchvision.utils import save_image
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
+from rebm.data.files import image_tensor_file, list_image_files
+from rebm.data.pipeline import indist_source
 from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.parallel import unwrap
@@ -64,8 +68,6 @@ _GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitte
 def fitted_gaussian(cfg) -> Tuple[Tensor, Tensor]:
     """(mean, Cholesky factor of the covariance) of the flattened in-distribution training
     images (the first GAUSSIAN_FIT_IMAGES of them), fitted once per dataset and size."""
-    from rebm.data.pipeline import indist_source
-
     key = (cfg.data.indist_dataset, cfg.data.indist_ds_dir, cfg.data.image_size)
     if key not in _GAUSSIANS:
         source = indist_source(cfg, "train")
@@ -153,8 +155,6 @@ class SeedFolder:
         return len(self.files)
 
     def _decode(self, path: str) -> Tensor:
-        from PIL import Image
-
         try:
             with Image.open(path) as img:
                 rgb = img.convert("RGB")
@@ -193,8 +193,6 @@ class SeedImages:
 
     def _open(self, path: str) -> None:
         # Imported here: the data module is heavy and only file/folder seeds need it.
-        from rebm.data.files import image_tensor_file, list_image_files
-
         if os.path.isdir(path):
             files = list_image_files(path)
             if not files:
@@ -343,8 +341,6 @@ def grid_path(run_dir: str, step: Optional[int] = None) -> str:
 
 def save_grid(images: Tensor, run_dir: str, num_classes: int, step: Optional[int] = None) -> str:
     """PNG grid under <run_dir>/samples/ with one column per class (rank 0 only calls this)."""
-    from torchvision.utils import save_image
-
     path = grid_path(run_dir, step)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # label i = i % num_classes, so num_classes images per row puts each class in one column

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torchvision.utils import save_image
 
 from rebm.data.ood_sets import FixedImageSet
 from rebm.distributed import Runtime
@@ -25,8 +26,7 @@ from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.accuracy import eval_mode
-from rebm.eval.counterfactual_attack import (
+from rebm.eval.counterfactual.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
@@ -34,8 +34,9 @@ from rebm.eval.counterfactual_attack import (
     stats_classes,
     write_per_class,
 )
-from rebm.eval.fid import feature_extractor, feature_statistics, load_reference
-from rebm.eval.ood import chunk_loader
+from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
+from rebm.eval.metrics.accuracy import eval_mode
+from rebm.eval.metrics.ood_sets import chunk_loader
 
 LOGGER = logging.getLogger("rebm")
 GRID_NUM_IMAGES = 10  # test images explained when eval.counterfactual_num_images is null
@@ -180,8 +181,6 @@ def _grid_tiles(source: Tensor, pixels: Tensor, label: int, targets: Tensor,
 
 def _write(folder: str, sources: FixedImageSet, pixels: Tensor, labels: Tensor,
            targets: Tensor, per_class: Dict[str, Any], num_classes: int) -> None:
-    from torchvision.utils import save_image
-
     os.makedirs(folder, exist_ok=True)
     for p in range(pixels.shape[0]):
         source = sources.images(np.array([p]))[0].float()

@@ -1,5 +1,5 @@
 """torch-fidelity's feature network for the Inception Score and precision/recall
-(rebm/eval/inception_score.py, precision_recall.py), offline.
+(rebm/eval/metrics/inception_score.py, precision_recall.py), offline.
 
 - The network is torch-fidelity's `inception-v3-compat` (`FeatureExtractorInceptionV3`: the
   TF-compatible resize to 299 and its 2048-d pool and 1008 logits). Its weights are the same
@@ -13,7 +13,7 @@
 
 Features are computed once per generated chunk for all metrics (`chunk_features`), on the
 8-bit samples (uint8, as torch-fidelity reads PNG files; the Inception Score's default protocol
-feeds its own PIL-resized copy instead, rebm/eval/inception_score.py). `FeatureRows` keeps a
+feeds its own PIL-resized copy instead, rebm/eval/metrics/inception_score.py). `FeatureRows` keeps a
 rank's rows by sample index and gathers them in index order; `text_order` is the order in which
 torch-fidelity reads the `keep_samples` folder (file names `<index>.png` sorted as text), so
 rows taken in that order give the numbers of `fidelity --input1 <that folder>`.
@@ -28,9 +28,14 @@ import torch
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max
-from rebm.eval.fid import FEATURES_ENV, env_features, inception_weights_path, offline_loader
-from rebm.eval.generation import gather_by_index
+from rebm.eval.features.fid import (
+    FEATURES_ENV,
+    env_features,
+    inception_weights_path,
+    offline_loader,
+)
 from rebm.eval.metric import SampleChunk
+from rebm.eval.sampling.generation import gather_by_index
 
 INCEPTION_NAME = "inception-v3-compat"
 STANDIN_NAME = "rebm-standin"

@@ -24,12 +24,13 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from rebm.distributed.collectives import decide_on_main, on_every_rank, on_main
-from rebm.eval.generation import gather_by_index, grid_path, save_grid
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import sample_files, sample_settings
+from rebm.eval.sampling.generation import gather_by_index, grid_path, save_grid
+from rebm.eval.sampling.samples import sample_files, sample_settings
 
 LOGGER = logging.getLogger("rebm")
 
@@ -42,8 +43,6 @@ def samples_folder(run_dir: str, step: Optional[int]) -> str:
 
 def write_pngs(pixels: Tensor, indices: Tensor, folder: str) -> None:
     """uint8 NCHW images as <folder>/<index>.png."""
-    from PIL import Image
-
     os.makedirs(folder, exist_ok=True)
     for index, image in zip(indices.tolist(), pixels.permute(0, 2, 3, 1).cpu().numpy(),
                             strict=True):

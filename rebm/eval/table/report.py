@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rebm.eval.table_spec import RowSpec, TableSpec
+from rebm.eval.table.spec import RowSpec, TableSpec
 
 Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
 

@@ -14,7 +14,7 @@ shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` 
 OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank k % W,
 and the scores are gathered by position, so every number is the same on any number of
 processes (bit for bit at the same number of threads per process). The loader and the padded
-gather of metric "ood" (rebm/eval/ood_metric.py) are here too.
+gather of metric "ood" (rebm/eval/metrics/ood_detection.py) are here too.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from torch.utils.data import DataLoader, Dataset
 from rebm.attacks.pgd import pgd_attack
 from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
-from rebm.data.pipeline import loader_workers
+from rebm.data.pipeline import load_outdist, loader_workers
 from rebm.data.sampling import eval_chunks, eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.accuracy import eval_mode
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
+from rebm.eval.metrics.accuracy import eval_mode
 from rebm.eval.test_set import test_set_settings
 
 SCORES = ("msp", "lse")
@@ -243,7 +243,7 @@ def _means(metrics: Dict[str, float]) -> Dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# The out-distribution of metric "ood" (rebm/eval/ood_metric.py)
+# The out-distribution of metric "ood" (rebm/eval/metrics/ood_detection.py)
 # --------------------------------------------------------------------------------------------
 def gather_scores(runtime: Runtime, local: Tensor) -> Tensor:
     """All ranks' scores on every rank (padded all-gather; order irrelevant for AUROC)."""
@@ -276,8 +276,6 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     """This rank's shard (indices rank, rank+W, ...) of the first `num_samples` images of the
     configured out-distribution (`data.outdist_dataset`), un-augmented, or of `dataset`."""
     if dataset is None:
-        from rebm.data.pipeline import load_outdist
-
         # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
         # original's OOD evaluation applies to every out-distribution
         dataset = load_outdist(cfg, augm="none")

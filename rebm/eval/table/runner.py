@@ -1,43 +1,43 @@
-"""One command per paper table: evaluate every row of a table YAML, then write table.md/.csv.
-
-    python -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR \\
-        [--rows NAME|GROUP ...] [--metrics NAME ...] [--out DIR] [--force] [--check]
-    torchrun --nproc_per_node=N -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR
-    python -m rebm.eval.table ORIGINAL/model_configs[/FILE.yaml] --checkpoints ORIGINAL \\
-        [--protocol TABLE]
-
-The rows run one after another in one process group (the table format: rebm/eval/table_spec.py).
-Each metric of a row is stored, as soon as it is computed, in `<out>/rows/<row>.json` under a
-hash of everything its value depends on (checkpoint and file contents, model and data settings,
-the metric's settings and protocol version: rebm/eval/table_cache.py), and skipped when the same
-command runs again: a killed or requeued job continues with the first metric not yet done;
-`--force` recomputes the selected ones. Test-set metrics run one by one; the sample metrics of a
-row share one generation pass. A row whose checkpoint is missing is one warning line naming the
-row and the expected path; the other rows still run, and the command exits non-zero at the end,
-naming the skipped rows. At the end rank 0 writes `<out>/table.md` and `<out>/table.csv` (mean ±
-std over each seed group; rebm/eval/table_report.py) from every cached result of the table, and
-files of the metrics (sample grids, counterfactual grids) go to `<out>/<row>/`. The evaluation
-batch is the table's `batch_size` on any number of processes, so the numbers do not depend on it.
-
-`--check` computes nothing and starts no process group: it loads every row's config as the run
-would, lists each file a row needs (checkpoint, and every file of its metrics, `Metric.files`) as
-present or missing, and exits non-zero if one is missing. An original model config (or a folder
-of them) in place of the table is evaluated with its dataset's protocol
-(rebm/eval/original_configs.py).
-"""
+"""The table runner's work: `TableRun` evaluates the selected rows and metrics of one table on
+every rank (each metric cached as soon as it is computed, rebm/eval/table/cache.py), through one
+Evaluator per row and model (rebm/eval/evaluator.py); `run` launches the tables' processes
+through the entry points' launch (rebm.cli.launch). The command: rebm/eval/table/command.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from rebm.cli import launch
+from rebm.distributed import setup_logging
+from rebm.distributed.collectives import decide_on_main, on_main
+from rebm.distributed.signals import (
+    Preempted,
+    exit_stopped,
+    stop_on_signal,
+    stop_point_all_ranks,
+)
 from rebm.errors import UserError
-from rebm.eval.table_spec import own_metrics, own_rows, row_configs
+from rebm.eval.evaluator import Evaluator, load_eval_model
+from rebm.eval.metric import SAMPLES, EvalError
+from rebm.eval.registry import metric_classes
+from rebm.eval.sampling.samples import sample_settings
+from rebm.eval.table.cache import (
+    FileHashes,
+    cached_results,
+    data_settings,
+    metric_key,
+    model_settings,
+    read_cache,
+    start_force,
+    store_result,
+    unfinished_force,
+)
+from rebm.eval.table.report import write_report
+from rebm.eval.table.spec import own_metrics, own_rows, row_configs
 
 LOGGER = logging.getLogger("rebm")
 
@@ -50,8 +50,6 @@ class TableRun:
     """The state of one run of a table on every rank (every rank calls every method)."""
 
     def __init__(self, spec, args, runtime, out: str):
-        from rebm.eval.table_cache import FileHashes
-
         self.spec, self.runtime, self.out = spec, runtime, out
         self.checkpoints, self.force = args.checkpoints, args.force
         self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
@@ -64,9 +62,6 @@ class TableRun:
 
     def keys(self, row, metrics) -> Optional[Dict[str, str]]:
         """{metric: cache key} of the row (rank 0; None when its checkpoint is missing)."""
-        from rebm.eval.registry import metric_classes
-        from rebm.eval.table_cache import metric_key
-
         path = os.path.join(self.checkpoints, row.checkpoint)
         if not os.path.isfile(path):
             return None
@@ -76,11 +71,6 @@ class TableRun:
                 for cls in metric_classes(metrics)}
 
     def run(self) -> Dict[str, Any]:
-        from rebm.distributed.collectives import decide_on_main, on_main
-        from rebm.distributed.signals import stop_point_all_ranks
-        from rebm.eval.metric import EvalError
-        from rebm.eval.table_report import write_report
-
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
             problems = self.evaluator(row, self.selected.metrics).problems()
             if problems:
@@ -102,9 +92,6 @@ class TableRun:
         return values
 
     def run_row(self, row, label: str) -> None:
-        from rebm.distributed.collectives import decide_on_main, on_main
-        from rebm.eval.table_cache import cached_results, read_cache, start_force
-
         def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str]]]:
             keys = self.keys(row, self.selected.metrics)
             return None if keys is None else (read_cache(self.out, row.name), keys)
@@ -137,8 +124,6 @@ class TableRun:
         """The selected metrics to compute: every one under --force; else those not cached
         under their current key and those an unfinished --force run had yet to recompute (their
         cached values predate it; one line names them)."""
-        from rebm.eval.table_cache import unfinished_force
-
         if self.force:
             return list(self.selected.metrics)
         forced, started = unfinished_force(cache)
@@ -152,10 +137,6 @@ class TableRun:
     def plan(self, row, pending: List[str]) -> List[List[str]]:
         """`pending` in the order they run: one list per model (metric_overrides may change the
         model settings), each its test-set metrics then its sample metrics, in registry order."""
-        from rebm.eval.metric import SAMPLES
-        from rebm.eval.registry import metric_classes
-        from rebm.eval.table_cache import model_settings
-
         by_model: Dict[str, List[str]] = {}
         ordered = metric_classes(pending)
         for cls in [c for c in ordered if c.source != SAMPLES] + [
@@ -168,8 +149,6 @@ class TableRun:
     def evaluator(self, row, names: List[str]):
         """The Evaluator of `names` (metrics of one model) of the row: each metric with its own
         config, files into <out>/<row>/."""
-        from rebm.eval.evaluator import Evaluator
-
         configs = self.configs[row.name]
         return Evaluator(configs[names[0]], self.runtime, names, batch_size=self.spec.batch_size,
                          run_dir=os.path.join(self.out, row.name), configs=configs)
@@ -178,10 +157,6 @@ class TableRun:
                     ) -> None:
         """Compute and store `names` (metrics of one model) of the row: the test-set metrics
         one by one, the sample metrics in one generation pass per set of samples they draw."""
-        from rebm.distributed.signals import stop_point_all_ranks
-        from rebm.eval.evaluator import load_eval_model
-        from rebm.eval.metric import SAMPLES
-
         model = load_eval_model(self.configs[row.name][names[0]], self.runtime)
         evaluator = self.evaluator(row, names)
         for cls in evaluator.classes:
@@ -203,9 +178,6 @@ class TableRun:
     def sample_passes(self, row, names: List[str]) -> List[List[str]]:
         """The row's sample metrics by the samples their configs draw (metric_overrides may
         make them differ): one generation pass each."""
-        from rebm.eval.samples import sample_settings
-        from rebm.eval.table_cache import data_settings
-
         passes: Dict[str, List[str]] = {}
         for name in names:
             cfg = self.configs[row.name][name]
@@ -216,10 +188,6 @@ class TableRun:
 
     def store(self, cache, row, metric: str, key: str, results, start: float, label: str
               ) -> None:
-        from rebm.distributed.collectives import on_main
-        from rebm.eval.registry import metric_classes
-        from rebm.eval.table_cache import store_result
-
         seconds = time.monotonic() - start
         cls = metric_classes([metric])[0]
         entry = {"key": key, "results": results, "seconds": round(seconds, 3),
@@ -246,8 +214,6 @@ class TableRun:
     def collect(self):
         """(values, missing) of every row of the table from the caches (rank 0): a row's
         values are its metrics computed under the current keys."""
-        from rebm.eval.table_cache import cached_results, read_cache, unfinished_force
-
         values: Dict[str, Dict[str, Any]] = {}
         missing: Dict[str, str] = {}
         for row in self.spec.rows:
@@ -269,25 +235,6 @@ class TableRun:
         return values, missing
 
 
-# --------------------------------------------------------------------------------------------
-# The entry point
-# --------------------------------------------------------------------------------------------
-def load_tables(path: str, protocol: Optional[str] = None) -> List[Any]:
-    """The tables of `path`: a table YAML, an original model config, or a folder of those."""
-    from rebm.eval.original_configs import is_original_config, original_tables
-    from rebm.eval.table_spec import TableError, read_mapping, table_from_mapping
-
-    if os.path.isdir(path):
-        return original_tables(path, protocol)
-    raw = read_mapping(path)
-    if is_original_config(raw):
-        return original_tables(path, protocol)
-    if protocol is not None:
-        raise TableError(f"--protocol goes with original model configs; {path} is a table "
-                         "(its own protocol)")
-    return [table_from_mapping(raw, path)]
-
-
 def out_dir(spec, args, count: int) -> str:
     """A table's output folder: --out (one table) or --out/<table> (several), default
     runs/tables/<table>."""
@@ -303,8 +250,6 @@ STOP_NOTICE = ("stopping at the next batch; every metric computed so far stays c
 def run_tables(specs, args, runtime) -> None:
     """Every rank: the tables one after another. A Ctrl-C or SIGTERM stops every rank at the
     next batch or metric, with one line naming what is finished."""
-    from rebm.distributed.signals import Preempted, exit_stopped
-
     skipped: List[str] = []
     for spec in specs:
         table = TableRun(spec, args, runtime, out_dir(spec, args, len(specs)))
@@ -328,93 +273,9 @@ def log_dir(specs, args) -> str:
 def run(specs, args) -> int:
     """Every process of the tables (under torchrun, every rank), through the entry points'
     launch (rebm.cli.launch): logs, the stop on a signal, the tables."""
-    from rebm.cli import launch
-
     def body(_cfg, runtime, _args) -> None:
-        from rebm.distributed import setup_logging
-        from rebm.distributed.signals import stop_on_signal
-
         setup_logging(runtime, log_dir(specs, args))
         with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
             run_tables(specs, args, stoppable)
 
     return launch(body, None, args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m rebm.eval.table", description=__doc__.splitlines()[0],
-        epilog="launch on N processes with: torchrun --nproc_per_node=N -m rebm.eval.table ...")
-    parser.add_argument("table", help="table YAML (experiments/paper/*.yaml), or an original "
-                        "model config (model_configs/*.yaml of the original code) or a folder "
-                        "of them")
-    parser.add_argument("--checkpoints", required=True, metavar="DIR",
-                        help="folder the rows' checkpoint paths are relative to")
-    parser.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (names or "
-                        "groups); the report still shows every cached row")
-    parser.add_argument("--metrics", nargs="+", metavar="METRIC", help="only these metrics")
-    parser.add_argument("--out", help="output folder (default runs/tables/<table name>)")
-    parser.add_argument("--force", action="store_true",
-                        help="recompute the selected metrics even when they are cached")
-    parser.add_argument("--check", action="store_true",
-                        help="compute nothing: load every row's config, list the files each "
-                        "row needs as present or missing, exit non-zero if one is missing")
-    parser.add_argument("--protocol", metavar="TABLE",
-                        help="original model configs: the table whose metrics, batch size and "
-                        "overrides they are evaluated with (default: the shipped paper table "
-                        "of their dataset)")
-    return parser
-
-
-def select_all(specs, args) -> List[Any]:
-    """The tables to run, narrowed by --rows and --metrics; a bad name is one line, at once.
-    With several tables (a folder of original configs) --rows first picks the tables that have
-    the rows, then a --metrics name must be a metric of one of those, and each table runs the
-    named metrics it has."""
-    from rebm.eval.table_spec import TableError
-
-    if len(specs) == 1:
-        specs[0].select(args.rows, args.metrics)
-        return specs
-    names = {n for s in specs for r in s.rows for n in (r.name, r.group)}
-    unknown = [r for r in args.rows or () if r not in names]
-    if unknown:
-        raise TableError(f"--rows '{unknown[0]}' is neither a row name nor a group of "
-                         f"{args.table}")
-    chosen = [s for s in specs if not args.rows or own_rows(s, args.rows)]
-    metrics = {m for s in chosen for m in s.metrics}
-    unknown = [m for m in args.metrics or () if m not in metrics]
-    if unknown:
-        from rebm.eval.registry import did_you_mean
-
-        raise TableError(f"--metrics '{unknown[0]}' is not a metric of the selected tables "
-                         f"({', '.join(s.stem for s in chosen)}); their metrics: "
-                         f"{', '.join(sorted(metrics))}.{did_you_mean(unknown[0], sorted(metrics))}")
-    if args.metrics:
-        chosen = [s for s in chosen if set(args.metrics) & set(s.metrics)]
-    return chosen
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    from rebm.cli import collector_paused, user_errors_exit
-    from rebm.eval.table_spec import TableError
-
-    args = build_parser().parse_args(argv)
-    with user_errors_exit(), collector_paused():  # loading configs imports torch
-        specs = load_tables(args.table, args.protocol)
-        specs = select_all(specs, args)
-        if os.environ.get("RANK", "0") == "0":
-            for notice in (n for s in specs for n in s.notices):
-                print(f"note: {notice}", file=sys.stderr, flush=True)
-        if args.check:
-            from rebm.eval.table_check import check
-
-            return check(specs, args)
-        if not os.path.isdir(args.checkpoints):
-            raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "
-                             "the folder the rows' checkpoint paths are relative to")
-    return run(specs, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from rebm.eval.table_spec import RowSpec, TableError, TableSpec, load_table, read_mapping
+from rebm.eval.metric import SAMPLES
+from rebm.eval.registry import metric_classes
+from rebm.eval.table.spec import RowSpec, TableError, TableSpec, load_table, read_mapping
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # eval_utils.py load_yaml_config requires method, dataset, checkpoint, model_type;
 # run_fid_eval.py load_fid_yaml_config adds fid_eval_config and fid_num_steps;
@@ -248,9 +250,6 @@ def _sample_sizes(protocol: TableSpec, templates: Sequence[Optional[FidTemplate]
     """metric_overrides that put the sample metrics at their FID template's size:
     run_fid_eval.py passes no image size, so every sample of an ImageNet model is 256 px (the
     templates' data.image_size), a 224 px model's included."""
-    from rebm.eval.metric import SAMPLES
-    from rebm.eval.registry import metric_classes
-
     sizes = {t.image_size for t in templates if t is not None and t.image_size}
     overrides = {m: tuple(protocol.metric_overrides.get(m, ())) for m in protocol.metrics}
     if len(sizes) == 1:

@@ -17,13 +17,18 @@ from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.metric import EvalContext, EvalError, Metric
+from rebm.eval.sampling.generation import (
+    NOISE_SEEDS,
+    SampleGenerator,
+    SeedImages,
+    sampling_mode,
+    seed_blur_kernel_size,
+)
 
 
 def seed_source(cfg, resources: Dict[str, Any]):
-    """The samples' seed images of `cfg` (rebm.eval.generation.SeedImages), opened once per
+    """The samples' seed images of `cfg` (rebm.eval.sampling.generation.SeedImages), opened once per
     Evaluator and kept in its `resources` (SeedImageError, one line, when unusable)."""
-    from rebm.eval.generation import SeedImages, seed_blur_kernel_size
-
     log, blur = cfg.image_log, seed_blur_kernel_size(cfg)
     key = f"seeds {log.seed_images} {cfg.data.image_size} {cfg.rand_seed} {blur}"
     if key not in resources:
@@ -39,8 +44,6 @@ def stream_samples(ctx: EvalContext, seeds, sinks: Sequence[Any], num_samples: i
     steps (default image_log.num_steps). Its only collectives are the stop points (a stop asked
     for ends it: rebm.distributed.signals); the sinks' `finish` combines the ranks. Every rank
     calls this."""
-    from rebm.eval.generation import SampleGenerator
-
     rt = ctx.runtime
     generate = SampleGenerator(ctx.model, ctx.cfg, rt, seeds, num_steps)
     chunks = eval_chunks(num_samples, ctx.batch_size, rt.rank, rt.world_size)
@@ -66,8 +69,6 @@ def run_sample_pass(ctx: EvalContext, seeds, metrics: List[Metric]) -> List[Dict
 
 def sample_settings(cfg) -> Dict[str, Any]:
     """How the samples are drawn and quantised (part of every sample metric's settings)."""
-    from rebm.eval.generation import sampling_mode, seed_blur_kernel_size
-
     log = cfg.image_log
     unconditional, why = sampling_mode(cfg)
     return {"num_samples": log.num_samples, "conditional": not unconditional,
@@ -84,8 +85,6 @@ def sample_settings(cfg) -> Dict[str, Any]:
 def sample_files(cfg) -> Dict[str, Optional[str]]:
     """The files the samples are generated from: the seed file or folder, and the dataset root
     that 'gaussian' seeds are fitted to."""
-    from rebm.eval.generation import NOISE_SEEDS
-
     seeds = cfg.image_log.seed_images
     if seeds == "gaussian":
         return {"data.indist_ds_dir": cfg.data.indist_ds_dir}

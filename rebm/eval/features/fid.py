@@ -10,7 +10,7 @@
 - Another feature network can stand in for Inception (tests, experiments without the weights):
   the environment variable `REBM_FID_FEATURES=module:function` names a callable float [0, 1]
   images (N, 3, H, W) -> (N, D) features; every process then uses it for the samples and for
-  `fid_stats` alike (and for IS and precision/recall, rebm/eval/fidelity.py). Its results are
+  `fid_stats` alike (and for IS and precision/recall, rebm/eval/features/fidelity.py). Its results are
   stored under `<key>_standin` (`standin_key`) and labelled as such. rebm ships one,
   `rebm.eval.standin:features` (rebm/eval/standin.py); statistics files rebm writes name their
   network (`features` in the .npz), and a run with another network refuses them.
@@ -19,7 +19,7 @@ Samples are quantised to 8 bits before the features, as if written to and read f
 (what the original DAT code fed pytorch-fid): by `eval.sample_pixels`, floor(255 x) by default,
 byte for byte the PNGs the original wrote with torchvision's `to_pil_image`
 (rebm.eval.metric.to_pixels), or rounded. The features are computed sharded, chunk by
-chunk as the samples are generated (rebm/eval/fid_metric.py; chunk k on rank k % W, so an
+chunk as the samples are generated (rebm/eval/metrics/fid.py; chunk k on rank k % W, so an
 image's features do not depend on the world size); only float64 sums of the features and of
 their outer products are kept (`MomentSums`), and all-reduced, so every rank gets the same mu and
 sigma.

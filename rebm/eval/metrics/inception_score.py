@@ -2,7 +2,7 @@
 
 Two protocols, by `eval.is_resize`:
 
-- "pil" (default), the original's path (its rebm/eval/inception_score.py, called by compute_fid
+- "pil" (default), the original's path (its rebm/eval/metrics/inception_score.py, called by compute_fid
   on the folder of sample PNGs): each 8-bit sample is resized to 299 x 299 by PIL's bilinear
   filter (what torchvision's `Resize((299, 299))` does to a PIL image; ToTensor and `x * 255 ->
   uint8` after it give back the same bytes), fed to torch-fidelity's `inception-v3-compat`
@@ -18,7 +18,7 @@ Two protocols, by `eval.is_resize`:
   reads the `keep_samples` folder: the value equals `fidelity --isc --input1 <that folder>`.
 
 Either way a rank keeps only its samples' logits (1008 floats a sample, or the stand-in's
-features, rebm/eval/fidelity.py), never the images; they are gathered in index order at the end.
+features, rebm/eval/features/fidelity.py), never the images; they are gathered in index order at the end.
 Stored as "inception_score" and "inception_score_std" (the std over the splits).
 """
 
@@ -28,10 +28,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
-from rebm.eval.fid import feature_problems, standin_key, weights_files
-from rebm.eval.fidelity import (
+from rebm.eval.features.fid import feature_problems, standin_key, weights_files
+from rebm.eval.features.fidelity import (
     FeatureRows,
     chunk_features,
     extract,
@@ -42,7 +43,7 @@ from rebm.eval.fidelity import (
     text_order,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.samples import describe_samples, sample_files, sample_settings
+from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings
 
 SPLITS = 10
 SHUFFLE_SEED = 2020  # torch-fidelity's default rng_seed (is_resize: fidelity)
@@ -52,8 +53,6 @@ INCEPTION_SIZE = 299
 def pil_resize(pixels: Tensor, size: int = INCEPTION_SIZE) -> Tensor:
     """uint8 (N, 3, H, W) images resized to size x size by PIL's bilinear filter, uint8, on the
     CPU: what torchvision's Resize((size, size)) does to a PIL image of each."""
-    from PIL import Image
-
     rows = pixels.permute(0, 2, 3, 1).cpu().numpy()
     resized = [np.asarray(Image.fromarray(row).resize((size, size), Image.BILINEAR))
                for row in rows]

@@ -15,9 +15,9 @@ import math
 from typing import Dict, List, Tuple
 
 from rebm.distributed import broadcast_object
-from rebm.eval.fid import FIDScorer, MomentSums
+from rebm.eval.features.fid import FIDScorer, MomentSums
 from rebm.eval.metric import EvalContext
-from rebm.eval.samples import stream_samples
+from rebm.eval.sampling.samples import stream_samples
 
 LOGGER = logging.getLogger("rebm")
 

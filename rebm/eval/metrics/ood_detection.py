@@ -1,7 +1,7 @@
 """OOD-detection AUROC against `data.outdist_dataset` (registered metric "ood"), on the test pass.
 
 In-distribution scores come from the shared test pass (the clean logits of each batch); the
-out-distribution's first `n_test` images are scored in `finish` (rebm/eval/ood.py: the loader,
+out-distribution's first `n_test` images are scored in `finish` (rebm/eval/metrics/ood_sets.py: the loader,
 the scores, the padded gather). The score is logsumexp of the logits for energy models
 (`logsumexp: true`), else the max softmax.
 """
@@ -17,7 +17,7 @@ from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
-from rebm.eval.ood import build_ood_data, gather_scores, ood_score
+from rebm.eval.metrics.ood_sets import build_ood_data, gather_scores, ood_score
 from rebm.eval.test_set import describe_test_set, test_set_settings
 
 PROCEDURAL_OUTDISTS = ("noise", "uniform-noise", "lowfreq-noise")  # rebm.data.pipeline.outdist_source

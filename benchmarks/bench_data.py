@@ -195,7 +195,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm import distributed as rd
     from rebm.config import load_config
     from rebm.distributed.precision import Precision
-    from rebm.engine.build import get_model, get_optimizer
+    from rebm.engine.build import build_model_all_ranks, get_optimizer
     from rebm.methods.dat.step import DAT
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
     from tests.steps import dat_update
@@ -212,7 +212,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
         f"batch_size={batch}", "model.ckpt_path=null", "openimages_max_samples=null"])
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    model, raw = get_model(cfg, runtime)
+    model, raw = build_model_all_ranks(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
     data = iter(build_train_data(cfg, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]

@@ -21,7 +21,7 @@ from rebm.checkpoint.weights import (
 from rebm.config import TrainConfig
 from rebm.distributed import barrier, setup_distributed, teardown
 from rebm.distributed.parallel import unwrap
-from rebm.engine.build import get_model
+from rebm.engine.build import build_model_all_ranks
 from rebm.models import build_model
 from tests.processes import spawn_ranks
 
@@ -132,11 +132,11 @@ def _ddp_worker(root, paths):
             load_checkpoint(model, path)
             with torch.no_grad():
                 assert torch.equal(model.eval()(ref["x"]), ref["out"]), path
-        # The training entry point's path: get_model loads before wrapping in DDP.
+        # The training entry point's path: build_model_all_ranks loads before wrapping in DDP.
         cfg = TrainConfig()
         cfg.model.model_type = ARCH
         cfg.model.ckpt_path = ddp_path
-        wrapped, raw = get_model(cfg, runtime)
+        wrapped, raw = build_model_all_ranks(cfg, runtime)
         assert isinstance(wrapped, DDP) and unwrap(wrapped) is raw
         expected = torch.load(paths["plain"], weights_only=True)
         assert all(torch.equal(v, expected[k]) for k, v in raw.state_dict().items())

@@ -14,7 +14,7 @@ from rebm.config import ConfigError, load_config, plan_batches
 from rebm.data import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
-from rebm.engine.build import get_model as rebm_get_model
+from rebm.engine.build import build_model_all_ranks
 from rebm.engine.build import get_optimizer as rebm_get_optimizer
 from rebm.eval.sampling.generation import SeedImages, blur_kernel_size, gaussian_blur
 from rebm.methods.dat import DAT, ebm_loss
@@ -175,7 +175,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     runtime = Runtime()
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    wrapped, raw = rebm_get_model(cfg, runtime)
+    wrapped, raw = build_model_all_ranks(cfg, runtime)
     optimizer = rebm_get_optimizer(cfg, raw.parameters())
     batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
     result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),

@@ -11,7 +11,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed.parallel import attack_view
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
-from rebm.engine.build import get_model, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.methods.dat import step as step_module
 from rebm.methods.dat.step import DAT
 from tests.steps import dat_update
@@ -26,7 +26,7 @@ def _step(cfg, runtime, monkeypatch=None):
     """One DAT step from the same weights and batch; returns (result, modules the attacks ran
     on, updated parameters)."""
     torch.manual_seed(0)
-    model, raw = get_model(cfg, runtime)
+    model, raw = build_model_all_ranks(cfg, runtime)
     plan = plan_batches(cfg, 1)
     batches = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
     attacked = []
@@ -71,7 +71,7 @@ def test_every_gpu_does_attack_work():
     the same attack on one GPU with the whole batch."""
     cfg = load_config(CONFIG, ["batch_size=256", "attack.start_step=10", "device=cuda",
                                "use_ddp=false"])
-    model, _ = get_model(cfg, Runtime(device=torch.device("cuda", 0), data_parallel=True))
+    model, _ = build_model_all_ranks(cfg, Runtime(device=torch.device("cuda", 0), data_parallel=True))
     x = torch.rand(256, 3, 32, 32, device="cuda:0")
     y = torch.randint(0, 10, (256,), device="cuda:0")
 

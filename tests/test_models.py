@@ -14,7 +14,7 @@ from rebm.checkpoint.weights import save_model
 from rebm.config import TrainConfig
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import unwrap
-from rebm.engine.build import get_model, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.models import MODEL_NAMES, build_model, dataset_stats
 from rebm.models.base import Classifier
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD
@@ -195,19 +195,19 @@ def _cfg(**model_fields):
     return cfg
 
 
-def test_get_model_loads_ckpt_single_process(tmp_path):
+def test_build_model_loads_ckpt_single_process(tmp_path):
     torch.manual_seed(0)
     source = _randomise_bn(build_model("WideResNet10x1", 10)).eval()
     save_model(nn.DataParallel(source), tmp_path / "m.pth")
-    wrapped, raw = get_model(_cfg(ckpt_path=str(tmp_path / "m.pth"), channels_last=True), Runtime())
+    wrapped, raw = build_model_all_ranks(_cfg(ckpt_path=str(tmp_path / "m.pth"), channels_last=True), Runtime())
     assert wrapped is raw and isinstance(raw, nn.Module)
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     x = torch.rand(2, 3, 32, 32)
     torch.testing.assert_close(raw.eval()(x), source(x))
 
 
-def test_get_model_data_parallel():
-    wrapped, raw = get_model(_cfg(), Runtime(data_parallel=True))
+def test_build_model_data_parallel():
+    wrapped, raw = build_model_all_ranks(_cfg(), Runtime(data_parallel=True))
     assert isinstance(wrapped, nn.DataParallel) and unwrap(wrapped) is raw
 
 

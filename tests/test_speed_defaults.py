@@ -15,7 +15,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
-from rebm.engine.build import get_model, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.methods.dat.step import DAT
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update
@@ -40,7 +40,7 @@ def test_default_is_channels_last_on_cpu(caplog):
     assert cfg.model.channels_last == "auto"
     torch.manual_seed(0)
     with caplog.at_level("INFO", logger="rebm"):
-        model, raw = get_model(cfg, Runtime())
+        model, raw = build_model_all_ranks(cfg, Runtime())
     convs = [m for m in raw.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last)
                          for c in convs)
@@ -83,7 +83,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
         "batch_size=8", "attack.start_step=1", "indist_attack_clf.max_steps=1"])
     runtime, plan = Runtime(), plan_batches(cfg, 1)
     torch.manual_seed(0)
-    _, raw = get_model(cfg, runtime)
+    _, raw = build_model_all_ranks(cfg, runtime)
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
     optimizer = get_optimizer(cfg, raw.parameters())

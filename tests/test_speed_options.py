@@ -20,7 +20,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.distributed.precision import Precision
-from rebm.engine.build import get_model, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.methods.dat.objective import dat_loss
 from rebm.methods.dat.step import DAT
 from rebm.models import build_model
@@ -89,7 +89,7 @@ def test_dat_step_runs_under_each_precision(amp):
     runtime = Runtime()
     plan = plan_batches(cfg, 1)
     torch.manual_seed(0)
-    model, raw = get_model(cfg, runtime)
+    model, raw = build_model_all_ranks(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
@@ -128,7 +128,7 @@ def test_channels_last_model_gives_the_same_outputs():
 def test_channels_last_config_and_checkpoint_round_trip(tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.channels_last=true"])
     torch.manual_seed(0)
-    model, raw = get_model(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg, Runtime())
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     path = tmp_path / "cl.pth"
     torch.save(raw.state_dict(), path)
@@ -159,10 +159,10 @@ def test_compiled_state_dict_loads_into_uncompiled_model(tmp_path):
         assert torch.equal(fresh(x), model(x))
 
 
-def test_get_model_with_compile_keeps_raw_module_uncompiled():
+def test_build_model_with_compile_keeps_raw_module_uncompiled():
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.compile=true"])
     torch.manual_seed(0)
-    model, raw = get_model(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg, Runtime())
     assert model is not raw and unwrap(model) is raw
     # Optimizer, EMA and checkpoints use `raw`: plain names, shared parameters.
     assert not any(k.startswith("_orig_mod.") for k in raw.state_dict())
@@ -177,7 +177,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml",
                       ["model.compile=true", f"run_dir={tmp_path}"])
     torch.manual_seed(0)
-    model, raw = get_model(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg, Runtime())
     assert strip_parallel(model) is model and strip_parallel(torch.nn.DataParallel(model)) is model
     attacked = []
 

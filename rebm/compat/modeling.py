@@ -11,7 +11,7 @@ The original's call forms (rebm/training/modeling.py of xuwangyin/DAT) work unch
 
 These are the original's signatures only, for scripts written against it; rebm's own code
 builds models through the registry (`rebm.models.model_from_config`) and the engine
-(`rebm.engine.build.get_model(cfg, runtime) -> (wrapped, raw)`, `get_optimizer(cfg, params)`).
+(`rebm.engine.build.build_model_all_ranks(cfg, runtime) -> (wrapped, raw)`, `get_optimizer(cfg, params)`).
 In the layers (pyproject.toml) it sits above rebm.checkpoint, whose loader it calls.
 """
 

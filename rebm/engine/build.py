@@ -25,8 +25,8 @@ from rebm.models import model_from_config
 LOGGER = logging.getLogger("rebm")
 
 
-def get_model(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
-              ) -> Tuple[nn.Module, nn.Module]:
+def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
+                          ) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
 
     load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the

@@ -23,7 +23,7 @@ from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import has_sync_batchnorm
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
-from rebm.engine.build import get_compile_cache, get_model, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_compile_cache, get_optimizer
 from rebm.engine.ema import build_ema
 from rebm.engine.metrics import MetricsWindow
 from rebm.methods.base import Method
@@ -125,7 +125,7 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
-    model, raw_model = get_model(cfg, runtime, load_pretrained=load_pretrained)
+    model, raw_model = build_model_all_ranks(cfg, runtime, load_pretrained=load_pretrained)
     optimizer = get_optimizer(cfg, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),

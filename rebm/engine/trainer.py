@@ -113,9 +113,6 @@ class Trainer:
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
-        if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
-            raise ConfigError(f"'max_grad_norm' must be > 0 (or null: no clipping), got "
-                              f"{cfg.max_grad_norm}")
         method = make_method(cfg)
         self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
         self._start_logging_all_ranks(method)

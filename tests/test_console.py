@@ -38,10 +38,10 @@ def test_an_error_on_every_rank_is_in_its_log_file(tmp_path):
         import sys
         from rebm.methods.dat import step
 
-        def broken(self, ctx, micro_batches, log_now):
+        def broken(self, ctx, batch, index, log_now):
             raise RuntimeError("injected failure in the step")
 
-        step.DAT.step = broken
+        step.DAT.micro_loss = broken
         from rebm.training.train import main
         sys.exit(main())
     """))

@@ -1,6 +1,6 @@
 """Training-speed benchmark sections (one section per process; `benchmarks/run_all.py` runs them
 all and prints the table). Every figure times the functions the training loop itself calls
-(`Parts.train_step`, `DAT.step`, `pgd_from_config`, `dat_loss`, `Precision`, `ema.update`,
+(`Trainer.train_step_all_ranks`, `DAT.micro_loss`, `pgd_from_config`, `dat_loss`, `Precision`, `ema.update`,
 `DAT.after_step` (global AUCs + curriculum), `consensus`, `log_metrics`, `save_training_state`,
 `Parts.load_state_dict`, `build_train_data`, `Evaluator.evaluate_all_ranks`) with the thread count set
 explicitly.

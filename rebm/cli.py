@@ -113,17 +113,6 @@ def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
     return lines
 
 
-def flat_values(tree: dict, prefix: str = "") -> dict:
-    """{dotted key: value} of the leaves of nested dicts."""
-    flat = {}
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flat_values(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
-
-
 def config_summary(cfg: TrainConfig) -> str:
     """--check's view of a config: the keys its file and command line set, and the values that
     differ from the schema's defaults without being set (a dataset's image size, a model's
@@ -131,8 +120,9 @@ def config_summary(cfg: TrainConfig) -> str:
     from omegaconf import OmegaConf
 
     from rebm.config import explicit_keys, to_dict
+    from rebm.config.identity import flatten
 
-    values, defaults = flat_values(to_dict(cfg)), flat_values(to_dict(TrainConfig()))
+    values, defaults = flatten(to_dict(cfg)), flatten(to_dict(TrainConfig()))
     explicit = set(explicit_keys(cfg))
     shown: dict = {}
     for key, value in values.items():
@@ -141,7 +131,7 @@ def config_summary(cfg: TrainConfig) -> str:
             for part in key.split(".")[:-1]:
                 node = node.setdefault(part, {})
             node[key.split(".")[-1]] = value
-    rest = len(values) - len(flat_values(shown))
+    rest = len(values) - len(flatten(shown))
     return (OmegaConf.to_yaml(OmegaConf.create(shown))
             + f"# {rest} more keys at their defaults (--check --all prints every key)\n")
 

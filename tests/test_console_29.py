@@ -181,8 +181,8 @@ def run_check(*argv):
 def test_check_shows_what_the_user_set_and_what_differs_and_all_shows_every_key(tmp_path):
     import yaml
 
-    from rebm.cli import flat_values
     from rebm.config import to_dict
+    from rebm.config.identity import flatten as flat_values
 
     shipped = (REPO / "experiments/imagenet/dat_wrn50x4_256px_ddp.yaml").read_text()
     config = tmp_path / "no_image_size.yaml"  # the ImageNet default (256) fills it in

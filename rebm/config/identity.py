@@ -31,11 +31,12 @@ RUN_KEYS = (
 )
 
 
-def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{dotted key: value} of the leaves of nested dicts (a config as to_dict gives it)."""
     out: Dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -49,7 +50,7 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """'key: saved -> current' for every training key whose value differs between two config
     dicts (keys one of them lacks, e.g. fields added since, are not compared)."""
     legacy = legacy_keys(TrainConfig)
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys())
             if _is_training_key(key, legacy) and old[key] != new[key]]
 
@@ -69,7 +70,7 @@ def default_run_dir(config_path: Optional[str], overrides: Sequence[str],
     given = {canonical_key(key): value for key, value in (o.split("=", 1) for o in overrides)}
     keys = sorted(k for k in given if _is_training_key(k, legacy))
     if keys:
-        values = _flatten(to_dict(cfg)) if cfg is not None else {}
+        values = flatten(to_dict(cfg)) if cfg is not None else {}
         text = "\n".join(f"{k}={values.get(k, given[k])!r}" for k in keys)
         name += "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return os.path.join("runs", name)

@@ -116,10 +116,12 @@ def outdist_source(cfg: TrainConfig, length: Optional[int] = None) -> ImageSourc
     return OUTDIST_DATASETS.get(cfg.data.outdist_dataset).loader(cfg, length)
 
 
-def load_indist(cfg: TrainConfig, split: str, augm: str = "test") -> ImageDataset:
+def load_indist(cfg: TrainConfig, split: str, augm: str = "test",
+                source: Optional[ImageSource] = None) -> ImageDataset:
     """Dataset of (float [0, 1] CHW image, label) with augmentation `augm` (a name of
-    augmentations.py), drawn from the ambient RNG."""
-    source = indist_source(cfg, split)
+    augmentations.py), drawn from the ambient RNG; `source`: the split's images if the caller
+    has them already (indist_source)."""
+    source = source if source is not None else indist_source(cfg, split)
     transform = build_augmentation(augm, cfg.data.image_size, source.full_images)
     return ImageDataset(source, transform)
 
@@ -351,11 +353,13 @@ class ShardSampler(Sampler):
 
 
 def build_eval_data(cfg: TrainConfig, runtime: Runtime, batch_size: int,
-                    split: str = "test", indices: Optional[Sequence[int]] = None) -> DataLoader:
+                    split: str = "test", indices: Optional[Sequence[int]] = None,
+                    source: Optional[ImageSource] = None) -> DataLoader:
     """This rank's shard of the in-distribution `split`, un-augmented, as (x, y, index) batches
     of up to `batch_size` (per rank). `indices`: this rank's dataset indices, in order (the
-    evaluation chooses them); default rank, rank+W, ..."""
-    dataset = _IndexedDataset(load_indist(cfg, split, "test"))
+    evaluation chooses them); default rank, rank+W, ... `source`: the split's images, if the
+    caller loaded them already."""
+    dataset = _IndexedDataset(load_indist(cfg, split, "test", source))
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -225,3 +225,23 @@ def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]) -> Itera
             "(stopped, hung or too slow; see its log in <run_dir>/logs). Raise ddp_step_timeout_s "
             "if steps are legitimately slower."
         ) from err
+
+
+def all_gather_by_index(runtime: Runtime, values: torch.Tensor, indices: torch.Tensor,
+                        total: int) -> torch.Tensor:
+    """Every rank's rows put at their indices of [0, total), on every rank (row j of this rank
+    goes to indices[j]); positions no rank filled are zero. all_gather needs equal shapes: each
+    rank pads to the longest rank's row count with index -1, dropped after the gather. For
+    small sets (a sample grid, feature rows, scores). Every rank must call this."""
+    longest = int(all_reduce_max(runtime, torch.tensor([values.shape[0]],
+                                                       device=values.device)))
+    pad = longest - values.shape[0]
+    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
+    indices = torch.cat([indices.to(values.device), indices.new_full((pad,), -1).to(values.device)])
+    all_values = all_gather_cat(runtime, values)
+    all_indices = all_gather_cat(runtime, indices)
+    keep = all_indices >= 0
+    out = values.new_zeros((total, *values.shape[1:]))
+    out[all_indices[keep]] = all_values[keep]
+    return out
+

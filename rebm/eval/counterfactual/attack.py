@@ -21,9 +21,9 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_attack
 from rebm.distributed import Runtime
+from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import FIDError, frechet_distance, load_reference
 from rebm.eval.metric import to_pixels
-from rebm.eval.metrics.ood_sets import gather_by_position
 
 LOGGER = logging.getLogger("rebm")
 # 8-bit counterfactuals as the original wrote them: torchvision's save_image rounds
@@ -87,7 +87,7 @@ def gather_parts(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int, s
     empty = torch.zeros((0, *shape[1:]), dtype=shape[0], device=runtime.device)
     positions = torch.cat([p for p, _ in parts] or [empty.new_zeros(0, dtype=torch.int64)])
     rows = torch.cat([r for _, r in parts] or [empty])
-    return gather_by_position(runtime, rows, positions, n).cpu()
+    return all_gather_by_index(runtime, rows, positions, n).cpu()
 
 
 def write_per_class(folder: str, per_class: Dict[str, Dict[int, Any]]) -> None:

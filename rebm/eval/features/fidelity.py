@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max
+from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import (
     FEATURES_ENV,
     env_features,
@@ -35,7 +36,6 @@ from rebm.eval.features.fid import (
     offline_loader,
 )
 from rebm.eval.metric import SampleChunk
-from rebm.eval.sampling.generation import gather_by_index
 
 INCEPTION_NAME = "inception-v3-compat"
 STANDIN_NAME = "rebm-standin"
@@ -165,4 +165,4 @@ class FeatureRows:
         rows = torch.zeros(0, dims, dtype=dtype) if mine is None else mine.to(dtype)
         idx = torch.cat(self.indices) if self.indices else torch.zeros(0, dtype=torch.int64)
         device = runtime.device
-        return gather_by_index(runtime, rows.to(device), idx.to(device), total).cpu()
+        return all_gather_by_index(runtime, rows.to(device), idx.to(device), total).cpu()

@@ -34,6 +34,7 @@ from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import load_outdist, loader_workers
 from rebm.data.sampling import eval_chunks, eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
+from rebm.distributed.collectives import all_gather_by_index
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
@@ -159,23 +160,7 @@ def chunk_scores(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime,
     empty = torch.zeros(0, dtype=torch.float64, device=runtime.device)
     mine = torch.cat(values) if values else empty
     where = torch.cat(positions) if positions else empty.long()
-    return gather_by_position(runtime, mine, where, n)
-
-
-def gather_by_position(runtime: Runtime, values: Tensor, positions: Tensor, n: int) -> Tensor:
-    """Every rank's rows (k, ...) put at their positions of [0, n), on every rank: padded to
-    the longest rank's count for the all-gather, padding (position -1) dropped."""
-    longest = int(all_reduce_max(runtime, torch.tensor([values.shape[0]],
-                                                       device=values.device)))
-    pad = longest - values.shape[0]
-    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
-    positions = torch.cat([positions, positions.new_full((pad,), -1)])
-    all_values = all_gather_cat(runtime, values)
-    all_positions = all_gather_cat(runtime, positions)
-    keep = all_positions >= 0
-    out = values.new_zeros((n, *values.shape[1:]))
-    out[all_positions[keep]] = all_values[keep]
-    return out
+    return all_gather_by_index(runtime, mine, where, n)
 
 
 def detection_metrics(in_scores: Tensor, ood_scores: Tensor, prefix: str) -> Dict[str, float]:

@@ -27,9 +27,14 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rebm.distributed.collectives import decide_on_main, on_every_rank, on_main
+from rebm.distributed.collectives import (
+    all_gather_by_index,
+    decide_on_main,
+    on_every_rank,
+    on_main,
+)
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.sampling.generation import gather_by_index, grid_path, save_grid
+from rebm.eval.sampling.generation import grid_path, save_grid
 from rebm.eval.sampling.samples import sample_files, sample_settings
 
 LOGGER = logging.getLogger("rebm")
@@ -90,7 +95,7 @@ class SampleGrid(SampleFileMetric):
                 else torch.zeros(0, 3, size, size))
         idx = torch.cat(self.indices) if self.indices else torch.zeros(0, dtype=torch.int64)
         device = ctx.runtime.device  # the gather runs on the communication device
-        grid = gather_by_index(ctx.runtime, mine.to(device), idx.to(device), self.total)
+        grid = all_gather_by_index(ctx.runtime, mine.to(device), idx.to(device), self.total)
 
         def write() -> None:
             path = save_grid(grid, ctx.run_dir, ctx.cfg.data.num_classes, ctx.step)

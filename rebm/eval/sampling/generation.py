@@ -49,7 +49,7 @@ from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
 from rebm.data.files import image_tensor_file, list_image_files
 from rebm.data.pipeline import indist_source
 from rebm.data.sampling import sample_keys
-from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
+from rebm.distributed import Runtime
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 from rebm.eval.metric import SampleChunk
@@ -249,24 +249,6 @@ class SeedImages:
 
 def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
     return indices.to(torch.int64) % num_classes
-
-
-def gather_by_index(runtime: Runtime, values: Tensor, indices: Tensor, total: int) -> Tensor:
-    """All-gather per-rank rows and put row j at position indices[j] (every rank gets all).
-
-    all_gather needs equal shapes: each rank pads to the largest rank's row count with index
-    -1, and padded rows are dropped after the gather. For small sets (the grid, feature rows).
-    """
-    longest = int(all_reduce_max(runtime, torch.tensor([values.shape[0]], device=values.device)))
-    pad = longest - values.shape[0]
-    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
-    indices = torch.cat([indices, indices.new_full((pad,), -1)])
-    all_values = all_gather_cat(runtime, values)
-    all_indices = all_gather_cat(runtime, indices.to(values.device))
-    keep = all_indices >= 0
-    out = values.new_empty((total, *values.shape[1:]))
-    out[all_indices[keep]] = all_values[keep]
-    return out
 
 
 _NOTICES: set = set()  # sampling notices already logged by this process

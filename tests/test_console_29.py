@@ -17,6 +17,7 @@ from tests.processes import popen
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_the_resume_hint_of_a_default_run_dir_is_the_plain_command(tmp_path):
     """Stopped by Ctrl-C in its default run_dir, the run says only to run the same command (a
     run_dir the user chose is named: tests/test_resume.py)."""

@@ -16,7 +16,7 @@ from rebm.models import model_from_config
 from tests.helpers import CONFIG, REPO, base_env, finish, rebm_traceback_lines, torchrun_cmd
 from tests.processes import popen
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # torchrun jobs
 
 
 def wait_for(log: Path, marker: str, proc, timeout: float = 180) -> None:

@@ -283,6 +283,7 @@ def test_shipped_paper_tables_load_with_every_row_config(name):
         assert len({r.group for r in spec.rows}) < len(spec.rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ctrl_c_under_torchrun_stops_with_one_line_and_the_rerun_continues(tiny):
     """Ctrl-C to torchrun and both ranks once the first metric is stored: the job says once what

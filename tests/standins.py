@@ -66,3 +66,16 @@ def generate_samples(model: torch.nn.Module, cfg, runtime=None, num_samples=None
     size = cfg.data.image_size
     return (torch.cat(images) if images else torch.zeros(0, 3, size, size),
             balanced_labels(torch.arange(n), cfg.data.num_classes))
+
+
+def register_standin() -> str:
+    """Register rebm's stand-in with torch-fidelity, so a test can call the library itself with
+    the same features rebm computes; returns its name."""
+    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
+
+    from rebm.eval.features.fidelity import STANDIN_NAME, _standin_class
+
+    if STANDIN_NAME not in FEATURE_EXTRACTORS_REGISTRY:
+        register_feature_extractor(STANDIN_NAME, _standin_class())
+    return STANDIN_NAME
+

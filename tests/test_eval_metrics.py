@@ -206,7 +206,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
 def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monkeypatch):
     """The real entry point on 2 ranks with the stand-in, then torch-fidelity itself (with the
     same stand-in registered as its feature extractor) on the PNGs keep_samples wrote."""
-    from rebm.eval.features.fidelity import register_standin
+    from tests.standins import register_standin
 
     args = [str(data / "config.yaml"), *_overrides(data),
             "keep_samples=true", "robust_eval=false", "per_device_eval_batch_size=4",

@@ -350,9 +350,9 @@ class _Images(torch.utils.data.Dataset):
 def test_pr_reference_npz_is_read_and_checked(data, tmp_path, monkeypatch):
     import torch_fidelity
 
-    from rebm.eval.features.fidelity import register_standin
     from rebm.eval.metric import EvalError
     from rebm.eval.metrics.precision_recall import PrecisionRecall, open_reference_batch
+    from tests.standins import register_standin
 
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
     images = np.random.default_rng(0).integers(0, 256, (9, 16, 16, 3), dtype=np.uint8)

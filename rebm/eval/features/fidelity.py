@@ -85,16 +85,6 @@ def _standin_class():
     return StandInExtractor
 
 
-def register_standin() -> str:
-    """Register the stand-in with torch-fidelity (to call the library directly with it);
-    returns its name."""
-    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
-
-    if STANDIN_NAME not in FEATURE_EXTRACTORS_REGISTRY:
-        register_feature_extractor(STANDIN_NAME, _standin_class())
-    return STANDIN_NAME
-
-
 def build_extractor(weights, device):
     """torch-fidelity's Inception from the local weights file (FIDError when missing), or the
     stand-in; in eval mode on `device`."""

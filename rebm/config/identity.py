@@ -27,6 +27,7 @@ RUN_KEYS = (
     "n_imgs_per_ckpt_save", "robust_eval", "robust_eval_steps", "track_r1", "keep_samples",
     "data.num_workers", "data.download", "data.indist_ds_dir", "data.outdist_std_dir",
     "model.ckpt_path", "model.trust_checkpoint", "model.compile", "model.channels_last",
+    "fuse_attacks",
     "image_log", "eval",
 )
 

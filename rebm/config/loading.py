@@ -195,9 +195,10 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     check_refused(cfg, source)
     _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
     _validate_family_options(cfg, source)
-    if cfg.model.channels_last not in (True, False, "auto"):
-        raise ConfigError(f"{source}: 'model.channels_last: {cfg.model.channels_last}' is not valid;"
-                          " use true, false or auto")
+    for key, value in (("model.channels_last", cfg.model.channels_last),
+                       ("model.compile", cfg.model.compile), ("fuse_attacks", cfg.fuse_attacks)):
+        if value not in (True, False, "auto"):
+            raise ConfigError(f"{source}: '{key}: {value}' is not valid; use true, false or auto")
     for name in ("attack", "indist_attack_clf"):
         attack: AttackConfig = getattr(cfg, name)
         _check_choice(attack.attack_type, ATTACK_TYPES, f"{name}.attack_type", source)

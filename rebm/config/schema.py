@@ -110,7 +110,7 @@ class ModelConfig(LegacyModelFields, Frozen):
     use_convstem: bool = False  # ConvNeXt: the convolutional stem of Singh et al. instead of timm's patch stem (their robust checkpoints need it); unset: true for ConvNeXt, the original's default
     use_layernorm: bool = True  # ConvNeXt: the original's switch; LayerNorm is the same in train and eval mode, so it changes nothing
     channels_last: Union[bool, str] = "auto"  # channels_last memory format: true, false or auto (on for CPU and for CUDA with amp bf16/fp16; see docs/performance.md)
-    compile: bool = False  # torch.compile the model (before DDP wrapping)
+    compile: Union[bool, str] = "auto"  # torch.compile the model (before DDP wrapping): true, false or auto (on when the planned run is long enough to repay the compilation; the start-up line says why; see docs/performance.md)
 
 
 @dataclass
@@ -159,6 +159,7 @@ class TrainConfig(LegacyTrainFields, Frozen):
     use_ema: bool = False  # keep an EMA of the weights; evaluate and export it (the original's default is false)
     ema_decay: float = 0.999  # EMA decay (warmed up from 0)
     amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
+    fuse_attacks: Union[bool, str] = "auto"  # DAT: run the negatives' and the classifier batch's PGD as one batched pass while both run: true, false or auto (see docs/performance.md)
 
     # Method switches
     logsumexp: bool = True  # energy s(x) = logsumexp_k f_k(x); false: f_y(x)

@@ -46,16 +46,16 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
     model = model.to(runtime.device)
     LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
                 "on" if channels_last else "off", cfg.model.channels_last, cfg.amp,
-                "on" if cfg.model.compile else "off")
+                "on" if cfg.model.compile is True else "off")
     return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
-                      sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile,
+                      sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile is True,
                       find_unused_parameters=cfg.find_unused_parameters)
 
 
 def get_compile_cache(cfg: TrainConfig, runtime: Runtime) -> Optional[CompileCache]:
     """With model.compile and a run_dir, the run's compile cache, loaded before the first
     compile (which happens at the first forward); the training run owns it."""
-    if not cfg.model.compile:
+    if cfg.model.compile is not True:
         return None
     channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
     cache, phrase = open_cache(cfg.run_dir, cache_key(runtime.device,

@@ -3,6 +3,7 @@ of the suite run on it), and `model.compile`'s cache across restarts and its gra
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.compiling import REPAYING_STEPS, decide_compile
 from rebm.methods.dat.step import DAT
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update
@@ -142,3 +144,51 @@ def test_an_unreadable_cache_file_is_replaced(tmp_path):
     path.parent.mkdir()
     path.write_bytes(b"not a cache")
     assert "unreadable" in compile_cache.open_cache(str(tmp_path), key, writer=True)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# model.compile: auto
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting,device,steps,enabled", [
+    ("auto", CPU, 220, False), ("auto", CPU, REPAYING_STEPS - 1, False),
+    ("auto", CPU, REPAYING_STEPS, True), ("auto", CUDA, 39_000, True),
+    ("auto", CPU, math.inf, True), ("auto", CPU, 0, False),
+    ("auto", torch.device("mps"), 39_000, False),
+    (True, CPU, 3, True), (False, CUDA, 39_000, False),
+])
+def test_compile_auto_depends_on_the_planned_length_only(setting, device, steps, enabled):
+    choice = decide_compile(setting, device, steps)
+    assert choice.enabled is enabled
+    assert choice.describe().startswith("on (" if enabled else "off (")
+    assert f"model.compile={str(setting).lower()}" in choice.reason
+
+
+def test_a_bad_compile_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"'model.compile: fast' is not valid; use true"):
+        load_config(None, ["model.compile=fast"])
+    assert load_config("experiments/quickstart/digits.yaml").model.compile == "auto"
+
+
+@pytest.mark.parametrize("overrides,compiled", [
+    ([], False),  # the quickstart config as shipped (stage 2 has its length): 220 steps
+    (["total_epochs=100"], True),  # a paper-length run of the same model
+])
+def test_the_start_up_line_says_whether_auto_compiles_and_why(tmp_path, overrides, compiled):
+    """The Trainer as `train` builds it (compilation itself is lazy: nothing runs here); the
+    line as the run's log file has it."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from rebm.engine.trainer import Trainer
+
+    cfg = load_config("experiments/quickstart/digits.yaml",
+                      [*overrides, f"run_dir={tmp_path}", "wandb_mode=disabled"])
+    trainer = Trainer(cfg, Runtime(), DAT)
+    steps = int(trainer.last_step)
+    assert (steps >= REPAYING_STEPS) is compiled
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    line = next(x for x in log.splitlines() if "speed options" in x)
+    expected = (f"compile on (model.compile=auto: {steps} planned steps" if compiled
+                else f"compile off (model.compile=auto: {steps} planned steps, fewer than")
+    assert expected in line, line
+    assert isinstance(trainer.parts.model, OptimizedModule) is compiled
+    assert (trainer.parts.compile_cache is not None) is compiled

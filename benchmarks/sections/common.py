@@ -148,7 +148,11 @@ def make_config(name: str, workdir: str, overrides: Sequence[str] = (), device: 
         path, base = None, [*WRN_OVERRIDES, f"data.indist_ds_dir={root}"]
     else:
         raise SystemExit(f"unknown --config {name!r}; use quickstart or wrn")
-    items = [*base, *overrides, f"device={device}", "wandb_disabled=true", "wandb_mode=disabled",
+    # The sections time the eager step unless a variant asks otherwise: with no step limit,
+    # `model.compile: auto` would compile every section's model.
+    pinned = [] if any(o.startswith("model.compile=") for o in overrides) else ["model.compile=false"]
+    items = [*base, *pinned, *overrides, f"device={device}", "wandb_disabled=true",
+             "wandb_mode=disabled",
              f"run_dir={os.path.join(workdir, f'run_{name}')}"]
     max_steps = load_config(path, items).attack.max_steps
     return load_config(path, [*items, f"attack.start_step={max_steps}"])

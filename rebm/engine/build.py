@@ -20,18 +20,26 @@ from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
 from rebm.distributed.runtime import Runtime
+from rebm.engine.compiling import CompileChoice, decide_compile
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
 
 
-def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True
-                          ) -> Tuple[nn.Module, nn.Module]:
+def compile_choice(cfg: TrainConfig, runtime: Runtime, planned_steps: float) -> CompileChoice:
+    """Whether a run of `planned_steps` optimizer steps compiles (model.compile, auto included)."""
+    return decide_compile(cfg.model.compile, runtime.device, planned_steps)
+
+
+def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True,
+                          planned_steps: float = 0) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
 
     load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the
-    training state instead). `raw` is the uncompiled, unwrapped module: use it for evaluation,
-    EMA and saving; attacks take `attack_view(model)`, which keeps the compilation.
+    training state instead). `planned_steps`: the training run's length, which decides
+    `model.compile: auto` (0: built for anything but training, so auto does not compile).
+    `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
+    take `attack_view(model)`, which keeps the compilation.
     """
     model = model_from_config(cfg)
     if cfg.model.ckpt_path and load_pretrained:
@@ -44,18 +52,20 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)
+    compiling = compile_choice(cfg, runtime, planned_steps)
     LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
                 "on" if channels_last else "off", cfg.model.channels_last, cfg.amp,
-                "on" if cfg.model.compile is True else "off")
+                compiling.describe())
     return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
-                      sync_batchnorm=cfg.sync_batchnorm, compile=cfg.model.compile is True,
+                      sync_batchnorm=cfg.sync_batchnorm, compile=compiling.enabled,
                       find_unused_parameters=cfg.find_unused_parameters)
 
 
-def get_compile_cache(cfg: TrainConfig, runtime: Runtime) -> Optional[CompileCache]:
-    """With model.compile and a run_dir, the run's compile cache, loaded before the first
+def get_compile_cache(cfg: TrainConfig, runtime: Runtime, planned_steps: float
+                      ) -> Optional[CompileCache]:
+    """When the run compiles and has a run_dir, its compile cache, loaded before the first
     compile (which happens at the first forward); the training run owns it."""
-    if cfg.model.compile is not True:
+    if not compile_choice(cfg, runtime, planned_steps).enabled:
         return None
     channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
     cache, phrase = open_cache(cfg.run_dir, cache_key(runtime.device,

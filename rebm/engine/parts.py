@@ -125,11 +125,12 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
-    model, raw_model = build_model_all_ranks(cfg, runtime, load_pretrained=load_pretrained)
+    model, raw_model = build_model_all_ranks(cfg, runtime, load_pretrained=load_pretrained,
+                                             planned_steps=last_step)
     optimizer = get_optimizer(cfg, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),
                  ema=build_ema(raw_model, cfg), precision=Precision(cfg.amp, runtime.device),
                  method=method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
-                 compile_cache=get_compile_cache(cfg, runtime))
+                 compile_cache=get_compile_cache(cfg, runtime, last_step))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, fields
 from typing import Iterator, Optional
 
 import torch
@@ -33,7 +34,11 @@ _TINY = 1e-12  # a zero gradient gives a zero step instead of 0/0
 
 def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
     """The quantity PGD ascends, summed over the batch (so each sample's gradient is its own)."""
-    logits = model(x)
+    return objective_of_logits(model(x), objective, y)
+
+
+def objective_of_logits(logits: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
+    """`attack_objective` given the model's logits: the batch sum of the per-sample objective."""
     if objective == "logit":
         return logits.gather(1, y[:, None]).sum()
     if objective == "lse":
@@ -155,6 +160,18 @@ def input_gradients_only(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+def check_attack_args(steps: int, norm: str, objective: str, y: Optional[Tensor]) -> None:
+    """One-line errors for an attack's arguments (shared by `pgd_attack` and the fused pass)."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective in ("logit", "ce") and y is None:
+        raise ValueError(f"objective {objective!r} needs the labels y")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+
+
 def pgd_attack(
     model: nn.Module,
     x: Tensor,
@@ -177,14 +194,7 @@ def pgd_attack(
     copy), with or without random start. Works under `torch.no_grad()` (grad is re-enabled
     locally) but not under `torch.inference_mode()`; the model's train/eval mode is not changed.
     """
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if objective in ("logit", "ce") and y is None:
-        raise ValueError(f"objective {objective!r} needs the labels y")
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
+    check_attack_args(steps, norm, objective, y)
     x0 = x.detach()
     if steps == 0:
         return x0.clone()
@@ -199,6 +209,49 @@ def pgd_attack(
     return x_adv.detach()
 
 
+@dataclass(frozen=True)
+class AttackStream:
+    """One batch to attack and its attack: `pgd_attack`'s arguments (see there)."""
+
+    x: Tensor
+    steps: int
+    step_size: float
+    eps: float = math.inf
+    norm: str = "L2"
+    objective: str = "logit"
+    y: Optional[Tensor] = None
+    random_start_keys: Optional[Tensor] = None
+
+
+def stream_from_config(
+    x: Tensor,
+    attack_cfg,
+    *,
+    objective: str,
+    y: Optional[Tensor] = None,
+    steps: Optional[int] = None,
+    random_start_keys: Optional[Tensor] = None,
+) -> AttackStream:
+    """The attack of `x` under the threat model of an AttackConfig (`attack` or
+    `indist_attack_clf`). steps defaults to attack_cfg.max_steps (the curriculum passes its
+    current T instead). The keys are used only when attack_cfg.random_start is set, and are then
+    required."""
+    if attack_cfg.attack_type != "pgd":
+        raise ValueError(f"attack_type {attack_cfg.attack_type!r} is not supported; use 'pgd'")
+    if attack_cfg.random_start and random_start_keys is None:
+        raise ValueError("attack.random_start needs per-sample random_start_keys")
+    return AttackStream(
+        x=x,
+        steps=attack_cfg.max_steps if steps is None else steps,
+        step_size=attack_cfg.step_size,
+        eps=attack_cfg.eps,
+        norm=attack_cfg.norm,
+        objective=objective,
+        y=y,
+        random_start_keys=random_start_keys if attack_cfg.random_start else None,
+    )
+
+
 def pgd_from_config(
     model: nn.Module,
     x: Tensor,
@@ -209,23 +262,11 @@ def pgd_from_config(
     steps: Optional[int] = None,
     random_start_keys: Optional[Tensor] = None,
 ) -> Tensor:
-    """`pgd_attack` with the threat model of an AttackConfig (`attack` or `indist_attack_clf`).
+    """`pgd_attack` of `stream_from_config(...)` (same arguments)."""
+    return pgd_attack_stream(model, stream_from_config(
+        x, attack_cfg, objective=objective, y=y, steps=steps, random_start_keys=random_start_keys))
 
-    steps defaults to attack_cfg.max_steps (the curriculum passes its current T instead). The
-    keys are used only when attack_cfg.random_start is set, and are then required.
-    """
-    if attack_cfg.attack_type != "pgd":
-        raise ValueError(f"attack_type {attack_cfg.attack_type!r} is not supported; use 'pgd'")
-    if attack_cfg.random_start and random_start_keys is None:
-        raise ValueError("attack.random_start needs per-sample random_start_keys")
-    return pgd_attack(
-        model,
-        x,
-        steps=attack_cfg.max_steps if steps is None else steps,
-        step_size=attack_cfg.step_size,
-        eps=attack_cfg.eps,
-        norm=attack_cfg.norm,
-        objective=objective,
-        y=y,
-        random_start_keys=random_start_keys if attack_cfg.random_start else None,
-    )
+
+def pgd_attack_stream(model: nn.Module, stream: AttackStream) -> Tensor:
+    """`pgd_attack` with the arguments of `stream`."""
+    return pgd_attack(model, **{f.name: getattr(stream, f.name) for f in fields(stream)})

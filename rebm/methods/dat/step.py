@@ -20,7 +20,6 @@ from typing import Any, Dict, List
 
 import torch
 
-from rebm.attacks.pgd import pgd_from_config
 from rebm.config import TrainConfig
 from rebm.config.schedule import check_stage_schedule
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
@@ -28,6 +27,7 @@ from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
 from rebm.eval.auc import binary_auc
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
+from rebm.methods.dat.attacks import dat_attacks, resolve_fuse_attacks
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
 from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
@@ -69,18 +69,13 @@ class DAT(Method):
         """Attacks -> energy + classifier loss of one micro-batch (forward only). `log_now`
         adds the clean out-distribution scores (one more forward) and, with track_r1, the
         measured R1 penalty (one input-gradient pass)."""
-        cfg, steps = self.cfg, self.curriculum.T
+        cfg = self.cfg
         x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
         clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
         ctx.attacked.eval()
         with ctx.autocast():
-            x_adv = pgd_from_config(
-                ctx.attacked, out.images, cfg.attack, steps=steps, y=y_in,
-                objective="lse" if cfg.logsumexp_sampling else "logit",
-                random_start_keys=out.keys)
-            x_c_adv = pgd_from_config(ctx.attacked, clf.images, cfg.indist_attack_clf,
-                                      objective="ce", y=clf.labels,
-                                      random_start_keys=clf.keys)
+            x_adv, x_c_adv = dat_attacks(ctx.attacked, cfg, self.curriculum.T, batch,
+                                         resolve_fuse_attacks(cfg.fuse_attacks, ctx.device))
         keep: Dict[str, torch.Tensor] = {}
         if log_now:
             keep["out"] = _fy(ctx.attacked, out.images, y_in)

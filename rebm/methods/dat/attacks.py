@@ -1,0 +1,43 @@
+"""DAT's two attacks of a micro-batch: negatives x_adv = PGD_T(x_out) (f_y, or logsumexp with
+`logsumexp_sampling`, threat model `attack`) and the adversarial classifier batch
+x_c_adv = PGD_K^CE(x_c) (threat model `indist_attack_clf`), run separately or, with
+`fuse_attacks`, as one batched pass while both run (rebm.attacks.fused)."""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+
+from rebm.attacks.fused import pgd_attack_streams
+from rebm.attacks.pgd import pgd_attack_stream, stream_from_config
+from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
+
+
+def resolve_fuse_attacks(setting: Union[bool, str], device: torch.device) -> bool:
+    """`fuse_attacks` true/false as given; "auto": on for CUDA, off elsewhere.
+
+    On this project's 2-core CPU the fused pass is not measurably faster (a batch of 32 already
+    keeps the cores busy; docs/performance.md has the figures), while on a GPU each of the two
+    attacks' small per-device batches leaves the device underfed and pays its own kernel
+    launches: fusing halves the launches and doubles the work per kernel."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def dat_attacks(model: torch.nn.Module, cfg, outdist_steps: int, batch: MicroBatch,
+                fuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x_adv, x_c_adv) of one micro-batch on `model` (the attacked module, in the mode the
+    caller set); the negatives' labels are the in-distribution ones."""
+    out, clf = batch[OUTDIST.name], batch[CLASSIFIER.name]
+    negatives = stream_from_config(
+        out.images, cfg.attack, steps=outdist_steps, y=batch[INDIST.name].labels,
+        objective="lse" if cfg.logsumexp_sampling else "logit", random_start_keys=out.keys)
+    classifier = stream_from_config(clf.images, cfg.indist_attack_clf, objective="ce",
+                                    y=clf.labels, random_start_keys=clf.keys)
+    if fuse:
+        x_adv, x_c_adv = pgd_attack_streams(model, [negatives, classifier])
+    else:
+        x_adv, x_c_adv = pgd_attack_stream(model, negatives), pgd_attack_stream(model, classifier)
+    return x_adv, x_c_adv

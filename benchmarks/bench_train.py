@@ -26,6 +26,8 @@ Sections (the code of each is in benchmarks/sections/):
   compile     model.compile: first step of a fresh run, of a restart without and with the run
               dir's compile cache (each in a fresh process with an empty local inductor cache),
               and the graphs compiled / recompiled
+  sampling    images/s of the sample pass (SampleGenerator, fixed PGD steps) at 32 and 224 px
+              against the attack roofline (the machine's GEMM rate / the steps' FLOPs)
   evalshare   seconds per image of a training step, an evaluation forward, a PGD step and an
               Inception forward (FID): the units of the evaluation wall-time share estimate
 
@@ -51,6 +53,7 @@ from sections.common import CONFIGS, write_json
 from sections.ddp import section_ddp
 from sections.evaluation import section_eval
 from sections.peer import section_peer
+from sections.sampling import section_sampling
 from sections.speed import section_compile, section_evalshare
 from sections.state import section_checkpoint, section_resume
 from sections.steps import section_steps
@@ -66,6 +69,7 @@ SECTIONS = {
     "checkpoint": section_checkpoint,
     "compile": section_compile,
     "evalshare": section_evalshare,
+    "sampling": section_sampling,
 }
 
 

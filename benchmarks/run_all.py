@@ -69,6 +69,7 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         # three fresh compilations (tens of seconds each on CPU); --quick: the small model
         ("compile", ["compile", *r(2, 1), *(qs if quick else wrn)], one),
         ("evalshare/wrn", ["evalshare", *r(3, 1), *wrn], one),
+        ("sampling", ["sampling", *r(3, 1), *w(1, 1)], one),
     ]
 
 

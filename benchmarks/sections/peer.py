@@ -1,7 +1,7 @@
-"""Section `peer`: DAT.step exactly as the loop calls it, float32, in NCHW (the old default),
-the default (channels_last on CPU), the default with NHWC input batches, and the default
-compiled (interleaved), with the step's FLOPs and the machine's GEMM rate, to
-relate the step time to what the hardware can do (the peer comparison, `wrn` config)."""
+"""Section `peer`: the update exactly as the loop calls it (`update_all_ranks`), float32, in the
+variants of PEER_VARIANTS (interleaved): the old defaults, each speed option forced, and the
+default of a long run; with the step's FLOPs and the machine's GEMM rate, to relate the step
+time to what the hardware can do (the peer comparison, `wrn` config)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,20 @@ from sections.common import (
     timed,
 )
 
-# The speed options the peer comparison tries (all float32, the same arithmetic): the old
-# default (NCHW, eager), the default (`model.channels_last: auto`, on for CPU), the default with
-# the input batches also converted to channels_last, and the default compiled.
+# The variants the peer comparison tries (all float32, the same arithmetic), interleaved:
+# - nchw: the default before channels_last (NCHW, eager, two attack passes);
+# - eager: the default before `model.compile: auto` and `fuse_attacks` (channels_last, eager,
+#   two attack passes) - the baseline of the default's speed-up;
+# - compiled / fused / compiled_fused: each option forced on top of `eager`;
+# - default: what a long run gets by default (auto for both: compiled, fused where it pays).
 PEER_VARIANTS = {
-    "nchw": ["model.channels_last=false"],
-    "default": [],
-    "nhwc_inputs": [],
-    "compiled": ["model.compile=true"],  # compiles in warm-up
+    "nchw": ["model.channels_last=false", "model.compile=false", "fuse_attacks=false"],
+    "eager": ["model.compile=false", "fuse_attacks=false"],
+    "compiled": ["model.compile=true", "fuse_attacks=false"],  # compiles in warm-up
+    "fused": ["model.compile=false", "fuse_attacks=true"],
+    "compiled_fused": ["model.compile=true", "fuse_attacks=true"],
+    "default": ["model.compile=auto", "fuse_attacks=auto", "max_steps=100000"],
 }
-
-
-def _channels_last(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
 
 def step_gflop(raw_model: torch.nn.Module, batch, T: int, K: int) -> Dict[str, float]:
@@ -71,14 +72,13 @@ def section_peer(args) -> dict:
     cfg, parts, device = base.cfg, base.parts, base.runtime.device
     n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles the compiled variant
     prefetched = prefetch(base, n)
-    nhwc = [[mb._map_tensors(_channels_last) for mb in step] for step in prefetched]
     T, K = parts.method.curriculum.T, cfg.indist_attack_clf.max_steps
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for rep in range(n):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
             v = variants[name]
-            batches = (nhwc if name == "nhwc_inputs" else prefetched)[rep]
+            batches = prefetched[rep]
             _, seconds = timed(functools.partial(
                 update_all_ranks, v.ctx, v.parts.method, v.parts.optimizer, v.parts.precision,
                 batches, v.plan.accumulation_steps), device)
@@ -90,5 +90,6 @@ def section_peer(args) -> dict:
     return section_result(
         "peer", args, base, T=T, K=K, dat_step_s=step_s, dat_step_all_s=times,
         speedup_over_nchw={k: step_s["nchw"] / v for k, v in step_s.items()},
+        compiled={name: v.parts.model is not v.parts.raw_model for name, v in variants.items()},
         **flops, gemm_gflops=gemm,
         achieved_gflops={k: flops["step_gflop"] / v for k, v in step_s.items()})

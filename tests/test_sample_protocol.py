@@ -232,19 +232,6 @@ def test_inception_score_is_the_originals_path(data, tmp_path, monkeypatch):
     assert native["inception_score"] != pytest.approx(mean, rel=1e-5)
 
 
-def test_split_scores_follow_torch_chunk_and_the_seed():
-    from rebm.eval.metrics.inception_score import split_scores
-
-    torch.manual_seed(1)
-    logits = torch.randn(23, 7)
-    mean, std = split_scores(logits, 10, seed=5)
-    assert (mean, std) == split_scores(logits, 10, seed=5)
-    assert mean != split_scores(logits, 10, seed=6)[0]
-    same_splits = split_scores(logits[torch.randperm(23)], 10, seed=5)  # other row order
-    assert same_splits[0] != mean  # the permutation is of index order, not a sort
-    assert len(logits.chunk(10)) == 8 and np.isfinite(std)
-
-
 # --------------------------------------------------------------------------------------------
 # Sampling decisions: logsumexp_sampling, blur, seed folders
 # --------------------------------------------------------------------------------------------

@@ -17,8 +17,17 @@ Two protocols, by `eval.is_resize`:
   defaults (10 splits, rows shuffled with seed 2020, float64), the rows in the order torch-fidelity
   reads the `keep_samples` folder: the value equals `fidelity --isc --input1 <that folder>`.
 
-Either way a rank keeps only its samples' logits (1008 floats a sample, or the stand-in's
-features, rebm/eval/features/fidelity.py), never the images; they are gathered in index order at the end.
+Either way no rank keeps logits or images: each chunk's logits (1008 floats a sample, or the
+stand-in's features, rebm/eval/features/fidelity.py) go at once into its rank's split statistics
+(`SplitStatistics`): per split, the sum of p(y|x) over its samples (C numbers), of
+sum_y p log p, and the count. A sample's split is the one its position in the permuted order
+falls in, from its sample index (the protocol's permutation of all N indices, on every rank).
+One all-reduce of the splits x (C + 2) statistics gives every rank the scores: KL of a split =
+(sum_x sum_y p log p - sum_y S_y log(S_y / n)) / n with S_y = sum_x p(y|x), the library's
+mean KL(p(y|x) || p(y)) written in sums. The sums are exact (fixed point, 2^-60, in int64), so
+the result does not depend on the world size or the order of the chunks; it equals the
+library's computation up to float64 round-off (~1e-15 relative; float32 for the "pil" path's
+softmax, as torchmetrics').
 Stored as "inception_score" and "inception_score_std" (the std over the splits).
 """
 
@@ -31,9 +40,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
 from rebm.eval.features.fid import feature_problems, standin_key, weights_files
 from rebm.eval.features.fidelity import (
-    FeatureRows,
     chunk_features,
     extract,
     feature_layer,
@@ -59,19 +68,77 @@ def pil_resize(pixels: Tensor, size: int = INCEPTION_SIZE) -> Tensor:
     return torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2).contiguous()
 
 
-def split_scores(logits: Tensor, splits: int, seed: int) -> Tuple[float, float]:
-    """torchmetrics' InceptionScore.compute on (N, C) logits, with its random permutation drawn
-    from a generator seeded by `seed`: (mean, unbiased std) over the splits. torch.chunk makes
-    ceil(N / splits) rows a split, so a small N has fewer splits."""
-    permutation = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(seed))
-    features = logits[permutation]
-    prob, log_prob = features.softmax(dim=1), features.log_softmax(dim=1)
-    scores = []
-    for p, log_p in zip(prob.chunk(splits, dim=0), log_prob.chunk(splits, dim=0), strict=True):
-        marginal = p.mean(dim=0, keepdim=True)
-        scores.append((p * (log_p - marginal.log())).sum(dim=1).mean().exp())
-    stacked = torch.stack(scores)
-    return float(stacked.mean()), float(stacked.std())
+def pil_split_of(n: int, splits: int, seed: int) -> Tensor:
+    """Split of each sample index under the "pil" protocol: torchmetrics' permutation of the
+    index order (torch.randperm from a generator seeded by `seed`), cut by torch.chunk into
+    pieces of ceil(n / splits) rows (so a small n has fewer splits)."""
+    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    size = -(-n // splits)
+    split_of = torch.empty(n, dtype=torch.int8)
+    split_of[permutation] = (torch.arange(n) // size).to(torch.int8)
+    return split_of
+
+
+def fidelity_split_of(n: int, splits: int) -> Tensor:
+    """Split of each sample index under the "fidelity" protocol: torch-fidelity's
+    `isc_features_to_metric` on the rows in file-name order, shuffled by
+    np.random.RandomState(2020), split i = positions [i n / splits, (i+1) n / splits)."""
+    order = np.asarray(text_order(n))[np.random.RandomState(SHUFFLE_SEED).permutation(n)]
+    position_split = np.zeros(n, dtype=np.int8)
+    for i in range(splits):
+        position_split[i * n // splits:(i + 1) * n // splits] = i
+    split_of = torch.empty(n, dtype=torch.int8)
+    split_of[torch.from_numpy(order)] = torch.from_numpy(position_split)
+    return split_of
+
+
+def _fixed_point(values: Tensor) -> Tensor:
+    """float64 values as two int64 digits (multiples of 2^-30 and 2^-60, the last rounded):
+    their integer sums are exact, in any order."""
+    high = torch.floor(values * 2.0**30)
+    low = torch.round((values * 2.0**30 - high) * 2.0**30)
+    return torch.stack([high, low], dim=-1).to(torch.int64)
+
+
+def _from_fixed_point(digits: Tensor) -> Tensor:
+    return digits[..., 0].double() * 2.0**-30 + digits[..., 1].double() * 2.0**-60
+
+
+class SplitStatistics:
+    """A rank's per-split sums for the Inception Score (see the module's docstring)."""
+
+    def __init__(self, split_of: Tensor, splits: int, softmax_dtype: torch.dtype):
+        self.split_of, self.splits, self.dtype = split_of, splits, softmax_dtype
+        self.mass: Optional[Tensor] = None  # (splits, C, 2) fixed point: sum of p(y|x)
+        self.entropy = torch.zeros(splits, 2, dtype=torch.int64)  # sum of sum_y p log p
+        self.count = torch.zeros(splits, dtype=torch.int64)
+
+    def add(self, indices: Tensor, logits: Tensor) -> None:
+        features = logits.detach().cpu().to(self.dtype)
+        p, log_p = features.softmax(dim=1), features.log_softmax(dim=1)
+        split = self.split_of[indices.cpu()].long()
+        if self.mass is None:
+            self.mass = torch.zeros(self.splits, p.shape[1], 2, dtype=torch.int64)
+        self.mass.index_add_(0, split, _fixed_point(p.double()))
+        self.entropy.index_add_(0, split, _fixed_point((p.double() * log_p.double()).sum(dim=1)))
+        self.count += torch.bincount(split, minlength=self.splits)
+
+    def scores_all_ranks(self, runtime: Runtime) -> Tuple[Tensor, Tensor]:
+        """(exp(mean KL), sample count) of every split (float64, on every rank; an empty split's
+        score is NaN, as the library's): one all-reduce of the statistics (and one of the class
+        count, for a rank that saw no sample). Every rank must call this."""
+        mine = 0 if self.mass is None else self.mass.shape[1]
+        classes = int(all_reduce_max(runtime, torch.tensor([mine], device=runtime.device)))
+        mass = (torch.zeros(self.splits, classes, 2, dtype=torch.int64) if self.mass is None
+                else self.mass)
+        flat = torch.cat([mass.flatten(), self.entropy.flatten(), self.count])
+        total = all_reduce_sum(runtime, flat.to(runtime.device)).cpu()
+        cut = self.splits * classes * 2
+        mass = _from_fixed_point(total[:cut].view(self.splits, classes, 2))
+        entropy = _from_fixed_point(total[cut:cut + self.splits * 2].view(self.splits, 2))
+        n = total[cut + self.splits * 2:].double()
+        cross = torch.xlogy(mass, mass / n[:, None]).sum(dim=1)  # sum_y S_y log(S_y / n)
+        return ((entropy - cross) / n).exp(), n
 
 
 class InceptionScore(Metric):
@@ -112,7 +179,12 @@ class InceptionScore(Metric):
         self.pil = ctx.cfg.eval.is_resize == "pil"
         self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "isc")
-        self.rows = FeatureRows()
+        total = ctx.cfg.image_log.num_samples
+        if self.pil:  # torchmetrics' float32 softmax
+            split_of, dtype = pil_split_of(total, SPLITS, ctx.cfg.rand_seed), torch.float32
+        else:  # torch-fidelity's float64
+            split_of, dtype = fidelity_split_of(total, SPLITS), torch.float64
+        self.statistics = SplitStatistics(split_of, SPLITS, dtype)
 
     def _logits(self, chunk: SampleChunk) -> Tensor:
         if not self.pil:
@@ -121,20 +193,16 @@ class InceptionScore(Metric):
         return extract(self.extractor, resized)[self.layer]
 
     def update(self, chunk: SampleChunk) -> None:
-        self.rows.add(chunk.indices, self._logits(chunk))
+        self.statistics.add(chunk.indices, self._logits(chunk))
 
     def finish(self) -> Dict[str, Any]:
-        total = self.ctx.cfg.image_log.num_samples
-        logits = self.rows.gather(self.ctx.runtime, total)
-        if self.pil:
-            mean, std = split_scores(logits, SPLITS, self.ctx.cfg.rand_seed)
-            return {self.key: mean, f"{self.key}_std": std}
-        from torch_fidelity.metric_isc import isc_features_to_metric
-
-        score = isc_features_to_metric(logits[text_order(total)], splits=SPLITS, shuffle=True,
-                                       rng_seed=SHUFFLE_SEED)
-        return {self.key: score["inception_score_mean"],
-                f"{self.key}_std": score["inception_score_std"]}
+        scores, counts = self.statistics.scores_all_ranks(self.ctx.runtime)
+        if self.pil:  # torchmetrics: the mean and the unbiased std of torch.chunk's pieces
+            scores = scores[counts > 0]
+            mean, std = float(scores.mean()), float(scores.std())
+        else:  # torch-fidelity: np.mean and np.std (population) of the splits
+            mean, std = float(np.mean(scores.tolist())), float(np.std(scores.tolist()))
+        return {self.key: mean, f"{self.key}_std": std}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

@@ -13,9 +13,10 @@ The real images (the reference) are, by `eval.pr_reference`:
   (`eval.sample_pixels`; 8-bit images are unchanged by it).
 
 Their features and the samples' (torch-fidelity's Inception pool 2048-d, or the stand-in's) are
-kept as rows, gathered on every rank, and rank 0 computes torch-fidelity's
-`calculate_precision_recall_part` with its default neighbourhood k = 3 (the memory-saving variant
-of the library's computation, the same numbers). Precision: the fraction of samples inside the
+kept as rows and gathered on every rank; every rank then computes the k-NN radii and the member
+counts of its share of the rows (rebm/eval/features/knn.py): the numbers of torch-fidelity's
+`calculate_precision_recall_part` with its default neighbourhood k = 3, bitwise, in working
+memory that does not grow with the number of rows. Precision: the fraction of samples inside the
 real images' k-NN balls; recall: the fraction of real images inside the samples' balls. Stored
 as "precision", "recall" and "n_real". The original computed these with OpenAI's TensorFlow
 evaluator on the same reference batch; rebm uses torch-fidelity's Inception features instead,
@@ -35,7 +36,6 @@ import torch
 
 from rebm.data.pipeline import load_indist
 from rebm.data.sampling import eval_chunks
-from rebm.distributed.collectives import decide_on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.features.fid import feature_problems, standin_key, weights_files
@@ -49,11 +49,11 @@ from rebm.eval.features.fidelity import (
     shared_extractor,
     text_order,
 )
+from rebm.eval.features.knn import precision_recall_all_ranks
 from rebm.eval.metric import SAMPLES, EvalContext, EvalError, Metric, SampleChunk, to_pixels
 from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings
 
 NEIGHBORHOOD = 3  # torch-fidelity's default prc_neighborhood
-DISTANCE_BATCH = 10000  # torch-fidelity's default prc_batch_size
 REFERENCE_SALT = 0x5052  # keeps the reference's draw apart from other uses of rand_seed
 NPZ_KEY = "arr_0"
 
@@ -250,17 +250,16 @@ class PrecisionRecall(Metric):
         self.rows.add(chunk.indices, chunk_features(chunk, self.extractor)[self.layer])
 
     def finish(self) -> Dict[str, Any]:
-        from torch_fidelity.metric_prc import calculate_precision_recall_part
-
-        total = self.ctx.cfg.image_log.num_samples
+        total, n_real = self.ctx.cfg.image_log.num_samples, int(self.real.shape[0])
+        if min(total, n_real) <= NEIGHBORHOOD:
+            raise EvalError(f"precision/recall needs more than k = {NEIGHBORHOOD} samples and real "
+                            f"images (got {total} and {n_real}); raise image_log.num_samples or "
+                            "eval.pr_num_real")
         generated = self.rows.gather(self.ctx.runtime, total)[text_order(total)]
-        precision, recall = decide_on_main(
-            self.ctx.runtime,
-            lambda: calculate_precision_recall_part(generated, self.real, NEIGHBORHOOD,
-                                                    DISTANCE_BATCH),
-            "compute precision and recall")
+        precision, recall = precision_recall_all_ranks(self.ctx.runtime, generated, self.real,
+                                                       NEIGHBORHOOD)
         return {standin_key("precision"): precision, standin_key("recall"): recall,
-                "n_real": int(self.real.shape[0])}
+                "n_real": n_real}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

@@ -3,7 +3,8 @@
 It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batch: negatives
 x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
-if it is, in eval mode; then the energy + classifier loss through the wrapper, so the engine's
+if it is, in eval mode, and with `fuse_attacks` as one batched pass while both run
+(rebm.methods.dat.attacks); then the energy + classifier loss through the wrapper, so the engine's
 backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
 all-gathered global batch, so T follows the same schedule on any number of ranks.
 

@@ -352,6 +352,16 @@ def _compile(results: dict, summary: dict, meta: dict) -> List[str]:
                 f"{a['steady_step_s']:.3f} s/step; build {a['build_s']:.2f} s; artifacts "
                 f"loaded {a['cache_artifacts_loaded']}; graphs {a['graphs_after_first_step']}, "
                 f"recompiles after step 1: {a['recompiles_after_first_step']}")
+    lines.append("   model.compile: auto's trade (one process; compile = first compiled step - a "
+                 "compiled step; saving = eager step - compiled step):")
+    for c in COLS:
+        b = results.get(f"breakeven/{c}", {})
+        if "compile_s" in b:
+            steps = b["break_even_steps"]
+            lines.append(
+                f"   {c:12s} compile {b['compile_s']:6.1f} s; step eager {b['step_s']['eager']:.3f}"
+                f" s, compiled {b['step_s']['compiled']:.3f} s; repaid after "
+                f"{'never' if steps is None else f'{steps:.0f} steps'}")
     return lines if attempts else lines + ["   n/a"]
 
 

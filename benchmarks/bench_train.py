@@ -26,6 +26,8 @@ Sections (the code of each is in benchmarks/sections/):
   compile     model.compile: first step of a fresh run, of a restart without and with the run
               dir's compile cache (each in a fresh process with an empty local inductor cache),
               and the graphs compiled / recompiled
+  breakeven   model.compile: the first compiled step's compilation against the time a compiled
+              step saves over an eager one (interleaved): after how many steps compiling pays
   sampling    images/s of the sample pass (SampleGenerator, fixed PGD steps) at 32 and 224 px
               against the attack roofline (the machine's GEMM rate / the steps' FLOPs)
   evalshare   seconds per image of a training step, an evaluation forward, a PGD step and an
@@ -54,7 +56,7 @@ from sections.ddp import section_ddp
 from sections.evaluation import section_eval
 from sections.peer import section_peer
 from sections.sampling import section_sampling
-from sections.speed import section_compile, section_evalshare
+from sections.speed import section_breakeven, section_compile, section_evalshare
 from sections.state import section_checkpoint, section_resume
 from sections.steps import section_steps
 
@@ -70,6 +72,7 @@ SECTIONS = {
     "compile": section_compile,
     "evalshare": section_evalshare,
     "sampling": section_sampling,
+    "breakeven": section_breakeven,
 }
 
 

@@ -70,6 +70,9 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("compile", ["compile", *r(2, 1), *(qs if quick else wrn)], one),
         ("evalshare/wrn", ["evalshare", *r(3, 1), *wrn], one),
         ("sampling", ["sampling", *r(3, 1), *w(1, 1)], one),
+        # model.compile: auto's trade: one compilation against the time each step saves
+        ("breakeven/quickstart", ["breakeven", *qs, *r(8, 2), *w(2, 1)], one),
+        ("breakeven/wrn", ["breakeven", *r(3, 1), *w(1, 1), *wrn], one),
     ]
 
 

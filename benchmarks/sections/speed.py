@@ -157,3 +157,35 @@ def section_evalshare(args) -> dict:
         model_gflop={name: _model_gflop(name) for name in
                      (bench.cfg.model.model_type, "WideResNet34x10")},
         shipped=[shipped_eval_work(path) for path in SHIPPED])
+
+
+# ---------------------------------------------------------------------------------------------
+# breakeven: what `model.compile: auto` weighs (rebm.engine.compiling.REPAYING_STEPS)
+# ---------------------------------------------------------------------------------------------
+def section_breakeven(args) -> dict:
+    """The compile's cost against the step time it saves, in one process: the eager and the
+    compiled run built side by side; the compiled run's first step (compilation included) is
+    timed once, then the steady steps of both, interleaved. compile_s = first compiled step -
+    steady compiled step; saved_s = eager step - compiled step; the run repays the compile
+    after compile_s / saved_s steps."""
+    from sections.common import loop_step
+
+    eager = single_process(args, ["model.compile=false"])
+    compiled = single_process(args, ["model.compile=true"])
+    device = eager.runtime.device
+    batches = prefetch(eager, 1 + args.warmup + args.reps)
+    loop_step(eager, batches[0])  # eager's own first step (allocator, oneDNN primitives)
+    first = timed(lambda: loop_step(compiled, batches[0]), device)[1]
+    times = {"eager": [], "compiled": []}
+    for rep, batch in enumerate(batches[1:]):
+        order = ("eager", "compiled") if rep % 2 == 0 else ("compiled", "eager")
+        for name in order:
+            seconds = loop_step(eager if name == "eager" else compiled, batch)["total"]
+            if rep >= args.warmup:
+                times[name].append(seconds)
+    step = {name: median(values) for name, values in times.items()}
+    compile_s, saved_s = first - step["compiled"], step["eager"] - step["compiled"]
+    return section_result(
+        "breakeven", args, eager, first_compiled_step_s=first, step_s=step, step_all_s=times,
+        compile_s=compile_s, saved_per_step_s=saved_s,
+        break_even_steps=compile_s / saved_s if saved_s > 0 else None)

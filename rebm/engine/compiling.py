@@ -2,14 +2,13 @@
 
 torch.compile pays its cost once per run (the run directory keeps the compiled code across
 restarts, rebm.distributed.compile_cache) and saves a share of every step after it. `auto`
-compiles when the run is long enough for the saving to exceed that cost: when the planned
-number of optimizer steps reaches `REPAYING_STEPS`, the break-even of the smallest model this
-repository trains (the quickstart's WideResNet-10-1), measured on the CPU machine class
-(docs/performance.md, "When compiling pays"). A larger model saves more per step for a compile
-that costs about as much (its graph has the same operators, only wider), so it repays sooner;
-the rule errs towards not compiling.
+compiles when the run plans at least `REPAYING_STEPS` optimizer steps. The measured break-evens
+(`benchmarks/bench_train.py breakeven`, docs/performance.md "When `auto` compiles") range from a
+few hundred steps (the CIFAR model on a GPU) to a few thousand (a model too small to gain much);
+a wrong "on" costs at most the compilation, once, while a wrong "off" costs the saving at every
+step, so the threshold sits low in that range.
 
-The decision depends only on the config (its planned length and the device type), never on a
+The decision depends only on the config (its planned length) and the device type, never on a
 timing: the same config compiles or not on any number of processes and after any restart, so
 DDP == one process and bitwise resume hold with `auto` as with an explicit value.
 """
@@ -22,9 +21,7 @@ from typing import Union
 
 import torch
 
-# The quickstart model compiles (both graphs, both directions) in about 40 s on the 2-core CPU
-# and saves about 0.03 s of its 0.3 s step, so compiling repays itself after ~1300 steps;
-# rounded up. The shipped CIFAR runs plan ~39 000 steps, the quickstart 220, tests a few.
+# The shipped CIFAR runs plan 39 000 steps, the quickstart 220, tests a few.
 REPAYING_STEPS = 2000
 # Devices inductor compiles for; elsewhere (mps, ...) auto stays off.
 COMPILING_DEVICES = ("cpu", "cuda")

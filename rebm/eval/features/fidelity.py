@@ -16,7 +16,8 @@ Features are computed once per generated chunk for all metrics (`chunk_features`
 feeds its own PIL-resized copy instead, rebm/eval/metrics/inception_score.py). `FeatureRows` keeps a
 rank's rows by sample index and gathers them in index order; `text_order` is the order in which
 torch-fidelity reads the `keep_samples` folder (file names `<index>.png` sorted as text), so
-rows taken in that order give the numbers of `fidelity --input1 <that folder>`.
+rows taken in that order give the numbers of `fidelity --input1 <that folder>` (precision/recall
+gathers its rows; the Inception Score keeps only split statistics, inception_score.py).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def text_order(n: int) -> List[int]:
 
 class FeatureRows:
     """A rank's feature rows by index, gathered on every rank at the end (small next to the
-    images: 2048 or 1008 numbers a sample)."""
+    images: 2048 numbers a sample for precision/recall)."""
 
     def __init__(self) -> None:
         self.rows: List[Tensor] = []

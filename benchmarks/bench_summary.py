@@ -13,6 +13,7 @@ TARGETS = {
     "peer_ratio": 0.8,  # rebm dat_step / 6.5 s, <= (at least 20 % faster)
     "overhead_ratio": 1.05,  # loop step / minimal hand-written step, <=
     "default_vs_old": 0.90,  # channels_last eager dat_step / NCHW eager's, <=
+    "prc_ratio": 0.6,  # sharded precision/recall: 2 processes x 1 thread / 1 x 1, <=
     "default_vs_eager": 0.90,  # a long run's default dat_step / the eager unfused one's, <=
 }
 
@@ -83,6 +84,10 @@ def summarize(results: dict) -> dict:
             s["eval_speedup"].update(independent_s=indep, ceiling=e1 / (indep / 2),
                                      contention_slowdown=indep / e11 if e11 else None,
                                      of_ceiling=(indep / 2) / e2)
+    prc = results.get("prc") or {}
+    if prc.get("ratio_2ranks_to_1"):
+        s["prc_ratio"] = {"value": prc["ratio_2ranks_to_1"], "target": "<= 0.6",
+                          "met": prc["ratio_2ranks_to_1"] <= TARGETS["prc_ratio"]}
     shares = eval_shares(results, s)
     if shares:
         s["eval_share"] = shares
@@ -393,6 +398,21 @@ def _sampling(results: dict, summary: dict, meta: dict) -> List[str]:
     return lines if passes else lines + ["   n/a"]
 
 
+def _prc(results: dict, summary: dict, meta: dict) -> List[str]:
+    p = results.get("prc") or {}
+    title = "14. Precision/recall's k-NN, sharded over processes (1 thread a process)"
+    if "seconds_1rank" not in p:
+        return [title, "   n/a"]
+    return [title,
+            f"   {p['rows_generated']} + {p['rows_real']} {p['dims']}-d rows: 1 process "
+            f"{p['seconds_1rank']:.2f} s, 2 processes {p['seconds_2ranks']:.2f} s, ratio "
+            f"{p['ratio_2ranks_to_1']:.2f} (target <= 0.6){_mark(summary.get('prc_ratio'))}; "
+            f"same values: {p['same_values']}",
+            f"   working memory per rank {p['working_mib_1rank']:.0f} / "
+            f"{p['working_mib_2ranks']:.0f} MiB (1 / 2 processes), feature rows "
+            f"{p['feature_rows_mib']:.0f} MiB"]
+
+
 TABLE_PARTS = (
     _breakdown,
     _each_config("2. DDP efficiency: loop step, same global batch, 2 ranks x 1 thread vs 1 rank "
@@ -411,11 +431,12 @@ TABLE_PARTS = (
     _compile,
     _eval_share,
     _sampling,
+    _prc,
 )
 
 
 def table(results: dict, summary: dict, meta: dict) -> str:
-    """The printed table: a header, then sections 1-13 (docs/performance.md), then failures."""
+    """The printed table: a header, then sections 1-14 (docs/performance.md), then failures."""
     lines = _header(meta)
     for part in TABLE_PARTS:
         lines += ["", *part(results, summary, meta)]

@@ -63,6 +63,8 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         # ceiling: 2 ranks x 1 thread, each evaluating the whole set at once (no split)
         ("eval/ws2_independent", ["eval", "--world-size", "2", "--independent", *r(3, 1),
                                   *w(1, 1)], half),
+        # precision/recall's k-NN sharded: 1 and 2 processes x 1 thread (the section starts both)
+        ("prc", ["prc", *r(3, 1), *w(1, 0)], half),
         ("resume/quickstart", ["resume", *r(5, 1), *w(1, 1), *qs], one),
         ("resume/wrn", ["resume", *r(3, 1), *w(1, 1), *wrn], one),
         ("checkpoint/wrn", ["checkpoint", *r(5, 2), *w(1, 1), *wrn], one),

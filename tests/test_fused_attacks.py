@@ -17,8 +17,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks, get_optimizer
-from rebm.methods.dat.attacks import resolve_fuse_attacks
-from rebm.methods.dat.step import DAT
+from rebm.methods.dat.step import DAT, resolve_fuse_attacks
 from rebm.models import build_model
 from tests.helpers import (
     CONFIG,

@@ -4,7 +4,7 @@ It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batc
 x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
 if it is, in eval mode, and with `fuse_attacks` as one batched pass while both run
-(rebm.methods.dat.attacks); then the energy + classifier loss through the wrapper, so the engine's
+(`dat_attacks`); then the energy + classifier loss through the wrapper, so the engine's
 backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
 all-gathered global batch, so T follows the same schedule on any number of ranks.
 
@@ -17,10 +17,12 @@ r1reg > 0 the trained term r1reg * 1/2 mean ||grad||^2 is logged every step, as 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
+from rebm.attacks.fused import pgd_attack_streams
+from rebm.attacks.pgd import pgd_from_config, stream_from_config
 from rebm.config import TrainConfig
 from rebm.config.schedule import check_stage_schedule
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
@@ -28,7 +30,6 @@ from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
 from rebm.eval.auc import binary_auc
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
-from rebm.methods.dat.attacks import dat_attacks, resolve_fuse_attacks
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
 from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
@@ -38,6 +39,39 @@ def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     """f_y(x) in eval mode, without gradients (AUC scores when they cannot be reused)."""
     with torch.no_grad():
         return model(x).float().gather(1, y[:, None]).squeeze(1)
+
+
+def resolve_fuse_attacks(setting: Union[bool, str], device: torch.device) -> bool:
+    """`fuse_attacks` true/false as given; "auto": on for CUDA, off elsewhere.
+
+    On a GPU each attack's small per-device batch leaves the device underfed and pays its own
+    kernel launches: fused, the two attacks took 0.51-0.66x their separate time on an H100
+    (T = K = 10, 16-128 images per stream). On a CPU two threads are already busy with 32
+    images, and the fused pass measured 1.02-1.07x on an idle machine (docs/performance.md)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def dat_attacks(model: torch.nn.Module, cfg: TrainConfig, outdist_steps: int, batch: MicroBatch,
+                fuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x_adv, x_c_adv) of one micro-batch on `model` (the attacked module, in the mode the
+    caller set): negatives PGD_T(x_out) on f_y (the in-distribution labels) or logsumexp, and
+    PGD_K^CE(x_c); with `fuse`, as one batched pass while both run (rebm.attacks.fused)."""
+    out, clf = batch[OUTDIST.name], batch[CLASSIFIER.name]
+    attacks = (
+        (out.images, cfg.attack, dict(
+            steps=outdist_steps, y=batch[INDIST.name].labels, random_start_keys=out.keys,
+            objective="lse" if cfg.logsumexp_sampling else "logit")),
+        (clf.images, cfg.indist_attack_clf, dict(
+            objective="ce", y=clf.labels, random_start_keys=clf.keys)),
+    )
+    if fuse:
+        x_adv, x_c_adv = pgd_attack_streams(
+            model, [stream_from_config(x, threat, **kw) for x, threat, kw in attacks])
+    else:
+        x_adv, x_c_adv = (pgd_from_config(model, x, threat, **kw) for x, threat, kw in attacks)
+    return x_adv, x_c_adv
 
 
 class DAT(Method):

@@ -413,6 +413,20 @@ def _prc(results: dict, summary: dict, meta: dict) -> List[str]:
             f"{p['feature_rows_mib']:.0f} MiB"]
 
 
+def _fused(results: dict, summary: dict, meta: dict) -> List[str]:
+    f = results.get("fused/wrn")
+    lines = ["15. Both attacks in one pass (fuse_attacks): the two attacks of one micro-batch, "
+             "WRN-16-4, 32 px, 32 per stream, T=10, K=10, fp32 (interleaved, one process)"]
+    if not f or "attacks_s" not in f:
+        return lines + ["   n/a"]
+    for mode in ("eager", "compiled"):
+        s = f["attacks_s"]
+        lines.append(f"   {mode:9s} separate {s[mode + '_separate']:.3f} s, fused "
+                     f"{s[mode + '_fused']:.3f} s: ratio {f['fused_over_separate'][mode]:.3f} "
+                     f"(paired {f['fused_over_separate_paired'][mode]:.3f})")
+    return lines
+
+
 TABLE_PARTS = (
     _breakdown,
     _each_config("2. DDP efficiency: loop step, same global batch, 2 ranks x 1 thread vs 1 rank "
@@ -432,11 +446,12 @@ TABLE_PARTS = (
     _eval_share,
     _sampling,
     _prc,
+    _fused,
 )
 
 
 def table(results: dict, summary: dict, meta: dict) -> str:
-    """The printed table: a header, then sections 1-14 (docs/performance.md), then failures."""
+    """The printed table: a header, then sections 1-15 (docs/performance.md), then failures."""
     lines = _header(meta)
     for part in TABLE_PARTS:
         lines += ["", *part(results, summary, meta)]

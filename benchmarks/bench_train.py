@@ -30,6 +30,8 @@ Sections (the code of each is in benchmarks/sections/):
               step saves over an eager one (interleaved): after how many steps compiling pays
   sampling    images/s of the sample pass (SampleGenerator, fixed PGD steps) at 32 and 224 px
               against the attack roofline (the machine's GEMM rate / the steps' FLOPs)
+  fused       the two attacks of one micro-batch separate vs fused (fuse_attacks), eager and
+              compiled
   prc         precision/recall's k-NN (sharded) on 1 and 2 processes x 1 thread, 5000 + 5000
               2048-d rows (benchmarks/sections/fidelity.py)
   evalshare   seconds per image of a training step, an evaluation forward, a PGD step and an
@@ -57,6 +59,7 @@ from sections.common import CONFIGS, write_json
 from sections.ddp import section_ddp
 from sections.evaluation import section_eval
 from sections.fidelity import section_prc
+from sections.fused import section_fused
 from sections.peer import section_peer
 from sections.sampling import section_sampling
 from sections.speed import section_breakeven, section_compile, section_evalshare
@@ -77,6 +80,7 @@ SECTIONS = {
     "sampling": section_sampling,
     "breakeven": section_breakeven,
     "prc": section_prc,
+    "fused": section_fused,
 }
 
 

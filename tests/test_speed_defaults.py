@@ -78,11 +78,13 @@ def test_a_bad_value_names_the_key():
 
 @pytest.mark.slow
 def test_dat_run_compiles_two_graphs_whatever_t():
-    """Dynamo's graph count over DAT steps with a changing T: the attack forward (its input
-    requires grad) and the loss forward; T is a Python loop count and recompiles nothing.
+    """Dynamo's graph count over DAT steps with a changing T and log steps: the attack forward
+    (its input requires grad) and the loss forward; T is a Python loop count and recompiles
+    nothing, and a log step's no-grad scores use the uncompiled module.
     (The `eager` backend: dynamo's guards and graphs without inductor's slow CPU codegen.)"""
     cfg = load_config("experiments/quickstart/digits.yaml", [
-        "batch_size=8", "attack.start_step=1", "indist_attack_clf.max_steps=1"])
+        "batch_size=8", "attack.start_step=1", "indist_attack_clf.max_steps=1",
+        "fuse_attacks=false"])  # the separate attacks (tests/test_fused_attacks.py: the fused)
     runtime, plan = Runtime(), plan_batches(cfg, 1)
     torch.manual_seed(0)
     _, raw = build_model_all_ranks(cfg, runtime)
@@ -93,8 +95,10 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     batches = iter(build_train_data(cfg, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []
-    for T in (1, 1, 2, 3):
-        assert dat_update(model, optimizer, next(batches), T, cfg, plan, precision).finite
+    for T, log_now in ((1, False), (1, True), (2, False), (3, True)):
+        # a log step's clean-score forward (no grad) runs uncompiled: no third graph
+        assert dat_update(model, optimizer, next(batches), T, cfg, plan, precision,
+                          log_now=log_now).finite
         counts.append(compile_cache.compiled_graphs() - before)
     assert counts == [2, 2, 2, 2]
 
@@ -190,5 +194,6 @@ def test_the_start_up_line_says_whether_auto_compiles_and_why(tmp_path, override
     expected = (f"compile on (model.compile=auto: {steps} planned steps" if compiled
                 else f"compile off (model.compile=auto: {steps} planned steps, fewer than")
     assert expected in line, line
+    assert "speed options: attacks in two passes (fuse_attacks=auto: off for cpu)" in log
     assert isinstance(trainer.parts.model, OptimizedModule) is compiled
     assert (trainer.parts.compile_cache is not None) is compiled

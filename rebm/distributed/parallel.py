@@ -58,6 +58,14 @@ def attack_view(model: nn.Module) -> nn.Module:
     return model
 
 
+def scoring_view(model: nn.Module) -> nn.Module:
+    """What a step's no-grad scoring forwards run on (the AUC scores of log steps): the attack
+    view, but uncompiled. A compiled module would compile one more graph for them (no input
+    requires grad), a recompilation on the first log step for forwards that run rarely."""
+    view = attack_view(model)
+    return unwrap(view) if unwrap(view) is not strip_parallel(view) else view
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under any nesting of DDP, DataParallel and torch.compile wrappers."""
     while True:

@@ -127,6 +127,9 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
     model, raw_model = build_model_all_ranks(cfg, runtime, load_pretrained=load_pretrained,
                                              planned_steps=last_step)
+    method_options = method.speed_options(runtime.device)
+    if method_options:
+        LOGGER.info("speed options: %s", method_options)
     optimizer = get_optimizer(cfg, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),

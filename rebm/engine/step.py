@@ -15,15 +15,16 @@ from typing import List, Optional
 import torch
 
 from rebm.data import MicroBatch
-from rebm.distributed.parallel import attack_view, micro_step_sync
+from rebm.distributed.parallel import attack_view, micro_step_sync, scoring_view
 from rebm.distributed.precision import Precision
 from rebm.methods.base import Method, StepContext, StepResult
 
 
 def step_context(model: torch.nn.Module, precision: Precision) -> StepContext:
-    """What a method's loss runs on: the training wrapper, the attacks' view of it and the
-    run's autocast."""
-    return StepContext(model=model, attacked=attack_view(model), autocast=precision.autocast)
+    """What a method's loss runs on: the training wrapper, the attacks' view of it, the view
+    its no-grad scores use and the run's autocast."""
+    return StepContext(model=model, attacked=attack_view(model), autocast=precision.autocast,
+                       scorer=scoring_view(model))
 
 
 def update_all_ranks(ctx: StepContext, method: Method, optimizer: torch.optim.Optimizer,

@@ -35,6 +35,7 @@ class StepContext:
     # the engine's, and all-reduces the gradients under DDP)
     attacked: nn.Module  # attack_view(model): without DDP, through DataParallel, compiled if it is
     autocast: Callable[[], ContextManager]  # the run's mixed precision for forwards
+    scorer: nn.Module  # scoring_view(model): the no-grad score forwards, never compiled
 
     @property
     def device(self) -> torch.device:
@@ -143,3 +144,7 @@ class Method:
 
     def describe(self) -> str:
         return self.name
+
+    def speed_options(self, device: torch.device) -> Optional[str]:
+        """The method's own speed options as resolved on `device`, for the start-up log."""
+        return None

@@ -17,7 +17,7 @@ r1reg > 0 the trained term r1reg * 1/2 mean ||grad||^2 is logged every step, as 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -113,13 +113,13 @@ class DAT(Method):
                                          resolve_fuse_attacks(cfg.fuse_attacks, ctx.device))
         keep: Dict[str, torch.Tensor] = {}
         if log_now:
-            keep["out"] = _fy(ctx.attacked, out.images, y_in)
+            keep["out"] = _fy(ctx.scorer, out.images, y_in)
             if self.track_r1:
                 with ctx.autocast():
                     keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, cfg.logsumexp)
         if not self.frozen_bn:
-            keep["in"] = _fy(ctx.attacked, x_in, y_in)
-            keep["adv"] = _fy(ctx.attacked, x_adv, y_in)
+            keep["in"] = _fy(ctx.scorer, x_in, y_in)
+            keep["adv"] = _fy(ctx.scorer, x_adv, y_in)
         ctx.model.train()
         with ctx.autocast():
             losses = dat_loss(ctx.model, x_in, y_in, x_adv, x_c_adv, clf.labels,
@@ -174,6 +174,12 @@ class DAT(Method):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.curriculum.load_state_dict(state["curriculum"])
+
+    def speed_options(self, device: torch.device) -> Optional[str]:
+        fused = resolve_fuse_attacks(self.cfg.fuse_attacks, device)
+        why = f": {'on' if fused else 'off'} for {device.type}" if self.cfg.fuse_attacks == "auto" else ""
+        return (f"attacks {'in one fused pass' if fused else 'in two passes'} "
+                f"(fuse_attacks={str(self.cfg.fuse_attacks).lower()}{why})")
 
     def describe(self) -> str:
         return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_steps})"

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from rebm import distributed as rd  # noqa: E402
 from rebm.config import BatchPlan, TrainConfig, load_config  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
+from rebm.distributed.compile_cache import CACHE_DIRNAME  # noqa: E402
 from rebm.engine import trainer as trainer_module  # noqa: E402
 from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
 from rebm.engine.trainer import Trainer  # noqa: E402
@@ -180,11 +181,15 @@ def build(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> P
 
 
 def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
-    """A Trainer as `train` builds it, in cfg.run_dir emptied first (so it never resumes a state
-    an earlier section saved there), without periodic evaluation."""
-    if runtime.is_main:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        os.makedirs(cfg.run_dir)
+    """A Trainer as `train` builds it, in cfg.run_dir emptied first but for its compile cache
+    (so it never resumes a state an earlier section saved there, and a restart finds the
+    compiled code), without periodic evaluation."""
+    if runtime.is_main:  # everything but the compile cache, which a restart is meant to find
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        for name in os.listdir(cfg.run_dir):
+            if name != CACHE_DIRNAME:
+                path = os.path.join(cfg.run_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
     trainer = Trainer(cfg, runtime, DAT)

@@ -170,7 +170,12 @@ def section_breakeven(args) -> dict:
     after compile_s / saved_s steps."""
     from sections.common import loop_step
 
+    # a fresh local inductor cache, as on a new node: a warm one (an earlier section or run on
+    # this machine) would hide most of the compilation
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.workdir, "breakeven_inductor")
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     eager = single_process(args, ["model.compile=false"])
+    shutil.rmtree(os.path.join(eager.cfg.run_dir, "compile_cache"), ignore_errors=True)
     compiled = single_process(args, ["model.compile=true"])
     device = eager.runtime.device
     batches = prefetch(eager, 1 + args.warmup + args.reps)

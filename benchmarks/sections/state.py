@@ -10,7 +10,12 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from rebm.checkpoint.state import agree_on_resume_all_ranks, list_states, read_state
+from rebm.checkpoint.state import (
+    agree_on_resume_all_ranks,
+    list_states,
+    read_state,
+    training_state,
+)
 from rebm.data import build_train_data
 from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.dat import DAT
@@ -91,8 +96,8 @@ def section_checkpoint(args) -> dict:
     assemble, blocked, reads = [], [], []
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
-        _, t_assemble = timed(lambda: parts.state_dict(
-            cfg, 1, parts.progress.window.global_sums_all_ranks(runtime)[0]))
+        _, t_assemble = timed(lambda: training_state(   # what the save assembles
+            parts.stateful(), parts.method.stage, parts.progress.step, cfg, runtime.world_size))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
         _, t_read = timed(lambda: read_state(list_states(run_dir)[0]))
         if rep >= args.warmup:

@@ -7,7 +7,7 @@ their ranks with rebm.distributed.spawn, gloo on CPU), prints one table and writ
 <out>/results.json (per-section logs in <out>/logs/). Figures are medians of several repetitions;
 every ratio compares two measurements of the same invocation. Take final figures on an idle
 machine: `--quick` (one or two repetitions) is a smoke run whose numbers are noise.
-Default repetitions finish in about 15 minutes on an idle 2-core CPU (the compile section
+Default repetitions finish in about 30 minutes on an idle 2-core CPU (the compile section
 compiles three times).
 """
 

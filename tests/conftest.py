@@ -60,3 +60,15 @@ def straight(tmp_path_factory):
                           run_dir=root / f"ws{nproc}", timeout=400).assert_ok()
             (root / "done").touch()
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """The test's own computations on one torch thread (tests that compare numbers with
+    another process or library); the setting is restored after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -32,12 +32,8 @@ OVERRIDES = ["data.indist_dataset=cifar10", "data.image_size=16", "data.num_work
              "model.model_type=WideResNet10x1", "rand_seed=1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread in this process: the pytest workers already fill the cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_targets_are_every_other_class_or_the_next_ones():

@@ -52,12 +52,8 @@ def _cfg(root, *extra):
     return load_config(None, [*_overrides(root), *extra])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread in this process: the pytest workers already fill the cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,8 @@ from tests.processes import spawn_ranks
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread in this process: the pytest workers already fill the cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _features(n_gen: int, n_real: int, dims: int, seed: int = 0):

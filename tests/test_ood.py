@@ -32,13 +32,8 @@ from tests.fake_data import (
 )
 from tests.processes import spawn_ranks
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread in this process: the pytest workers already fill the cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,12 +31,8 @@ from tests.standins import STANDIN, random_fid_inception_state, standin_features
 N_SAMPLES = 12
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread in this process: the pytest workers already fill the cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,9 @@ def scoring_view(model: nn.Module) -> nn.Module:
     view, but uncompiled. A compiled module would compile one more graph for them (no input
     requires grad), a recompilation on the first log step for forwards that run rarely."""
     view = attack_view(model)
-    return unwrap(view) if unwrap(view) is not strip_parallel(view) else view
+    plain = unwrap(view)
+    # compiled (under DataParallel too): the plain module, on one device; else the view itself
+    return plain if plain is not strip_parallel(view) else view
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test test-fast lint bench clean
+.PHONY: setup quickstart test test-fast test-dispatch lint bench clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,15 @@ test: setup
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+
+# The tests that compare numbers (marked `numbers`) again, with PyTorch, oneDNN and MKL forced
+# below this CPU's own kernels: bits belong to a machine, so a test that passes only with the
+# kernels it was written on fails here (docs/design.md §7, numbers and machines). tests.dispatch
+# first checks that the forcing took (ATen ignores a value it does not know without a word).
+FORCED_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+test-dispatch: setup
+	$(FORCED_DISPATCH) $(BIN)/python -m tests.dispatch
+	$(FORCED_DISPATCH) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m numbers
 
 lint: setup
 	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100

@@ -70,9 +70,9 @@ TOLERANCE = {"dat": {"model": 4e-6, "ema": 4e-6, "optimizer": 3e-4},
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def runs_here(tmp_path_factory):
     """{run: run dir} of each run 0 -> 4 on this machine, a state at every step."""
-    root = tmp_path_factory.mktemp("straight")
+    root = tmp_path_factory.mktemp("runs_here")
     for name, (args, _, module) in RUNS.items():
         run_train(args, run_dir=root / name, timeout=300, module=module, threads=1).assert_ok()
     return {name: root / name for name in RUNS}
@@ -122,14 +122,14 @@ def resume(tmp_path, name: str, state: dict) -> tuple:
     return load_state(run_dir, 4), out
 
 
-def _resumes_bit_identically(tmp_path, straight, name):
+def _resumes_bit_identically(tmp_path, runs_here, name):
     """Today's step-2 state written in format 1 resumes to step 4 with the same bits as the run
     that wrote it went on (one thread: float sums differ with the thread count)."""
     stored = torch.load(RUNS[name][1], map_location="cpu", weights_only=True)
-    old = as_format1(load_state(straight[name], 2))
+    old = as_format1(load_state(runs_here[name], 2))
     assert "format" not in old and layout(old) == layout(stored)  # a real format-1 state
     resumed, _ = resume(tmp_path, name, old)
-    a = load_state(straight[name], 4)
+    a = load_state(runs_here[name], 4)
     assert resumed["format"] == a["format"] == STATE_FORMAT
     for (path, want), (other, got) in zip(leaves(a), leaves(resumed), strict=True):
         assert path == other
@@ -140,20 +140,20 @@ def _resumes_bit_identically(tmp_path, straight, name):
 
 
 @pytest.mark.slow
-def test_a_format1_dat_state_resumes_bit_identically(tmp_path, straight):
-    _resumes_bit_identically(tmp_path, straight, "dat")
+def test_a_format1_dat_state_resumes_bit_identically(tmp_path, runs_here):
+    _resumes_bit_identically(tmp_path, runs_here, "dat")
 
 
 @pytest.mark.slow
-def test_a_format1_stage1_state_resumes_bit_identically(tmp_path, straight):
-    _resumes_bit_identically(tmp_path, straight, "stage1")
+def test_a_format1_stage1_state_resumes_bit_identically(tmp_path, runs_here):
+    _resumes_bit_identically(tmp_path, runs_here, "stage1")
 
 
-def _stored_state_agrees_with_this_machine(tmp_path, straight, name):
+def _stored_state_agrees_with_this_machine(tmp_path, runs_here, name):
     """The stored state holds what a run here holds at step 2: integers, RNG states, counters and
     settings exactly, floats within TOLERANCE; and today's code resumes it to step 4."""
     stored = read_state(str(RUNS[name][1]))
-    here = load_state(straight[name], 2)
+    here = load_state(runs_here[name], 2)
     assert layout(stored) == layout(here)
     for (path, want), (other, got) in zip(leaves(here), leaves(stored), strict=True):
         assert path == other
@@ -164,17 +164,17 @@ def _stored_state_agrees_with_this_machine(tmp_path, straight, name):
         else:
             assert want == got, path
     resumed, _ = resume(tmp_path, name, torch.load(RUNS[name][1], weights_only=True))
-    assert resumed["method"] == load_state(straight[name], 4)["method"]
+    assert resumed["method"] == load_state(runs_here[name], 4)["method"]
 
 
 @pytest.mark.slow
-def test_the_stored_dat_state_agrees_with_a_run_here(tmp_path, straight):
-    _stored_state_agrees_with_this_machine(tmp_path, straight, "dat")
+def test_the_stored_dat_state_agrees_with_a_run_here(tmp_path, runs_here):
+    _stored_state_agrees_with_this_machine(tmp_path, runs_here, "dat")
 
 
 @pytest.mark.slow
-def test_the_stored_stage1_state_agrees_with_a_run_here(tmp_path, straight):
-    _stored_state_agrees_with_this_machine(tmp_path, straight, "stage1")
+def test_the_stored_stage1_state_agrees_with_a_run_here(tmp_path, runs_here):
+    _stored_state_agrees_with_this_machine(tmp_path, runs_here, "stage1")
 
 
 def test_the_weight_loader_reads_states_of_both_layouts(tmp_path):

@@ -109,9 +109,11 @@ def load_svhn(root: str, split: str, size: int) -> ImageSource:
 
 class ResizedSource(ImageSource):
     """A set of small images (32 px SVHN, CIFAR) read at another side: each batch resized on
-    access, bilinear with antialiasing: on uint8 images the bytes of PIL's bilinear Resize, the
-    original's (InNOutRobustness/utils/datasets/augmentations/cifar_augmentation.py:100,
-    svhn_augmentation.py:55). Per batch, not the whole set at once: CIFAR-100 at 224 px would
+    access by PIL's bilinear Resize, image by image, the original's operation
+    (InNOutRobustness/utils/datasets/augmentations/cifar_augmentation.py:100,
+    svhn_augmentation.py:55), on every CPU. torchvision's antialiased uint8 resize gives PIL's
+    bytes only through its AVX2 kernel; elsewhere (Arm, x86 without AVX2) 13 % of the bytes of
+    a noise image differ by 1. Per batch, not the whole set at once: CIFAR-100 at 224 px would
     hold 7.5 GB per process."""
 
     def __init__(self, source: TensorSource, size: int):
@@ -121,7 +123,11 @@ class ResizedSource(ImageSource):
         return len(self.source)
 
     def images(self, indices: np.ndarray) -> Tensor:
-        return TF.resize(self.source.images(indices), [self.size, self.size], antialias=True)
+        from PIL import Image
+
+        side = (self.size, self.size)
+        return torch.stack([TF.pil_to_tensor(TF.to_pil_image(image).resize(side, Image.BILINEAR))
+                            for image in self.source.images(indices)])
 
     def labels(self, indices: np.ndarray) -> Tensor:
         return self.source.labels(indices)

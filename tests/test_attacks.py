@@ -10,6 +10,8 @@ from torch import nn
 from rebm.attacks import keyed_uniform, pgd_attack, pgd_from_config, random_start
 from rebm.config import AttackConfig
 
+pytestmark = pytest.mark.numbers
+
 
 class TinyNet(nn.Module):
     """2-layer conv net with the model contract forward(x, y=None)."""

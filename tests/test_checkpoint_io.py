@@ -25,6 +25,8 @@ from rebm.engine.build import build_model_all_ranks
 from rebm.models import build_model
 from tests.processes import spawn_ranks
 
+pytestmark = pytest.mark.numbers
+
 ARCH = "WideResNet10x1"
 
 

@@ -16,6 +16,8 @@ from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET
 from tests.fake_data import write_robustness_checkpoint
 from tests.timm_reference import timm_arguments
 
+pytestmark = pytest.mark.numbers
+
 X = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 
 

@@ -33,7 +33,7 @@ OVERRIDES = ["data.indist_dataset=cifar10", "data.image_size=16", "data.num_work
 
 
 # one torch thread in this process: the pytest workers already fill the cores
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numbers]
 
 
 def test_targets_are_every_other_class_or_the_next_ones():

@@ -12,6 +12,8 @@ from rebm.config import TrainConfig
 from rebm.eval.auc import binary_auc
 from rebm.methods.dat.curriculum import Curriculum
 
+pytestmark = pytest.mark.numbers
+
 
 @pytest.mark.parametrize("n_pos,n_neg,levels", [(50, 70, None), (128, 128, 5), (7, 300, 3), (1, 1, None), (40, 3, 2)])
 def test_auc_equals_sklearn(n_pos, n_neg, levels):

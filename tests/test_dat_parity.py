@@ -26,7 +26,7 @@ from tests.helpers import randomise_bn as _randomise_bn  # non-trivial BatchNorm
 from tests.standins import generate_samples
 from tests.steps import dat_update
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numbers]
 
 DIGITS = "experiments/quickstart/digits.yaml"
 CIFAR = "experiments/cifar10/dat_wrn34x10_seed0.yaml"

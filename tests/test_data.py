@@ -38,6 +38,8 @@ from tests.fake_data import (
 )
 from tests.helpers import make_cfg
 
+pytestmark = pytest.mark.numbers
+
 N_TRAIN = 120  # 120 / 24 = 5 steps per epoch
 STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # DAT's three streams
 

@@ -37,6 +37,8 @@ from tests.fake_data import (
     write_image_folder,
 )
 
+pytestmark = pytest.mark.numbers
+
 STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # DAT's three streams
 
 CLASSES, N_TRAIN, N_VAL = 3, 4, 3  # 12 training images: 2 steps per epoch at batch 6

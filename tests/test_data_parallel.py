@@ -16,7 +16,7 @@ from rebm.methods.dat import step as step_module
 from rebm.methods.dat.step import DAT
 from tests.steps import dat_update
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.numbers]
 
 CONFIG = "experiments/quickstart/digits.yaml"
 SMALL = ["batch_size=16", "attack.start_step=2", "indist_attack_clf.max_steps=2"]

@@ -24,6 +24,8 @@ from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
 from tests.standins import fit_head
 
+pytestmark = pytest.mark.numbers
+
 N_TEST = 101
 EVAL_OVERRIDES = [
     "data.indist_dataset=cifar10",

@@ -30,6 +30,8 @@ from tests.standins import (  # noqa: E402
     standin_features,
 )
 
+pytestmark = pytest.mark.numbers
+
 OVERRIDES = [
     "data.indist_dataset=cifar10",
     "data.num_workers=0",

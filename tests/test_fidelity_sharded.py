@@ -31,7 +31,7 @@ K = 3
 
 
 # one torch thread in this process: the pytest workers already fill the cores
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numbers]
 
 
 def _features(n_gen: int, n_real: int, dims: int, seed: int = 0):

@@ -32,7 +32,7 @@ from tests.helpers import (
 )
 from tests.steps import dat_update
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.numbers]
 
 B = 6  # per stream
 

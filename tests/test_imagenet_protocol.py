@@ -24,6 +24,8 @@ from rebm.eval.table.spec import load_table, row_configs
 from tests.fake_data import write_fake_imagenet
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.numbers
+
 SAMPLE_METRICS = {c.name for c in metric_classes(["fid", "inception_score", "precision_recall"])
                   if c.source == SAMPLES}
 

@@ -20,6 +20,8 @@ from rebm.models.base import Classifier
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD
 from rebm.models.wideresnet import ARCHITECTURES
 
+pytestmark = pytest.mark.numbers
+
 
 def _randomise_bn(model, seed=0):
     """Non-trivial BN statistics/affine, so tests see whether BN is applied as the original."""

@@ -18,6 +18,8 @@ from rebm.models.imagenet import CONVNEXTS, RESNETS
 from rebm.models.stats import IMAGENET_MEAN, IMAGENET_STD
 from tests.timm_reference import timm_arguments, timm_name
 
+pytestmark = pytest.mark.numbers
+
 IMAGENET_TYPES = list(RESNETS) + list(CONVNEXTS)
 NUM_CLASSES = 7
 

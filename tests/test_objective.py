@@ -8,6 +8,8 @@ from torch import nn
 from rebm.config import TrainConfig
 from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy, loss_weights
 
+pytestmark = pytest.mark.numbers
+
 
 class TinyNet(nn.Module):
     """2-layer conv net with the model contract forward(x, y=None); smooth, so R1 is smooth."""

@@ -33,7 +33,7 @@ from tests.fake_data import (
 from tests.processes import spawn_ranks
 
 # one torch thread in this process: the pytest workers already fill the cores
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numbers]
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ def records_to(run_dir, step):
     return comparable([r for r in read_metrics(run_dir) if r["step"] <= step])
 
 
+@pytest.mark.numbers
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_and_resume_is_bit_identical(straight, resumed, nproc):
     run_dir, output = resumed(nproc)

@@ -32,7 +32,7 @@ N_SAMPLES = 12
 
 
 # one torch thread in this process: the pytest workers already fill the cores
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numbers]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from rebm.methods.dat.step import DAT
 from rebm.models import build_model
 from tests.steps import dat_update
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numbers]
 
 ARCH = "WideResNet10x1"
 

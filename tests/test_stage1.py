@@ -100,6 +100,7 @@ def stage1_straight(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.numbers
 @pytest.mark.timeout(400)
 def test_stage1_stop_and_continue_is_bit_identical(stage1_straight, tmp_path):
     run_dir = tmp_path / "split"

@@ -14,7 +14,7 @@ from rebm.config import load_config
 from rebm.models import model_from_config
 from tests.helpers import CONFIG, FAST, load_state, run_train
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.numbers]
 
 STATES = Path(__file__).parent / "data_states"
 DAT_STATE = STATES / "dat_state_format1_step2.pt"  # CONFIG + FAST, max_steps=4, 1 process

@@ -14,7 +14,7 @@ from rebm.methods.dat.step import DAT
 from tests.processes import spawn_ranks
 from tests.steps import dat_update
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.numbers]
 
 
 def _worker(result_dir: str, r1reg: float) -> None:

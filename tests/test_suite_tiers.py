@@ -1,10 +1,16 @@
 """The `slow` tier `make test-fast` leaves out is marked at each test (`@pytest.mark.slow`, or a
 file's `pytestmark`). The guard: every test that starts a training run is marked, so the fast
-tier stays fast; and the files conftest.py starts first exist."""
+tier stays fast; and the files conftest.py starts first exist. The `numbers` tier `make
+test-dispatch` reruns under a forced CPU dispatch holds every file that reads stored numbers,
+and that dispatch is in effect."""
 
 import ast
+import os
+
+import pytest
 
 from tests.conftest import LONGEST_FIRST
+from tests.dispatch import aten_capability, mismatches
 from tests.helpers import REPO
 
 # Calls that start a training run (tests.helpers.run_train; test_stage1's command builders), and
@@ -17,9 +23,13 @@ def _is_slow(decorators) -> bool:
     return any("mark.slow" in ast.unparse(d) for d in decorators)
 
 
-def _file_is_slow(tree: ast.Module) -> bool:
+def _file_marks(tree: ast.Module, mark: str) -> bool:
     return any(isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0])
-               and "mark.slow" in ast.unparse(node.value) for node in tree.body)
+               and f"mark.{mark}" in ast.unparse(node.value) for node in tree.body)
+
+
+def _file_is_slow(tree: ast.Module) -> bool:
+    return _file_marks(tree, "slow")
 
 
 def _calls(node: ast.AST) -> set:
@@ -76,3 +86,27 @@ def test_the_guard_sees_an_unmarked_run():
 
 def test_the_files_started_first_exist():
     assert all((REPO / path).exists() for path in LONGEST_FIRST), LONGEST_FIRST
+
+
+# --------------------------------------------------------------------------------------------
+# The `numbers` tier `make test-dispatch` reruns under a forced lower CPU dispatch
+# --------------------------------------------------------------------------------------------
+STORED = ("data_states",)  # folders of tests/ holding numbers computed on another machine
+
+
+def test_every_file_that_reads_stored_numbers_is_marked_numbers():
+    """A test that compares with numbers computed elsewhere is what a forced dispatch must
+    rerun (docs/design.md §7, storing a reference)."""
+    unmarked = [path.name for path in sorted((REPO / "tests").glob("test_*.py"))
+                if path.name != "test_suite_tiers.py"
+                and any(folder in path.read_text() for folder in STORED)
+                and not _file_marks(ast.parse(path.read_text()), "numbers")]
+    assert not unmarked, f"mark these files pytest.mark.numbers: {unmarked}"
+
+
+@pytest.mark.numbers
+def test_the_cpu_dispatch_asked_for_is_in_effect():
+    """Under `make test-dispatch` ATen and oneDNN run the forced level; without a forcing
+    variable they report the machine's own (ATen ignores an unknown value without a word)."""
+    assert mismatches(dict(os.environ)) == []
+    assert aten_capability() in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "SVE"}

@@ -42,6 +42,7 @@ def runs(straight, tmp_path_factory):
 # loop amplifies that noise (normalised-gradient steps through ReLU kinks): measured 7e-5 at
 # lr 0.005 and 6e-3 at lr 0.05 for DDP vs one process, while the same 20 steps without attacks
 # agree to 5e-8 — so the loop itself adds nothing; the 20-step bound is checked both ways.
+@pytest.mark.numbers
 @pytest.mark.slow
 @pytest.mark.parametrize("single, other, bound20", [
     ("single", "ddp2", 1e-4), ("single", "accum4", 1e-4),
@@ -60,6 +61,7 @@ def test_same_result_as_single_process_full_batch(runs, single, other, bound20):
     assert schedule == [r["cur_outdist_steps"] for r in read_metrics(runs[other])]
 
 
+@pytest.mark.numbers
 @pytest.mark.slow
 def test_replicas_identical_across_ranks(runs):
     """Every state save checks that the ranks hold bit-identical weights and EMA (and refuses

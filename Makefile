@@ -1,24 +1,41 @@
 # Two commands for a new user: `make quickstart` and `make test`.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test test-fast test-dispatch lint bench clean
+.PHONY: setup quickstart test test-fast test-dispatch test-oldest lint bench clean
 
 setup: $(STAMP)
 
-# PyTorch's wheels from another index, e.g. its CPU-only build (no CUDA libraries, a fraction of
-# the size): make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu. Empty: PyPI's default.
+# The torch pair `make setup` installs: the upper end of the supported range (pyproject.toml,
+# torch 2.8 to 2.14), which `make test` runs on; `make test-oldest` builds .venv-oldest with the
+# lower end. TORCH_INDEX: PyTorch's wheels from another index, e.g. its CPU-only build (no CUDA
+# libraries) https://download.pytorch.org/whl/cpu or a CUDA build for an older driver
+# (.../whl/cu126, cu128, cu129, cu130; README). Empty: pip's configured index (PyPI).
+TORCH ?= 2.14.1
+TORCHVISION ?= 0.29.1
 TORCH_INDEX ?=
+# SYSTEM_TORCH=1: the venv sees the system's packages and keeps the torch and torchvision
+# installed there (a cluster's module, a container's build); pip refuses them, in its own
+# words, when they are outside the supported range, instead of replacing them.
+SYSTEM_TORCH ?=
+OLDEST_TORCH := 2.8.0
+OLDEST_TORCHVISION := 0.23.0
 
 # Idempotent: the venv is made once and re-installed only when pyproject.toml changes. The
 # editable install runs with -q -q: pip's errors still show, setuptools' banner does not.
+# setuptools >= 77 reads the license field (pyproject.toml) for pip's --no-build-isolation.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX)) torch==2.14.1 torchvision==0.29.1
+	test -x $(BIN)/python || $(PYTHON) -m venv$(if $(SYSTEM_TORCH), --system-site-packages) $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
+ifeq ($(SYSTEM_TORCH),)
+	$(BIN)/python -m pip install --quiet$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX)) torch==$(TORCH) torchvision==$(TORCHVISION)
 	$(BIN)/python -m pip install -q -q -e ".[dev]"
+else
+	$(BIN)/python -c "import torch, torchvision; print(f'torch=={torch.__version__}'); print(f'torchvision=={torchvision.__version__}')" > $(VENV)/system-torch.txt 2>/dev/null || { echo "SYSTEM_TORCH=1: $(PYTHON) has no torch and torchvision to keep; install them there, or leave SYSTEM_TORCH unset" >&2; exit 1; }
+	$(BIN)/python -m pip install -q -q -c $(VENV)/system-torch.txt -e ".[dev]"
+endif
 	touch $(STAMP)
 
 # Stage 1 (adversarial training, live BatchNorm), then stage 2 (DAT) from its checkpoint;
@@ -49,6 +66,12 @@ test-dispatch: setup
 	$(FORCED_DISPATCH) $(BIN)/python -m tests.dispatch
 	$(FORCED_DISPATCH) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m numbers
 
+# The fast tier and the tests of the bridges between torch releases (marked `bridge`) on the
+# oldest supported torch, in its own venv (a second CUDA build of torch from PyPI, ~7 GB).
+test-oldest:
+	$(MAKE) --no-print-directory setup VENV=.venv-oldest TORCH=$(OLDEST_TORCH) TORCHVISION=$(OLDEST_TORCHVISION)
+	OMP_NUM_THREADS=1 .venv-oldest/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow or bridge"
+
 lint: setup
 	$(BIN)/ruff check rebm tests benchmarks InNOutRobustnessMean0_cifar100
 	$(BIN)/lint-imports
@@ -57,4 +80,4 @@ bench: setup
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-oldest runs .pytest_cache

@@ -149,6 +149,7 @@ def _ddp_worker(root, paths):
         teardown(runtime)
 
 
+@pytest.mark.bridge
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_trip_ddp_two_processes(files):

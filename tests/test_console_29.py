@@ -54,7 +54,7 @@ def test_make_setup_keeps_pip_errors_but_not_the_editable_install_banner():
     single -q lets through; torch and torchvision come from PyPI's default index, as before."""
     assert make_setup_commands() == [
         "test -x .venv/bin/python || python3 -m venv .venv",
-        ".venv/bin/python -m pip install --quiet --upgrade pip",
+        '.venv/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"',
         ".venv/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1",
         '.venv/bin/python -m pip install -q -q -e ".[dev]"',
         "touch .venv/.installed",
@@ -70,6 +70,26 @@ def test_make_setup_torch_index_installs_torch_from_that_index():
                   f"{url} torch==2.14.1 torchvision==0.29.1")
     assert chosen == [torch_line if "torch==" in line else line for line in default]
     assert sum(url in line for line in chosen) == 1
+
+
+def test_make_setup_system_torch_keeps_the_installed_pair():
+    """`make setup SYSTEM_TORCH=1`: a venv over the system's packages, no torch installed, and
+    the editable install constrained to the torch and torchvision found there."""
+    commands = make_setup_commands("SYSTEM_TORCH=1")
+    assert commands[0] == "test -x .venv/bin/python || python3 -m venv --system-site-packages .venv"
+    assert not any("pip install --quiet torch==" in line for line in commands)
+    assert any("> .venv/system-torch.txt" in line and "SYSTEM_TORCH=1:" in line for line in commands)
+    assert '.venv/bin/python -m pip install -q -q -c .venv/system-torch.txt -e ".[dev]"' in commands
+
+
+def test_make_test_oldest_builds_its_own_venv_with_the_lower_end_of_the_range():
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "test-oldest"], cwd=REPO,
+                         check=True, env=env, capture_output=True, text=True).stdout
+    assert "setup VENV=.venv-oldest TORCH=2.8.0 TORCHVISION=0.23.0" in out
+    assert '.venv-oldest/bin/python -m pytest' in out and '-m "not slow or bridge"' in out
+    lower = make_setup_commands("VENV=.venv-oldest", "TORCH=2.8.0", "TORCHVISION=0.23.0")
+    assert ".venv-oldest/bin/python -m pip install --quiet torch==2.8.0 torchvision==0.23.0" in lower
 
 
 def run_evaluate(tmp_path, *args, ckpt_dir=None):

@@ -13,7 +13,7 @@ from rebm import distributed as rd
 from tests.helpers import BIN, REPO, base_env, run_command, run_train
 from tests.processes import popen, spawn_ranks
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.bridge]
 
 
 def _two_ranks_worker(result_dir: str) -> None:

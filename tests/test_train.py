@@ -42,6 +42,7 @@ def runs(straight, tmp_path_factory):
 # loop amplifies that noise (normalised-gradient steps through ReLU kinks): measured 7e-5 at
 # lr 0.005 and 6e-3 at lr 0.05 for DDP vs one process, while the same 20 steps without attacks
 # agree to 5e-8 — so the loop itself adds nothing; the 20-step bound is checked both ways.
+@pytest.mark.bridge
 @pytest.mark.numbers
 @pytest.mark.slow
 @pytest.mark.parametrize("single, other, bound20", [
@@ -61,6 +62,7 @@ def test_same_result_as_single_process_full_batch(runs, single, other, bound20):
     assert schedule == [r["cur_outdist_steps"] for r in read_metrics(runs[other])]
 
 
+@pytest.mark.bridge
 @pytest.mark.numbers
 @pytest.mark.slow
 def test_replicas_identical_across_ranks(runs):
@@ -98,6 +100,7 @@ def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
     rd.teardown(runtime)
 
 
+@pytest.mark.bridge
 def test_a_save_refuses_replicas_that_differ(tmp_path):
     """One ulp of the EMA on rank 1: both ranks refuse the save in one line, and the state
     before stays the newest."""

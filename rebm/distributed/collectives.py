@@ -15,6 +15,11 @@ import torch
 import torch.distributed as dist
 
 from rebm.distributed.runtime import Runtime
+from rebm.distributed.torch_versions import (
+    all_gather_single,
+    set_default_group_timeout,
+    unsettable_timeout,
+)
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
@@ -155,7 +160,7 @@ def all_gather_cat(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     buf = tensor.detach().contiguous().to(_comm_device(runtime))
     out = torch.empty((runtime.world_size * buf.shape[0], *buf.shape[1:]), dtype=buf.dtype,
                       device=buf.device)
-    dist.all_gather_single(out, buf)
+    all_gather_single(out, buf)
     return out.to(tensor.device)
 
 
@@ -167,15 +172,20 @@ def barrier(runtime: Runtime) -> None:
             dist.barrier()
 
 
-def set_collective_timeout(runtime: Runtime, timeout_s: float) -> None:
+def set_collective_timeout(runtime: Runtime, timeout_s: float) -> Optional[str]:
     """Shorten the timeout of the default group once start-up (data, compile) is over, so a rank
-    that stops arriving surfaces in minutes, not the 30-minute default."""
+    that stops arriving surfaces in minutes, not the 30-minute default. Returns why the timeout
+    stays as it was (None: set); the caller at the first step reports it, once per run."""
     if not runtime.distributed:
-        return
+        return None
+    unsettable = unsettable_timeout(runtime.backend)
+    if unsettable:
+        return unsettable
     try:
-        dist.set_timeout(datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, AttributeError) as err:  # not every backend supports it
-        LOGGER.warning("could not shorten the collective timeout (%s)", err)
+        set_default_group_timeout(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # not every backend supports it
+        return f"could not shorten the collective timeout ({err})"
+    return None
 
 
 class CollectiveTimeout(RuntimeError):

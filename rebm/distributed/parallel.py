@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rebm.distributed.runtime import Runtime
+from rebm.distributed.torch_versions import distributed_data_parallel
 
 LOGGER = logging.getLogger("rebm")
 
@@ -100,7 +101,7 @@ def wrap_model(model: nn.Module, runtime: Runtime, *, live_batchnorm: bool,
     if compile:
         model = torch.compile(model)
     if runtime.distributed:
-        model = DDP(
+        model = distributed_data_parallel(
             model,
             device_ids=[runtime.local_rank] if runtime.device.type == "cuda" else None,
             # Frozen BN: running stats never change, so broadcasting them every forward is waste.

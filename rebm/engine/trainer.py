@@ -240,7 +240,9 @@ class Trainer:
         if parts.compile_cache is not None:
             parts.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
         if progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
-            set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
+            kept = set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
+            if kept:
+                LOGGER.warning(kept)
         progress.steps_run += 1
         return result
 

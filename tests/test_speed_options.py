@@ -174,8 +174,10 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     the compiled module, not the plain one `unwrap` returns."""
     from rebm.methods.dat import step as step_module
 
+    # fuse_attacks=false: the separate attacks go through pgd_from_config (on a CUDA machine
+    # `auto` fuses them into one pass, which tests/test_fused_attacks.py covers)
     cfg = load_config("experiments/quickstart/digits.yaml",
-                      ["model.compile=true", f"run_dir={tmp_path}"])
+                      ["model.compile=true", "fuse_attacks=false", f"run_dir={tmp_path}"])
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg, Runtime())
     assert strip_parallel(model) is model and strip_parallel(torch.nn.DataParallel(model)) is model

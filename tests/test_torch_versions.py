@@ -81,3 +81,16 @@ def test_the_supported_range_holds_the_running_torch():
     oldest = next(line.split(":=")[1].strip() for line in (REPO / "Makefile").read_text()
                   .splitlines() if line.startswith("OLDEST_TORCH :="))
     assert tuple(int(v) for v in oldest.split(".")[:2]) == low  # make test-oldest tests it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(unsettable_timeout("gloo") is None, reason="this torch's gloo takes the timeout")
+def test_a_torch_whose_gloo_keeps_its_timeout_says_so_once_and_trains(tmp_path):
+    """torch 2.8 (make test-oldest): the step timeout cannot be applied; the run says so in one
+    line per job and trains on."""
+    from tests.helpers import CONFIG, FAST, run_train
+
+    out = run_train([CONFIG, *FAST, "max_steps=2"], nproc=2, run_dir=tmp_path / "run",
+                    timeout=240).assert_ok().output
+    lines = [line for line in out.splitlines() if "cannot shorten the collective timeout" in line]
+    assert len(lines) == 1 and "ddp_step_timeout_s" in lines[0], lines

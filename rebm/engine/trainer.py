@@ -241,7 +241,7 @@ class Trainer:
             parts.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
         if progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
             kept = set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
-            if kept:
+            if kept and self.runtime.is_main:  # the same on every rank: one line per job
                 LOGGER.warning(kept)
         progress.steps_run += 1
         return result

@@ -111,70 +111,53 @@ def leaves(value, path=()):
         yield path, value
 
 
-def resume(tmp_path, name: str, state: dict) -> tuple:
-    """Write `state` as the run dir's step-2 state and continue it to step 4 here."""
+def resume(tmp_path, name: str, state: dict) -> dict:
+    """Write `state` as the run dir's step-2 state, continue it to step 4 here: that state."""
     args, _, module = RUNS[name]
     run_dir = tmp_path / "resumed"
     (run_dir / "checkpoints").mkdir(parents=True)
     torch.save(state, run_dir / "checkpoints" / "state_000000002.pt")
     out = run_train(args, run_dir=run_dir, timeout=300, module=module, threads=1).assert_ok().output
     assert "resumed from" in out and "at step 2" in out
-    return load_state(run_dir, 4), out
+    return load_state(run_dir, 4)
 
 
-def _resumes_bit_identically(tmp_path, runs_here, name):
+def assert_same_leaves(want: dict, got: dict, bounds=None):
+    """Every leaf equal, bit for bit; with `bounds` ({part: bound}) float tensors may differ by
+    up to their part's bound."""
+    for (path, a), (other, b) in zip(leaves(want), leaves(got), strict=True):
+        assert path == other
+        if bounds and torch.is_tensor(a) and a.is_floating_point():
+            assert (a - b).abs().max().item() <= bounds[path[0]], path
+        elif torch.is_tensor(a):
+            assert torch.equal(a, b), path
+        else:
+            assert a == b, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
+def test_a_format1_state_resumes_bit_identically(tmp_path, runs_here, name):
     """Today's step-2 state written in format 1 resumes to step 4 with the same bits as the run
     that wrote it went on (one thread: float sums differ with the thread count)."""
     stored = torch.load(RUNS[name][1], map_location="cpu", weights_only=True)
     old = as_format1(load_state(runs_here[name], 2))
     assert "format" not in old and layout(old) == layout(stored)  # a real format-1 state
-    resumed, _ = resume(tmp_path, name, old)
-    a = load_state(runs_here[name], 4)
-    assert resumed["format"] == a["format"] == STATE_FORMAT
-    for (path, want), (other, got) in zip(leaves(a), leaves(resumed), strict=True):
-        assert path == other
-        if torch.is_tensor(want):
-            assert torch.equal(want, got), path
-        else:
-            assert want == got, path
+    resumed, straight = resume(tmp_path, name, old), load_state(runs_here[name], 4)
+    assert resumed["format"] == straight["format"] == STATE_FORMAT
+    assert_same_leaves(straight, resumed)
 
 
 @pytest.mark.slow
-def test_a_format1_dat_state_resumes_bit_identically(tmp_path, runs_here):
-    _resumes_bit_identically(tmp_path, runs_here, "dat")
-
-
-@pytest.mark.slow
-def test_a_format1_stage1_state_resumes_bit_identically(tmp_path, runs_here):
-    _resumes_bit_identically(tmp_path, runs_here, "stage1")
-
-
-def _stored_state_agrees_with_this_machine(tmp_path, runs_here, name):
+@pytest.mark.parametrize("name", RUNS)
+def test_the_stored_state_agrees_with_a_run_here(tmp_path, runs_here, name):
     """The stored state holds what a run here holds at step 2: integers, RNG states, counters and
     settings exactly, floats within TOLERANCE; and today's code resumes it to step 4."""
-    stored = read_state(str(RUNS[name][1]))
-    here = load_state(runs_here[name], 2)
+    stored, here = read_state(str(RUNS[name][1])), load_state(runs_here[name], 2)
     assert layout(stored) == layout(here)
-    for (path, want), (other, got) in zip(leaves(here), leaves(stored), strict=True):
-        assert path == other
-        if torch.is_tensor(want) and want.is_floating_point():
-            assert (want - got).abs().max().item() <= TOLERANCE[name][path[0]], path
-        elif torch.is_tensor(want):
-            assert torch.equal(want, got), path
-        else:
-            assert want == got, path
-    resumed, _ = resume(tmp_path, name, torch.load(RUNS[name][1], weights_only=True))
+    assert_same_leaves(here, stored, TOLERANCE[name])
+    resumed = resume(tmp_path, name, torch.load(RUNS[name][1], weights_only=True))
     assert resumed["method"] == load_state(runs_here[name], 4)["method"]
-
-
-@pytest.mark.slow
-def test_the_stored_dat_state_agrees_with_a_run_here(tmp_path, runs_here):
-    _stored_state_agrees_with_this_machine(tmp_path, runs_here, "dat")
-
-
-@pytest.mark.slow
-def test_the_stored_stage1_state_agrees_with_a_run_here(tmp_path, runs_here):
-    _stored_state_agrees_with_this_machine(tmp_path, runs_here, "stage1")
 
 
 def test_the_weight_loader_reads_states_of_both_layouts(tmp_path):

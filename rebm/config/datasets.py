@@ -20,7 +20,7 @@ rebm.data in code and the layers hold; importing this module imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from rebm.config.registry import Registry
 
@@ -62,3 +62,13 @@ def dataset_reads_files(role: str, name: str) -> bool:
     (data.indist_ds_dir / data.outdist_std_dir), so that its absence is worth a warning."""
     registry = REGISTRIES[role]
     return name in registry and registry.get(name).reads_files
+
+
+def indist_root_files(data) -> Dict[str, Optional[str]]:
+    """The in-distribution root as an entry of a file list (`Metric.files`, the samples' files,
+    `--check`): {'data.indist_ds_dir': root}, or nothing for a dataset that reads no files
+    (digits come with scikit-learn), which `--check` must not report missing. `data` is the
+    config's data section."""
+    if dataset_reads_files(INDIST_ROLE, data.indist_dataset):
+        return {"data.indist_ds_dir": data.indist_ds_dir}
+    return {}

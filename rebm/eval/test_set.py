@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from rebm.config.datasets import indist_root_files
 from rebm.data.pipeline import build_eval_data, indist_source
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_sum
@@ -37,7 +38,7 @@ def test_set_settings(cfg) -> Dict[str, Any]:
 
 def test_set_files(cfg) -> Dict[str, Optional[str]]:
     """The dataset root and the ids file a test-set metric reads (`Metric.files`)."""
-    files: Dict[str, Optional[str]] = {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+    files: Dict[str, Optional[str]] = indist_root_files(cfg.data)
     if cfg.eval.image_ids:
         files["eval.image_ids"] = (ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench"
                                    else cfg.eval.image_ids)

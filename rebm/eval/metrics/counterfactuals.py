@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from rebm.config.datasets import indist_root_files
 from rebm.data.ood_sets import indist_test_set
 from rebm.data.pipeline import loader_workers
 from rebm.eval.counterfactual.attack import (
@@ -101,7 +102,7 @@ class Counterfactuals(Metric):
         features, their weights."""
         ev = cfg.eval
         found: Dict[str, Optional[str]] = (
-            {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+            indist_root_files(cfg.data)
             if ev.counterfactual_protocol == "original" else test_set_files(cfg))
         template = ev.counterfactual_fid_stats
         if template:

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from rebm.config.datasets import indist_root_files
 from rebm.data.pipeline import load_indist
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
@@ -213,7 +214,7 @@ class PrecisionRecall(Metric):
     @classmethod
     def files(cls, cfg) -> Dict[str, Optional[str]]:
         reference = ({"eval.pr_reference": cfg.eval.pr_reference} if cfg.eval.pr_reference
-                     else {"data.indist_ds_dir": cfg.data.indist_ds_dir})
+                     else indist_root_files(cfg.data))
         return {**reference, **sample_files(cfg),
                 **weights_files(cfg.image_log.inception_weights)}
 

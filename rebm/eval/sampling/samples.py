@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rebm.config.datasets import indist_root_files
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
@@ -87,7 +88,7 @@ def sample_files(cfg) -> Dict[str, Optional[str]]:
     that 'gaussian' seeds are fitted to."""
     seeds = cfg.image_log.seed_images
     if seeds == "gaussian":
-        return {"data.indist_ds_dir": cfg.data.indist_ds_dir}
+        return indist_root_files(cfg.data)
     return {} if seeds in NOISE_SEEDS else {"image_log.seed_images": seeds}
 
 

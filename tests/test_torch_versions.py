@@ -4,6 +4,7 @@ test-oldest` on the lowest one (the tests marked `bridge`)."""
 
 import ast
 import os
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from rebm.distributed.torch_versions import (
     torch_release,
     unsettable_timeout,
 )
+from tests.helpers import REPO
 from tests.processes import spawn_ranks
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.bridge]
@@ -69,14 +71,9 @@ def test_the_gloo_timeout_bridge_names_the_releases_that_cannot_shorten_it():
 def test_the_supported_range_holds_the_running_torch():
     """pyproject.toml's torch range is the one this suite runs on (make test: the pinned upper
     end; make test-oldest: the lower)."""
-    import tomllib
-
-    from tests.helpers import REPO
-
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_range,) = [d for d in deps if d.startswith("torch>=")]
-    low, high = (tuple(int(v) for v in bound.split(".")) for bound in
-                 (torch_range.split(">=")[1].split(",")[0], torch_range.split("<")[1]))
+    found = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    torch_range = found.group(0)
+    low, high = (tuple(int(v) for v in bound.split(".")) for bound in found.groups())
     assert low <= torch_release() < high, (torch_range, torch.__version__)
     oldest = next(line.split(":=")[1].strip() for line in (REPO / "Makefile").read_text()
                   .splitlines() if line.startswith("OLDEST_TORCH :="))

@@ -20,6 +20,7 @@ TORCH_INDEX ?=
 # installed there (a cluster's module, a container's build); pip refuses them, in its own
 # words, when they are outside the supported range, instead of replacing them.
 SYSTEM_TORCH ?=
+KEEP_TORCH := $(filter 1,$(SYSTEM_TORCH))
 OLDEST_TORCH := 2.8.0
 OLDEST_TORCHVISION := 0.23.0
 
@@ -27,13 +28,13 @@ OLDEST_TORCHVISION := 0.23.0
 # editable install runs with -q -q: pip's errors still show, setuptools' banner does not.
 # setuptools >= 77 reads the license field (pyproject.toml) for pip's --no-build-isolation.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv$(if $(SYSTEM_TORCH), --system-site-packages) $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv$(if $(KEEP_TORCH), --system-site-packages) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
-ifeq ($(SYSTEM_TORCH),)
+ifeq ($(KEEP_TORCH),)
 	$(BIN)/python -m pip install --quiet$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX)) torch==$(TORCH) torchvision==$(TORCHVISION)
 	$(BIN)/python -m pip install -q -q -e ".[dev]"
 else
-	$(BIN)/python -c "import torch, torchvision; print(f'torch=={torch.__version__}'); print(f'torchvision=={torchvision.__version__}')" > $(VENV)/system-torch.txt 2>/dev/null || { echo "SYSTEM_TORCH=1: $(PYTHON) has no torch and torchvision to keep; install them there, or leave SYSTEM_TORCH unset" >&2; exit 1; }
+	$(BIN)/python -c "import importlib.util as u, sys; absent = [m for m in ('torch', 'torchvision') if u.find_spec(m) is None]; absent and sys.exit(f'SYSTEM_TORCH=1: no {\" and \".join(absent)} in {sys.executable}; install them there, or leave SYSTEM_TORCH unset'); import torch, torchvision; print(f'torch=={torch.__version__}'); print(f'torchvision=={torchvision.__version__}')" > $(VENV)/system-torch.txt
 	$(BIN)/python -m pip install -q -q -c $(VENV)/system-torch.txt -e ".[dev]"
 endif
 	touch $(STAMP)
@@ -69,7 +70,8 @@ test-dispatch: setup
 # The fast tier and the tests of the bridges between torch releases (marked `bridge`) on the
 # oldest supported torch, in its own venv (a second CUDA build of torch from PyPI, ~7 GB).
 test-oldest:
-	$(MAKE) --no-print-directory setup VENV=.venv-oldest TORCH=$(OLDEST_TORCH) TORCHVISION=$(OLDEST_TORCHVISION)
+	$(MAKE) --no-print-directory setup VENV=.venv-oldest TORCH=$(OLDEST_TORCH) TORCHVISION=$(OLDEST_TORCHVISION) SYSTEM_TORCH= TORCH_INDEX=$(TORCH_INDEX)
+	.venv-oldest/bin/python -c "import sys, torch; torch.__version__.startswith('$(OLDEST_TORCH)') or sys.exit(f'.venv-oldest holds torch {torch.__version__}, not $(OLDEST_TORCH): rm -rf .venv-oldest and run make test-oldest again')"
 	OMP_NUM_THREADS=1 .venv-oldest/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow or bridge"
 
 lint: setup

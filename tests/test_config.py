@@ -251,6 +251,7 @@ def _samples_from(overrides, tmp_path):
     return cfg, images, labels
 
 
+@pytest.mark.numbers
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_ood_data_dir_is_the_original_seed_set(tmp_path, kind):
     """image_log.ood_data_dir=X and image_log.seed_images=X: the same samples, from X's images

@@ -140,6 +140,7 @@ def ranks(data, tmp_path_factory):
     return out, results
 
 
+@pytest.mark.numbers
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_metric_and_file_identical_on_1_2_3_ranks(ranks):
@@ -176,6 +177,7 @@ def test_every_metric_and_file_identical_on_1_2_3_ranks(ranks):
 # --------------------------------------------------------------------------------------------
 # The libraries, called directly
 # --------------------------------------------------------------------------------------------
+@pytest.mark.numbers
 @pytest.mark.timeout(900)
 def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     from pyautoattack import AutoAttack
@@ -197,6 +199,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     assert ours["autoattack_test_acc"] == correct / 4
 
 
+@pytest.mark.numbers
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_is_and_pr_equal_torch_fidelity_on_the_sample_pngs(data, tmp_path, monkeypatch):
@@ -297,6 +300,7 @@ def test_image_ids_as_paths_relative_to_imagenet_val(tmp_path):
         test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]))
 
 
+@pytest.mark.numbers
 def test_unconditional_samples_ascend_logsumexp(data):
     from rebm.attacks.pgd import pgd_attack
     from rebm.eval.evaluator import load_eval_model

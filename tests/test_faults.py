@@ -29,6 +29,7 @@ def assert_same_training_state(a, b):
     assert a["method"] == b["method"]
 
 
+@pytest.mark.numbers
 def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(straight, tmp_path):
     """A finite loss with NaN gradients on rank 1 only at step 3: DDP spreads them, the update
     is not applied, both ranks stop at that step, and the newest state is the one before it,
@@ -46,7 +47,6 @@ def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(straigh
     assert_same_training_state(load_state(straight / "ws2", 2), load_state(run_dir, 2))
 
 
-@pytest.mark.bridge
 @pytest.mark.skipif(unsettable_timeout("gloo") is not None,
                     reason="torch < 2.9: gloo keeps its start-up timeout (the run says so)")
 def test_a_rank_slower_than_the_step_timeout_is_named(tmp_path):

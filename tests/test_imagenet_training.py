@@ -149,6 +149,7 @@ def test_final_evaluation_is_identical_on_one_rank(imagenet_run, tmp_path):
         assert one_rank[key] == two_ranks[key], key
 
 
+@pytest.mark.numbers
 @pytest.mark.slow
 @pytest.mark.parametrize("imagenet_run", ["resnet"], indirect=True)  # one family: same data path
 def test_one_rank_training_agrees_with_two_despite_the_corrupt_jpeg(imagenet_run, tmp_path):

@@ -181,7 +181,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.bridge
 @pytest.mark.skipif(unsettable_timeout("gloo") is not None,
                     reason="torch < 2.9: gloo keeps its start-up timeout (the run says so)")
 def test_stuck_rank_times_out_naming_the_rank(tmp_path):

@@ -64,7 +64,9 @@ RUNS = {"dat": ([CONFIG, *FAST, "max_steps=4"], DAT_STATE, "rebm.training.train"
 # 6.6e-7 / 5.2e-7 / 5.3e-5, stage 1 1.1e-3 / 6.9e-4 / 1.4e-2. Even the initial weights differ
 # (torch.randn's vectorised kernel rounds per instruction set); stage 1's first step, at lr 0.05
 # with live BatchNorm, turns that into the 1e-3 (without its attack as well). Each bound is 4.5x
-# to 7.7x the forced spread (docs/design.md §7: storing a reference).
+# to 7.7x the forced spread (docs/design.md §7: storing a reference). Everything else, the DAT
+# curriculum's AUC window included, is compared exactly: AUCs are rank statistics, identical
+# under the native and the forced dispatch (measured), and move only if two scores swap order.
 TOLERANCE = {"dat": {"model": 4e-6, "ema": 4e-6, "optimizer": 3e-4},
              "stage1": {"model": 5e-3, "ema": 5e-3, "optimizer": 7e-2}}
 
@@ -127,7 +129,7 @@ def assert_same_leaves(want: dict, got: dict, bounds=None):
     up to their part's bound."""
     for (path, a), (other, b) in zip(leaves(want), leaves(got), strict=True):
         assert path == other
-        if bounds and torch.is_tensor(a) and a.is_floating_point():
+        if bounds and path[0] in bounds and torch.is_tensor(a) and a.is_floating_point():
             assert (a - b).abs().max().item() <= bounds[path[0]], path
         elif torch.is_tensor(a):
             assert torch.equal(a, b), path

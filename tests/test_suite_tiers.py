@@ -6,6 +6,7 @@ and that dispatch is in effect."""
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -92,6 +93,7 @@ def test_the_files_started_first_exist():
 # The `numbers` tier `make test-dispatch` reruns under a forced lower CPU dispatch
 # --------------------------------------------------------------------------------------------
 STORED = ("data_states",)  # folders of tests/ holding numbers computed on another machine
+EXACT = re.compile(r"torch\.equal\(|array_equal\(|assert_close\(|allclose\(")
 
 
 def test_every_file_that_reads_stored_numbers_is_marked_numbers():
@@ -102,6 +104,15 @@ def test_every_file_that_reads_stored_numbers_is_marked_numbers():
                 and any(folder in path.read_text() for folder in STORED)
                 and not _file_marks(ast.parse(path.read_text()), "numbers")]
     assert not unmarked, f"mark these files pytest.mark.numbers: {unmarked}"
+
+
+def test_every_file_that_compares_numbers_has_tests_marked_numbers():
+    """A file that compares tensors exactly or within a tolerance has its comparing tests (or
+    itself) marked, so `make test-dispatch` reruns them (a guard for new files; which tests of
+    a file compare is the author's to mark)."""
+    unmarked = [path.name for path in sorted((REPO / "tests").glob("test_*.py"))
+                if EXACT.search(path.read_text()) and "mark.numbers" not in path.read_text()]
+    assert not unmarked, f"mark the tests of these files that compare numbers: {unmarked}"
 
 
 @pytest.mark.numbers

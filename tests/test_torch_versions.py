@@ -3,6 +3,7 @@ in real processes on whatever torch runs the suite: `make test` on the pinned re
 test-oldest` on the lowest one (the tests marked `bridge`)."""
 
 import ast
+import datetime
 import os
 import re
 
@@ -11,8 +12,10 @@ import torch
 import torch.nn as nn
 
 from rebm import distributed as rd
+from rebm.distributed import torch_versions
 from rebm.distributed.torch_versions import (
     distributed_data_parallel,
+    set_default_group_timeout,
     torch_release,
     unsettable_timeout,
 )
@@ -27,6 +30,8 @@ def _ddp_worker(result_dir: str) -> None:
     building DDP, after a training forward on rank-own data, and (forward sync on) after an
     eval forward, which updates nothing?"""
     runtime = rd.setup_distributed()
+    # the timeout setter of this release (dist.set_timeout from 2.14, _set_pg_timeout before)
+    set_default_group_timeout(datetime.timedelta(seconds=120))
     report = {}
     for sync in (False, True):
         torch.manual_seed(runtime.rank)  # different weights on each rank
@@ -47,6 +52,7 @@ def _ddp_worker(result_dir: str) -> None:
     rd.teardown(runtime)
 
 
+@pytest.mark.numbers
 @pytest.mark.slow
 def test_ddp_replicas_start_identical_and_buffers_sync_per_forward_only_when_asked(tmp_path):
     """Identical replicas after wrapping (parameters and buffers from rank 0) on every release;
@@ -60,21 +66,28 @@ def test_ddp_replicas_start_identical_and_buffers_sync_per_forward_only_when_ask
         assert report[True] == {"built_same": True, "trained_same": False, "eval_same": True}
 
 
-def test_the_gloo_timeout_bridge_names_the_releases_that_cannot_shorten_it():
-    assert unsettable_timeout("gloo", (2, 8)) is not None
-    assert "ddp_step_timeout_s" in unsettable_timeout("gloo", (2, 8))
-    assert unsettable_timeout("gloo", (2, 9)) is None and unsettable_timeout("gloo", (2, 14)) is None
-    assert unsettable_timeout("nccl", (2, 8)) is None
+def test_the_gloo_timeout_bridge_names_the_releases_that_cannot_shorten_it(monkeypatch):
     assert torch_release() == tuple(int(v) for v in torch.__version__.split(".")[:2])
+    for release, gloo_can in (((2, 8), False), ((2, 9), True), ((2, 14), True)):
+        monkeypatch.setattr(torch_versions, "torch_release", lambda release=release: release)
+        assert (unsettable_timeout("gloo") is None) == gloo_can, release
+        assert unsettable_timeout("nccl") is None
+    monkeypatch.setattr(torch_versions, "torch_release", lambda: (2, 8))
+    assert "ddp_step_timeout_s" in unsettable_timeout("gloo")
 
 
 def test_the_supported_range_holds_the_running_torch():
     """pyproject.toml's torch range is the one this suite runs on (make test: the pinned upper
     end; make test-oldest: the lower)."""
-    found = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
-    torch_range = found.group(0)
-    low, high = (tuple(int(v) for v in bound.split(".")) for bound in found.groups())
+    from packaging.specifiers import SpecifierSet
+
+    found = re.search(r'"torch(>=([\d.]+)[\w.]*,<([\d.]+))"', (REPO / "pyproject.toml").read_text())
+    torch_range, low, high = found.group(1), *(tuple(int(v) for v in bound.split(".")[:2])
+                                                for bound in found.groups()[1:])
     assert low <= torch_release() < high, (torch_range, torch.__version__)
+    # a container's development build of the lowest release (NGC's form) is in the range
+    assert SpecifierSet(torch_range).contains(f"{low[0]}.{low[1]}.0a0+5228986c39.nv25.06")
+    assert not SpecifierSet(torch_range).contains(f"{high[0]}.{high[1]}.0")
     oldest = next(line.split(":=")[1].strip() for line in (REPO / "Makefile").read_text()
                   .splitlines() if line.startswith("OLDEST_TORCH :="))
     assert tuple(int(v) for v in oldest.split(".")[:2]) == low  # make test-oldest tests it

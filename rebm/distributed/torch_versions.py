@@ -41,8 +41,8 @@ def distributed_data_parallel(module: torch.nn.Module, *, forward_sync_buffers: 
     model = DDP(module, broadcast_buffers=forward_sync_buffers, **options)
     if not forward_sync_buffers:
         group = options.get("process_group")
-        for buffer in module.buffers():
-            dist.broadcast(buffer.data, src=0, group=group)
+        for buffer in module.buffers():  # rank 0 of the group, as DDP's own broadcast
+            dist.broadcast(buffer.data, group=group, group_src=0)
     return model
 
 
@@ -55,13 +55,13 @@ def all_gather_single(output: torch.Tensor, tensor: torch.Tensor) -> None:
     gather(output, tensor)
 
 
-def unsettable_timeout(backend: str, release: Optional[tuple] = None) -> Optional[str]:
+def unsettable_timeout(backend: str) -> Optional[str]:
     """Why this torch cannot shorten the default group's timeout after start-up (None: it can).
 
     torch 2.8's gloo keeps the timeout its process group was made with whatever is set later
     (from 2.9 gloo honours it); a stuck rank is then named after `ddp_timeout_s`, not after
     `ddp_step_timeout_s`. NCCL is not affected."""
-    if backend == "gloo" and (release or torch_release()) < (2, 9):
+    if backend == "gloo" and torch_release() < (2, 9):
         return (f"torch {torch.__version__}'s gloo cannot shorten the collective timeout after "
                 "start-up (torch >= 2.9 can): a rank that stops arriving is named after "
                 "ddp_timeout_s, not ddp_step_timeout_s")

@@ -257,3 +257,21 @@ def test_the_shipped_stand_in_works_from_anywhere_and_labels_what_it_makes(tmp_p
     with pytest.raises(fid.FIDError, match="holds statistics of stand-in rebm.eval.standin:"
                        "features features, but this run computes Inception-v3 pool3"):
         fid.load_reference(str(out))
+
+
+def test_the_standin_recipe_computes_fid_and_without_log_fid_says_which_key(tmp_path, monkeypatch):
+    """docs/evaluation.md "Without the Inception weights", as written (smaller samples): the
+    evaluation prints the stand-in FID; with `image_log.log_fid` left off it says, in one line,
+    that FID was not computed and which key turns it on."""
+    monkeypatch.setenv("REBM_FID_FEATURES", "rebm.eval.standin:features")
+    stats = tmp_path / "stats.npz"
+    code, out = finish(popen([sys.executable, "-m", "rebm.eval.fid_stats", str(REPO / CONFIG),
+                              "--out", str(stats)], base_env(1), REPO), timeout=150)
+    assert code == 0 and stats.exists(), out
+    small = [f"image_log.data_dir={stats}", "image_log.num_samples=20", "image_log.num_steps=2"]
+    code, out = run_evaluate(tmp_path, *small, "image_log.log_fid=true", "--samples")
+    assert code == 0 and "fid_standin" in out and "FID not computed" not in out, out
+    code, out = run_evaluate(tmp_path, *small, "--samples")
+    notices = [line for line in out.splitlines() if "FID not computed" in line]
+    assert code == 0 and "fid_standin" not in out, out
+    assert len(notices) == 1 and "image_log.log_fid=true" in notices[0], out

@@ -32,6 +32,15 @@ def evaluation_metrics(cfg, args) -> Tuple[str, ...]:
     return standard_metrics(cfg, args.samples, [*extra, *args.metrics])
 
 
+def fid_not_asked_notice(cfg, samples: bool, names) -> str:
+    """One line when reference statistics are given for the samples but FID is not among the
+    metrics (image_log.log_fid off): the key that turns it on. Empty when nothing is skipped."""
+    if samples and cfg.image_log.data_dir and "fid" not in names:
+        return (f"FID not computed: image_log.data_dir={cfg.image_log.data_dir} is given but "
+                "image_log.log_fid is false; add image_log.log_fid=true to compute it")
+    return ""
+
+
 STOP_NOTICE = "stopping at the next batch, then exiting (interrupt again to stop at once)"
 
 
@@ -57,7 +66,11 @@ def evaluate(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.eval.report import describe_evaluation, evaluation_table, jsonable
 
     setup_logging(runtime)
-    evaluator = Evaluator(cfg, runtime, evaluation_metrics(cfg, args))
+    names = evaluation_metrics(cfg, args)
+    notice = fid_not_asked_notice(cfg, args.samples, names)
+    if notice:
+        LOGGER.info(notice)
+    evaluator = Evaluator(cfg, runtime, names)
     evaluator.start_all_ranks()  # before any other work: a missing file is one line
     cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
     model = load_eval_model(cfg, runtime)

@@ -35,7 +35,7 @@ def evaluation_metrics(cfg, args) -> Tuple[str, ...]:
 def fid_not_asked_notice(cfg, samples: bool, names) -> str:
     """One line when reference statistics are given for the samples but FID is not among the
     metrics (image_log.log_fid off): the key that turns it on. Empty when nothing is skipped."""
-    if samples and cfg.image_log.data_dir and "fid" not in names:
+    if samples and cfg.image_log.data_dir and not cfg.image_log.log_fid and "fid" not in names:
         return (f"FID not computed: image_log.data_dir={cfg.image_log.data_dir} is given but "
                 "image_log.log_fid is false; add image_log.log_fid=true to compute it")
     return ""

@@ -272,7 +272,8 @@ def test_evaluate_entry_point_prints_json(tmp_path):
     for key in ("test_acc", "robust_test_acc", "ece"):
         assert 0.0 <= metrics[key] <= 1.0
     assert json.loads((tmp_path / "eval.json").read_text()) == metrics
-    assert (tmp_path / "samples" / "samples.png").is_file()
+    assert (tmp_path / "samples" / "gen_samples.png").is_file()
+    assert (tmp_path / "samples" / "seed_samples.png").is_file()
     assert "fid" not in metrics  # log_fid is off in this config (FID: tests/test_fid.py)
     assert f"metrics written to {tmp_path / 'eval.json'}" in result.output
 

@@ -164,7 +164,8 @@ def test_every_metric_and_file_identical_on_1_2_3_ranks(ranks):
                     assert result[key] == value, (world, key)
         folder = out / f"w{world}" / "samples"
         assert np.array_equal(np.load(folder / "samples.npz")["arr_0"], npz), world
-        for name in ["samples.png", *(f"eval/{i}.png" for i in range(N_SAMPLES))]:
+        for name in ["gen_samples.png", "seed_samples.png",
+                     *(f"eval/{i}.png" for i in range(N_SAMPLES))]:
             assert (folder / name).read_bytes() == (out / "w1" / "samples" / name).read_bytes()
         assert (out / f"w{world}" / "reliability.png").is_file()
     # the npz holds the PNGs' pixels, in index order

@@ -254,8 +254,10 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin
     assert final.shape[0] == 30
     kept = tmp_path / "samples" / "step_00000007"
     assert sorted(os.listdir(kept)) == sorted(f"{i}.png" for i in range(30))
-    grid = tmp_path / "samples" / "samples_step00000007.png"
-    assert evaluation.files == {"sample_grid": str(grid), "samples": str(kept)}
+    grid = tmp_path / "samples" / "gen_samples_step00000007.png"
+    seeds = tmp_path / "samples" / "seed_samples_step00000007.png"
+    assert evaluation.files == {"sample_grid": str(grid), "seed_grid": str(seeds),
+                                "samples": str(kept)}
     assert grid.is_file()
     assert metrics["fid_standin"] == pytest.approx(_fid_of(final, ref, batch_size=8),
                                                    rel=1e-12)

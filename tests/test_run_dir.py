@@ -52,7 +52,7 @@ def test_wandb_offline_two_ranks_and_the_same_command_continues_the_run(tmp_path
     logged = [keys for r in runs for keys in r["history"]]
     for keys in metrics_keys(run_dir):  # every metrics.jsonl key reached wandb
         assert any(keys <= wandb_keys for wandb_keys in logged), keys
-    assert any(any(k.startswith("images/samples") for k in ks) for ks in logged)  # sample grid
+    assert any(any(k.startswith("images/gen_samples") for k in ks) for ks in logged)  # grid
     assert any(any(k.startswith("eval/table") for k in ks) for ks in logged)  # eval table
     assert "Traceback" not in first.output
 

@@ -114,12 +114,14 @@ def test_to_pixels_floor_is_to_pil_image_and_round_is_save_image(tmp_path):
 
 
 def test_sample_files_and_fid_see_to_pil_image_pixels(data, tmp_path, monkeypatch):
-    """keep_samples PNGs, the npz and the grid hold floor pixels, byte for byte those
-    to_pil_image writes of the same float samples (the original's PNGs); FID's features are
-    those of these PNGs as pytorch-fid reads them; round mode gives save_image's values."""
+    """keep_samples PNGs and the npz hold floor pixels, byte for byte those to_pil_image
+    writes of the same float samples (the original's PNGs), and the grid is the original's
+    normalised grid of them; FID's features are those of these PNGs as pytorch-fid reads them;
+    round mode gives save_image's values."""
     from pytorch_fid.fid_score import ImagePathDataset
     from torchvision.transforms import ToTensor
     from torchvision.transforms.functional import to_pil_image
+    from torchvision.utils import make_grid
 
     from rebm.eval.features.fid import feature_statistics, frechet_distance, load_reference
 
@@ -136,8 +138,10 @@ def test_sample_files_and_fid_see_to_pil_image_pixels(data, tmp_path, monkeypatc
         expected = _png(originals / f"{i:06d}.png")
         assert np.array_equal(_png(tmp_path / "samples" / "eval" / f"{i}.png"), expected), i
         assert np.array_equal(npz[i], expected), i
-    grid = _png(tmp_path / "samples" / "samples.png")  # padding 1, 10 a row
-    assert np.array_equal(grid[1:17, 1 + 17 * 3:17 * 4], _png(originals / "000003.png"))
+    # each class's samples in turn, 10 a row (tests/test_seed_grid.py)
+    shown = floats[[0, 10, 1, 11, *range(2, 10)]]
+    expected = to_pil_image(make_grid(shown, nrow=10, padding=1, normalize=True))
+    assert np.array_equal(_png(tmp_path / "samples" / "gen_samples.png"), np.asarray(expected))
     files = sorted(str(originals / name) for name in os.listdir(originals))
     read = torch.stack(list(ImagePathDataset(files, transforms=ToTensor())))
     expected = frechet_distance(*feature_statistics(standin_features(read).numpy()),

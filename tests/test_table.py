@@ -134,7 +134,7 @@ def test_table_on_2_processes_equals_a_killed_and_rerun_single_process(tiny):
     assert "| AT † | 0 |" in markdown and "| DAT | 0, 1 |" in markdown
     assert f"- dat-s2: expected `{expected}`" in markdown
     assert (two / "dat-s0" / "counterfactuals" / "per_class.json").is_file()
-    assert (two / "at" / "samples" / "samples.png").is_file()
+    assert (two / "at" / "samples" / "gen_samples.png").is_file()
 
     one = ckpts / "out1"
     killed = _kill_after(_table_cmd(table, ckpts, one), "dat-s0: autoattack done", 400)

@@ -91,14 +91,15 @@ class TestBatch:
 
 class SampleChunk:
     """One chunk of this rank's generated samples: sample indices (cpu int64), labels, images
-    (float [0, 1], on the device). `pixels()` are the 8-bit values a PNG of the sample holds
-    (uint8 NCHW), by `pixel_mode` (`eval.sample_pixels`, see `to_pixels`): every sample metric
-    and file sees the same values. `cached(key, compute)` computes a value (e.g. one feature
+    (float [0, 1], on the device) and the seeds they started from (the same rows, as the PGD
+    ascent got them, after any blur: the seed grid shows them). `pixels()` are the 8-bit values
+    a PNG of the sample holds (uint8 NCHW), by `pixel_mode` (`eval.sample_pixels`, see
+    `to_pixels`): every sample metric and file sees the same values. `cached(key, compute)` computes a value (e.g. one feature
     network's features) once per chunk for every metric that asks."""
 
-    def __init__(self, indices: Tensor, labels: Tensor, images: Tensor,
+    def __init__(self, indices: Tensor, labels: Tensor, images: Tensor, seeds: Tensor,
                  pixel_mode: str = "floor"):
-        self.indices, self.labels, self.images = indices, labels, images
+        self.indices, self.labels, self.images, self.seeds = indices, labels, images, seeds
         self.pixel_mode = pixel_mode
         self._cache: Dict[str, Any] = {}
 

@@ -1,10 +1,13 @@
 """Sample files (registered metrics "sample_grid", "keep_samples" and "samples_npz"): written
 from the generation pass without holding every sample.
 
-- sample_grid: the first `eval.grid_num_samples` samples as one PNG, num_classes per row (so
-  each class is a column), of the same 8-bit pixels as the other files: each rank keeps only its
-  grid samples; they are gathered at the end and rank 0 writes <run_dir>/samples/samples.png
-  (samples_step<8-digit step>.png in training).
+- sample_grid: the two grids of the original's compute_fid (rebm/eval/eval_utils.py:434-551 at
+  fb2ffc7), <run_dir>/samples/gen_samples.png of the samples and seed_samples.png of the seeds
+  they started from (gen_samples_step<8-digit step>.png and seed_samples_step<...>.png in
+  training): a row per class of its first 10 samples (`grid_indices`), padding 1, each grid
+  min-max normalised over its own images and quantised by floor(255 x) (`grid_pixels`). Each
+  rank keeps only its grid images (float); the ranks agree on each grid's minimum and maximum,
+  quantise their own rows, and rank 0 writes the gathered rows.
 - keep_samples: sample i as <run_dir>/samples/step_<8-digit step>/<i>.png (samples/eval/ for a
   checkpoint evaluation), the 8-bit pixels FID, IS and precision/recall see
   (`eval.sample_pixels`); every rank writes its own samples as
@@ -18,6 +21,7 @@ from the generation pass without holding every sample.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import zipfile
 from typing import Any, Dict, List, Optional
@@ -29,12 +33,20 @@ from torch import Tensor
 
 from rebm.distributed.collectives import (
     all_gather_by_index,
+    all_reduce_max,
+    all_reduce_min,
     decide_on_main,
     on_every_rank,
     on_main,
 )
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
-from rebm.eval.sampling.generation import grid_path, save_grid
+from rebm.eval.sampling.generation import (
+    GRID_KINDS,
+    grid_indices,
+    grid_path,
+    grid_pixels,
+    save_grid,
+)
 from rebm.eval.sampling.samples import sample_files, sample_settings
 
 LOGGER = logging.getLogger("rebm")
@@ -67,6 +79,7 @@ class SampleFileMetric(Metric):
 
 class SampleGrid(SampleFileMetric):
     name = "sample_grid"
+    protocol = 3  # 3: the original's rows per class, normalisation and names; the seed grid
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -74,40 +87,58 @@ class SampleGrid(SampleFileMetric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.total = min(ctx.cfg.eval.grid_num_samples, ctx.cfg.image_log.num_samples)
-        self.images: List[Tensor] = []
-        self.indices: List[Tensor] = []
+        cfg = ctx.cfg
+        order = grid_indices(cfg.image_log.num_samples, cfg.data.num_classes,
+                             cfg.eval.grid_num_samples)
+        self.position = {index: place for place, index in enumerate(order)}
+        self.kept: Dict[str, List[Tensor]] = {kind: [] for kind in GRID_KINDS}
+        self.places: List[int] = []
 
     def update(self, chunk: SampleChunk) -> None:
-        keep = chunk.indices < self.total
-        if bool(keep.any()):
-            pixels = chunk.pixels()
-            self.images.append(pixels[keep.to(pixels.device)].cpu())
-            self.indices.append(chunk.indices[keep])
+        rows = [j for j, index in enumerate(chunk.indices.tolist()) if index in self.position]
+        if not rows:
+            return
+        for kind, images in zip(GRID_KINDS, (chunk.images, chunk.seeds), strict=True):
+            take = torch.tensor(rows, device=images.device)
+            self.kept[kind].append(images[take].detach().float().cpu())
+        self.places.extend(self.position[int(chunk.indices[j])] for j in rows)
 
     def finish(self) -> Dict[str, Any]:
         ctx = self.ctx
-        if ctx.run_dir is None or self.total == 0:
+        if ctx.run_dir is None or not self.position:
             return {}
-        size = ctx.cfg.data.image_size
-        # k / 255: save_image writes back exactly the pixels k
-        mine = (torch.cat(self.images).float().div(255) if self.images
-                else torch.zeros(0, 3, size, size))
-        idx = torch.cat(self.indices) if self.indices else torch.zeros(0, dtype=torch.int64)
-        device = ctx.runtime.device  # the gather runs on the communication device
-        grid = all_gather_by_index(ctx.runtime, mine.to(device), idx.to(device), self.total)
+        grids = {kind: self._grid_all_ranks(kind) for kind in GRID_KINDS}
 
         def write() -> None:
-            path = save_grid(grid, ctx.run_dir, ctx.cfg.data.num_classes, ctx.step)
-            LOGGER.info("samples saved to %s", path)
+            for kind, pixels in grids.items():
+                save_grid(pixels, grid_path(ctx.run_dir, ctx.step, kind))
+            LOGGER.info("sample and seed grids saved to %s",
+                        os.path.dirname(grid_path(ctx.run_dir, ctx.step)))
 
-        on_main(ctx.runtime, write, f"write the samples into {ctx.run_dir}/samples")
+        on_main(ctx.runtime, write, f"write the sample grids into {ctx.run_dir}/samples")
         return {}
 
+    def _grid_all_ranks(self, kind: str) -> Tensor:
+        """The `kind` grid's uint8 images in grid order, on every rank: normalised over every
+        rank's images (the original normalises the whole grid), each rank quantising its own."""
+        runtime, size = self.ctx.runtime, self.ctx.cfg.data.image_size
+        kept = self.kept[kind]
+        mine = torch.cat(kept) if kept else torch.zeros(0, 3, size, size)
+        # a rank without grid images takes no part in the minimum and maximum
+        low = all_reduce_min(runtime, mine.min() if kept else torch.tensor(math.inf))
+        high = all_reduce_max(runtime, mine.max() if kept else torch.tensor(-math.inf))
+        pixels = grid_pixels(mine, float(low), float(high))
+        device = runtime.device  # the gather runs on the communication device
+        places = torch.tensor(self.places, dtype=torch.int64)
+        return all_gather_by_index(runtime, pixels.to(device), places.to(device),
+                                   len(self.position)).cpu()
+
     def outputs(self) -> Dict[str, str]:
-        if self.ctx.run_dir is None or self.total == 0:
+        if self.ctx.run_dir is None or not self.position:
             return {}
-        return {"sample_grid": grid_path(self.ctx.run_dir, self.ctx.step)}
+        run_dir, step = self.ctx.run_dir, self.ctx.step
+        return {"sample_grid": grid_path(run_dir, step, "gen"),
+                "seed_grid": grid_path(run_dir, step, "seed")}
 
 
 class KeepSamples(SampleFileMetric):

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
-from torchvision.utils import save_image
+from torchvision.utils import make_grid
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
@@ -312,20 +312,48 @@ class SampleGenerator:
         images = pgd_attack(self.model, x, steps=self.num_steps, step_size=log.step_size,
                             eps=log.eps, norm=log.norm, objective=self.objective,
                             y=labels.to(device))
-        return SampleChunk(indices, labels, images.detach(), self.cfg.eval.sample_pixels)
+        return SampleChunk(indices, labels, images.detach(), x, self.cfg.eval.sample_pixels)
 
 
-def grid_path(run_dir: str, step: Optional[int] = None) -> str:
-    """<run_dir>/samples/samples.png, samples_step<8-digit step>.png in training."""
-    name = "samples.png" if step is None else f"samples_step{step:08d}.png"
-    return os.path.join(run_dir, "samples", name)
+# The grids of the original's compute_fid (rebm/eval/eval_utils.py:434-551 at fb2ffc7): a row per
+# class of its first 10 samples (max_samples_per_class, also make_grid's nrow), padding 1.
+GRID_PER_CLASS = 10
+GRID_KINDS = ("gen", "seed")  # the samples, and the seeds they started from
 
 
-def save_grid(images: Tensor, run_dir: str, num_classes: int, step: Optional[int] = None) -> str:
-    """PNG grid under <run_dir>/samples/ with one column per class (rank 0 only calls this)."""
-    path = grid_path(run_dir, step)
+def grid_indices(num_samples: int, num_classes: int, limit: int) -> List[int]:
+    """The sample indices the grids show, in grid order: class by class, the first
+    GRID_PER_CLASS samples of each (indices c, c + C, c + 2C, ... below num_samples), for the
+    first ceil(limit / GRID_PER_CLASS) classes and at most `limit` images. limit 100 gives the
+    original's min(10, C) classes (eval_utils.py:435-437); it shows fewer samples of a class
+    only when num_samples runs out, and then its rows no longer start with a class."""
+    classes = min(num_classes, -(-limit // GRID_PER_CLASS))
+    order = [c + k * num_classes for c in range(classes) for k in range(GRID_PER_CLASS)
+             if c + k * num_classes < num_samples]
+    return order[:limit]
+
+
+def grid_path(run_dir: str, step: Optional[int] = None, kind: str = "gen") -> str:
+    """<run_dir>/samples/<kind>_samples.png, <kind>_samples_step<8-digit step>.png in training:
+    the original's gen_samples_/seed_samples_ names without the hash of its sample folder (one
+    run's samples/ holds no other run's grids), with the step so that no evaluation of a run
+    overwrites another's."""
+    name = f"{kind}_samples" if step is None else f"{kind}_samples_step{step:08d}"
+    return os.path.join(run_dir, "samples", name + ".png")
+
+
+def grid_pixels(images: Tensor, low: float, high: float) -> Tensor:
+    """uint8 images as the original's grid PNG holds them: make_grid's normalize=True with the
+    grid's minimum `low` and maximum `high` (clamp, subtract, divide, in float32 on the cpu as
+    there), then to_pil_image's floor(255 x). Element-wise, so any rank may quantise its own."""
+    x = images.detach().float().cpu().clamp(low, high).sub(low).div(max(high - low, 1e-5))
+    return x.mul(255).to(torch.uint8)
+
+
+def save_grid(pixels: Tensor, path: str) -> str:
+    """uint8 images in grid order as one PNG, GRID_PER_CLASS a row with 1 black pixel between
+    them (make_grid's layout; rank 0 only calls this)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    # label i = i % num_classes, so num_classes images per row puts each class in one column
-    save_image(images.detach().float().cpu(), path, nrow=max(1, min(num_classes, len(images))),
-               padding=1)
+    grid = make_grid(pixels.cpu(), nrow=GRID_PER_CLASS, padding=1)
+    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
     return path

@@ -27,7 +27,7 @@ class EvalConfig(OODCounterfactualFields):
     image_ids: Optional[str] = None  # file of test images to evaluate on, one per line: a 0-based index or a path relative to the split folder (ImageNet: wnid/ILSVRC2012_val_….JPEG); robustbench: RobustBench's 5000 ImageNet val images; null: the whole split
     num_images: Optional[int] = None  # evaluate on the first N test images (of image_ids when set); null: all
     unconditional_samples: Optional[bool] = None  # samples ascend logsumexp_k f_k instead of f_y (unconditional FID / IS); null: as logsumexp_sampling (the original's compute_fid), true/false: always/never
-    grid_num_samples: int = 100  # samples shown in the PNG grid (the first ones)
+    grid_num_samples: int = 100  # most images in the sample and seed grids: the first 10 samples of each of the first ceil(n / 10) classes, 10 a row (100: the original's grid)
     pr_reference_split: str = "train"  # precision/recall: in-distribution split of the real images
     pr_num_real: Optional[int] = None  # precision/recall: real images of the reference; null: as many as samples
     pr_reference: Optional[str] = None  # precision/recall: reference batch, an .npz in OpenAI's format (arr_0, uint8 N x H x W x 3); null: a seeded class-balanced random subset of pr_reference_split

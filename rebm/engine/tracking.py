@@ -198,7 +198,7 @@ class Tracker:
         self._log_image(path, step)
 
     def log_image_all_ranks(self, path: str, step: int) -> None:
-        """An image file (a sample grid) to wandb under its name's stem, e.g. `samples`."""
+        """An image file (a sample grid) to wandb under its name's stem, e.g. `gen_samples`."""
         self._on_main(lambda: self._log_image(path, step), "log an image to wandb")
 
     def _log_image(self, path: str, step: int) -> None:

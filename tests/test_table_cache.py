@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, base_env, run_command
+from tests.helpers import REPO, RunResult, base_env, finish, run_command
+from tests.processes import popen
 
 STANDIN = "rebm.eval.standin:features"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
@@ -53,15 +54,18 @@ def _table(tmp: Path, name: str, metrics, rows, overrides=(), metric_overrides=N
             f"image_log.data_dir={tmp / 'stats.npz'}", *overrides]
     text = {"title": name, "metrics": list(metrics), "batch_size": 8, "overrides": base,
             "metric_overrides": metric_overrides or {},
-            "rows": [{"name": r, "config": STAGE2, "checkpoint": f"{r}.pth"} for r in rows]}
+            "rows": [{"name": r, "config": str(REPO / STAGE2), "checkpoint": f"{r}.pth"}
+                     for r in rows]}
     path = tmp / f"{name}.yaml"
     path.write_text(json.dumps(text))  # JSON is YAML
     return path
 
 
-def _run(table: Path, ckpts: Path, out: Path, *extra: str):
-    return run_command([sys.executable, "-m", "rebm.eval.table", str(table), "--checkpoints",
-                        str(ckpts), "--out", str(out), *extra], timeout=300, env=_env())
+def _run(table: Path, ckpts: Path, out: Path, *extra: str, cwd: Path = REPO) -> RunResult:
+    """The table command, run in `cwd` (relative data paths are looked up there second)."""
+    cmd = [sys.executable, "-m", "rebm.eval.table", str(table), "--checkpoints", str(ckpts),
+           "--out", str(out), *extra]
+    return RunResult(*finish(popen(cmd, _env(), cwd), 300), None)
 
 
 def _computing(output: str) -> list:
@@ -220,3 +224,83 @@ def test_check_passes_for_a_dataset_that_reads_no_files(tiny, tmp_path):
     assert result.returncode == 0, result.output
     assert "data.indist_ds_dir" not in result.output
     assert result.output.splitlines()[-1].startswith("check: all ")
+
+
+def _rows_lines(markdown: str, row: str) -> list:
+    return [x for x in markdown.splitlines() if x.startswith(f"| {row} |")]
+
+
+def test_rows_reads_no_checkpoint_of_the_rows_it_leaves_out(tiny, tmp_path):
+    """--rows a computes and hashes a alone: b's checkpoint (gigabytes for ImageNet models) is
+    not read, b shows the values cached for the checkpoint content recorded when it ran, and a
+    run without --rows reads it again."""
+    tmp, ckpts = tiny
+    mine = tmp_path / "ckpts"
+    shutil.copytree(ckpts, mine)
+    _write_checkpoint(mine / "b.pth", seed=2)
+    table, out = _table(tmp, "rows", ["accuracy"], ["a", "b"]), tmp_path / "out"
+    first = _run(table, mine, out).assert_ok()
+    assert _computing(first.output) == ["accuracy"]
+    shown = _rows_lines((out / "table.md").read_text(), "b")
+    assert shown, (out / "table.md").read_text()
+
+    # b's file is now no checkpoint at all: hashing it would change b's keys (and loading it
+    # would fail), so b's line unchanged shows the file was not read
+    (mine / "b.pth").write_bytes(b"not a checkpoint" * 4096)
+    result = _run(table, mine, out, "--rows", "a").assert_ok()
+    assert "1 of 1 metrics already computed" in result.output
+    assert _rows_lines((out / "table.md").read_text(), "b") == shown
+    assert "rows not selected by --rows (b): shown with the values cached" in result.output
+
+    _write_checkpoint(mine / "b.pth", seed=3)  # a run of the whole table reads every file
+    assert _computing(_run(table, mine, out).assert_ok().output) == ["accuracy"]
+
+
+def test_two_settings_that_draw_the_same_samples_share_their_cached_values(tiny, tmp_path):
+    """eval.unconditional_samples=true and logsumexp_sampling=true draw the same samples: the
+    key holds what the samples are, not which setting decided it."""
+    tmp, ckpts = tiny
+    out = tmp_path / "out"
+    for overrides, computed in ((["eval.unconditional_samples=true"], ["fid"]),
+                                (["logsumexp_sampling=true"], []),
+                                ([], ["fid"])):  # class-conditional: other samples
+        table = _table(tmp, "kinds", ["fid"], ["a"], overrides=overrides)
+        assert _computing(_run(table, ckpts, out).assert_ok().output) == computed, overrides
+
+
+def test_relative_data_paths_are_read_under_checkpoints_then_the_current_directory(tiny,
+                                                                                 tmp_path):
+    """One rule for the run and --check (rebm/eval/table/paths.py), and --check says where it
+    looked."""
+    tmp, ckpts = tiny
+    root, here = tmp_path / "original", tmp_path / "here"
+    shutil.copytree(ckpts, root)
+    here.mkdir()
+    stats = "data/fid_stats/stats.npz"
+    table = _table(tmp, "rel", ["fid"], ["a"], overrides=[f"image_log.data_dir={stats}"])
+    rule = (f"relative data paths: looked up in {root} (--checkpoints) first, then in {here} "
+            "(the current directory)")
+
+    nowhere = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    assert nowhere.returncode == 1 and nowhere.output.splitlines()[0] == rule, nowhere.output
+    assert (f"  MISSING  image_log.data_dir: {stats} (looked in {root}, then {here})  [fid]"
+            in nowhere.output.splitlines()), nowhere.output
+    stopped = _run(table, root, tmp_path / "out", cwd=here)
+    assert stopped.returncode == 2 and "Traceback" not in stopped.output
+    assert f"(relative data paths: looked in {root}, then {here})" in stopped.output
+
+    (here / stats).parent.mkdir(parents=True)
+    _write_stats(here / stats, seed=0)
+    found = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    assert f"  present  image_log.data_dir: {stats}  [fid]" in found.output.splitlines()
+    _run(table, root, tmp_path / "out", cwd=here).assert_ok()
+    in_here = json.loads((tmp_path / "out" / "rows" / "a.json").read_text())["metrics"]["fid"]
+
+    (root / stats).parent.mkdir(parents=True)
+    _write_stats(root / stats, seed=1)  # other statistics, under --checkpoints: they win
+    found = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    assert f"  present  image_log.data_dir: {root / stats}  [fid]" in found.output.splitlines()
+    again = _run(table, root, tmp_path / "out", cwd=here).assert_ok()
+    assert _computing(again.output) == ["fid"]
+    in_root = json.loads((tmp_path / "out" / "rows" / "a.json").read_text())["metrics"]["fid"]
+    assert in_root["results"] != in_here["results"]

@@ -69,11 +69,14 @@ def run_sample_pass(ctx: EvalContext, seeds, metrics: List[Metric]) -> List[Dict
 
 
 def sample_settings(cfg) -> Dict[str, Any]:
-    """How the samples are drawn and quantised (part of every sample metric's settings)."""
+    """How the samples are drawn and quantised (part of every sample metric's settings, so of
+    its cache key): what the samples depend on, not why. Whether they are conditional, not the
+    setting that decided it: eval.unconditional_samples=true and logsumexp_sampling=true draw
+    the same samples (the run's log line says which setting decided)."""
     log = cfg.image_log
-    unconditional, why = sampling_mode(cfg)
+    unconditional, _ = sampling_mode(cfg)
     return {"num_samples": log.num_samples, "conditional": not unconditional,
-            "conditional_because": why, "pixels": cfg.eval.sample_pixels,
+            "pixels": cfg.eval.sample_pixels,
             "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
             "norm": log.norm, "seed_images": log.seed_images,
             "seed_blur_kernel_size": seed_blur_kernel_size(cfg), "seed": cfg.rand_seed,

@@ -1,9 +1,14 @@
 """The table runner's per-metric results cache: one JSON file per row, `<out>/rows/<row>.json`.
 
     {"row": NAME, "group": ..., "seed": ..., "checkpoint": PATH,
+     "checkpoint_sha256": SHA256,   # the checkpoint's content when the row last ran
      "metrics": {METRIC: {"key": SHA256, "results": {...}, "settings": {...},
                           "seconds": ..., "world_size": ..., "finished": ISO time}},
      "force": {"started": ISO time, "metrics": [METRIC, ...]}}   # only during a --force run
+
+`checkpoint_sha256` lets the table show a row that `--rows` did not select without reading its
+checkpoint again (gigabytes for ImageNet models): its values are those cached under the keys of
+that recorded content (`TableRun.collect`).
 
 `force` is written when a `--force` run starts on the row, naming the metrics it is to
 recompute; each is taken off as its new value is stored, and the entry goes with the last. A
@@ -127,6 +132,9 @@ def metric_key(cfg, metric_cls, checkpoint_sha256: str, batch_size: int,
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+CHECKPOINT_SHA256 = "checkpoint_sha256"  # the cache entry recording the checkpoint's content
+
+
 def cache_path(out_dir: str, row: str) -> str:
     return os.path.join(out_dir, "rows", f"{row}.json")
 
@@ -189,7 +197,7 @@ def start_force(out_dir: str, cache: Dict[str, Any], metrics: List[str]) -> None
     earlier, _ = unfinished_force(cache)
     cache["force"] = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
                       "metrics": list(dict.fromkeys([*earlier, *metrics]))}
-    _write(out_dir, cache)
+    write_cache(out_dir, cache)
 
 
 def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[str, Any]
@@ -204,10 +212,11 @@ def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[s
             cache["force"]["metrics"] = forced
         else:
             del cache["force"]
-    _write(out_dir, cache)
+    write_cache(out_dir, cache)
 
 
-def _write(out_dir: str, cache: Dict[str, Any]) -> None:
+def write_cache(out_dir: str, cache: Dict[str, Any]) -> None:
+    """Write the row's cache atomically (rank 0): a run killed at any point leaves it readable."""
     path = cache_path(out_dir, cache["row"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"

@@ -2,8 +2,10 @@
 every row needs, present or missing. It loads each row's config as the run would (a bad key is
 one line naming the row), lists the row's checkpoint and every file of its metrics
 (`Metric.files`: statistics, seeds, reference batches, feature-network weights, dataset roots)
-and what the metrics report this machine lacks (`Metric.problems`). No process group, nothing
-computed; the exit code is non-zero when something is missing.
+where the run reads it (a relative path: under --checkpoints, then the current directory,
+rebm/eval/table/paths.py; a missing one names the folders looked in), and what the metrics
+report this machine lacks (`Metric.problems`). No process group, nothing computed; the exit
+code is non-zero when something is missing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from typing import Dict, List, Tuple
 
 from rebm.eval.registry import metric_classes
+from rebm.eval.table.paths import find_data_path, looked_in, rule_line
 from rebm.eval.table.spec import own_metrics, own_rows, row_configs
 
 EXIT_MISSING = 1  # --check found a missing file
@@ -47,6 +50,9 @@ def check_table(spec, checkpoints: str) -> Tuple[int, int, int, List[str]]:
         for (label, path), metrics in needs.items():
             state = "present" if os.path.exists(path) else "MISSING"
             kind = " (folder)" if os.path.isdir(path) else ""
+            if state == "MISSING" and label != "checkpoint":
+                _, folders = find_data_path(path, checkpoints)
+                kind = f" ({looked_in(folders)})" if folders else ""
             used = f"  [{', '.join(metrics)}]" if metrics else ""
             print(f"  {state:8} {label}: {path}{kind}{used}")
         # what a real run would refuse, but those that repeat a missing file
@@ -63,6 +69,7 @@ def check(specs, args) -> int:
     problem (what the real run would refuse), else EXIT_MISSING."""
     if not os.path.isdir(args.checkpoints):
         print(f"note: --checkpoints folder '{args.checkpoints}' does not exist")
+    print(rule_line(args.checkpoints))
     listed = missing = other = 0
     rows: List[str] = []
     for spec in specs:

@@ -26,6 +26,7 @@ from rebm.eval.metric import SAMPLES, EvalError
 from rebm.eval.registry import metric_classes
 from rebm.eval.sampling.samples import sample_settings
 from rebm.eval.table.cache import (
+    CHECKPOINT_SHA256,
     FileHashes,
     cached_results,
     data_settings,
@@ -35,7 +36,9 @@ from rebm.eval.table.cache import (
     start_force,
     store_result,
     unfinished_force,
+    write_cache,
 )
+from rebm.eval.table.paths import looked_in, missing_data_paths
 from rebm.eval.table.report import write_report
 from rebm.eval.table.spec import own_metrics, own_rows, row_configs
 
@@ -60,12 +63,13 @@ class TableRun:
         self.current: Optional[str] = None  # the row running, "[2/4] name"
         self.stored: List[str] = []  # metrics of the current row stored by this run
 
-    def keys(self, row, metrics) -> Optional[Dict[str, str]]:
-        """{metric: cache key} of the row (rank 0; None when its checkpoint is missing)."""
+    def checkpoint_sha256(self, row) -> Optional[str]:
+        """The content hash of the row's checkpoint (rank 0; None when it is missing)."""
         path = os.path.join(self.checkpoints, row.checkpoint)
-        if not os.path.isfile(path):
-            return None
-        checkpoint = self.hashes.sha256(path)
+        return self.hashes.sha256(path) if os.path.isfile(path) else None
+
+    def keys(self, row, metrics, checkpoint: str) -> Dict[str, str]:
+        """{metric: cache key} of the row for the checkpoint content `checkpoint` (rank 0)."""
         return {cls.name: metric_key(self.configs[row.name][cls.name], cls, checkpoint,
                                      self.spec.batch_size, self.hashes)
                 for cls in metric_classes(metrics)}
@@ -74,7 +78,7 @@ class TableRun:
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
             problems = self.evaluator(row, self.selected.metrics).problems()
             if problems:
-                raise EvalError(f"row {row.name}: {'; '.join(problems)}")
+                raise EvalError(f"row {row.name}: {'; '.join(problems)}{self.looked_in(row)}")
         total = len(self.selected.rows)
         for number, row in enumerate(self.selected.rows, start=1):
             stop_point_all_ranks(self.runtime)
@@ -91,10 +95,23 @@ class TableRun:
         on_main(self.runtime, report, f"write the table into {self.out}")
         return values
 
+    def looked_in(self, row) -> str:
+        """Where the row's relative data paths were looked for, when one of them is missing
+        (the end of the line that stops the run)."""
+        for metric in self.selected.metrics:
+            missing = missing_data_paths(self.configs[row.name][metric],
+                                         metric_classes([metric]), self.checkpoints)
+            if missing:
+                return f" (relative data paths: {looked_in(missing[0][2])})"
+        return ""
+
     def run_row(self, row, label: str) -> None:
-        def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str]]]:
-            keys = self.keys(row, self.selected.metrics)
-            return None if keys is None else (read_cache(self.out, row.name), keys)
+        def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str], str]]:
+            sha256 = self.checkpoint_sha256(row)
+            if sha256 is None:
+                return None
+            return read_cache(self.out, row.name), self.keys(row, self.selected.metrics,
+                                                             sha256), sha256
 
         found = decide_on_main(self.runtime, look, f"look for row {row.name}'s checkpoint")
         if found is None:
@@ -102,10 +119,15 @@ class TableRun:
                            label, os.path.join(self.checkpoints, row.checkpoint))
             self.skipped.append(row.name)
             return
-        cache, keys = found
-        cache.update(row=row.name, group=row.group, seed=row.seed, checkpoint=row.checkpoint)
+        cache, keys, sha256 = found
+        recorded = cache.get(CHECKPOINT_SHA256)
+        cache.update(row=row.name, group=row.group, seed=row.seed, checkpoint=row.checkpoint,
+                     **{CHECKPOINT_SHA256: sha256})
         cached = [m for m in self.selected.metrics
                   if cached_results(cache, m, keys[m]) is not None]
+        if cached and recorded != sha256:  # values with no record of their checkpoint: record
+            on_main(self.runtime, lambda: write_cache(self.out, cache),
+                    f"write the table cache of row {row.name}")
         plan = self.plan(row, self.pending(cache, cached, label))
         order = [name for names in plan for name in names]
         if self.force:
@@ -213,26 +235,44 @@ class TableRun:
 
     def collect(self):
         """(values, missing) of every row of the table from the caches (rank 0): a row's
-        values are its metrics computed under the current keys."""
+        values are its metrics computed under the current keys. The checkpoint of a row that
+        --rows did not select is not read (gigabytes for ImageNet models): its keys take the
+        checkpoint content recorded in its cache, and a run without --rows checks it."""
+        selected = {row.name for row in self.selected.rows}
         values: Dict[str, Dict[str, Any]] = {}
         missing: Dict[str, str] = {}
+        unread: List[str] = []
         for row in self.spec.rows:
-            keys = self.keys(row, self.spec.metrics)
-            if keys is None:
-                missing[row.name] = os.path.join(self.checkpoints, row.checkpoint)
+            path = os.path.join(self.checkpoints, row.checkpoint)
+            if not os.path.isfile(path):
+                missing[row.name] = path
                 continue
             cache = read_cache(self.out, row.name)
-            forced, started = unfinished_force(cache)
-            if forced:
-                LOGGER.warning("row %s: %s in the table predate(s) a --force run started %s "
-                               "that stopped; run the table again to recompute them", row.name,
-                               ", ".join(forced), started)
-            found: Dict[str, Any] = {}
-            for metric in self.spec.metrics:
-                found.update(cached_results(cache, metric, keys[metric]) or {})
+            sha256 = (self.hashes.sha256(path) if row.name in selected
+                      else cache.get(CHECKPOINT_SHA256))
+            found = self.cached_values(row, cache, sha256) if sha256 else {}
             if found:
                 values[row.name] = found
+                unread += [] if row.name in selected else [row.name]
+        if unread:
+            LOGGER.info("rows not selected by --rows (%s): shown with the values cached for "
+                        "the checkpoint content recorded when they ran; their checkpoints were "
+                        "not read again (a run without --rows checks them)", ", ".join(unread))
         return values, missing
+
+    def cached_values(self, row, cache, sha256: str) -> Dict[str, Any]:
+        """The row's results cached under its current keys for checkpoint content `sha256`
+        (one warning when an unfinished --force run left some of them behind)."""
+        keys = self.keys(row, self.spec.metrics, sha256)
+        forced, started = unfinished_force(cache)
+        if forced:
+            LOGGER.warning("row %s: %s in the table predate(s) a --force run started %s "
+                           "that stopped; run the table again to recompute them", row.name,
+                           ", ".join(forced), started)
+        found: Dict[str, Any] = {}
+        for metric in self.spec.metrics:
+            found.update(cached_results(cache, metric, keys[metric]) or {})
+        return found
 
 
 def out_dir(spec, args, count: int) -> str:

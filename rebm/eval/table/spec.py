@@ -35,6 +35,7 @@ from rebm.config import ConfigError, load_config
 from rebm.errors import UserError
 from rebm.eval.metric import EvalError
 from rebm.eval.registry import did_you_mean, metric_classes, metric_names
+from rebm.eval.table.paths import rooted_config
 
 TABLE_KEYS = ("title", "metrics", "batch_size", "overrides", "metric_overrides", "columns",
               "rows", "notes")
@@ -228,9 +229,10 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
 
 def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
     """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
-    override or key stops the table at once, naming the table file and the row."""
+    override or key stops the table at once, naming the table file and the row. Relative data
+    paths are read under `checkpoints` when they are there (rebm/eval/table/paths.py)."""
     try:
-        metric_classes(spec.metrics)
+        classes = metric_classes(spec.metrics)
     except EvalError as err:
         raise EvalError(f"{spec.path}: metrics: {err}") from None
     configs: Dict[str, Dict[str, Any]] = {}
@@ -240,8 +242,9 @@ def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
         configs[row.name] = {}
         for metric in spec.metrics:
             overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
-            if overrides not in loaded:
-                loaded[overrides] = _row_config(spec, row, metric, overrides)
+            if overrides not in loaded:  # every metric's files: the configs stay shared
+                loaded[overrides] = rooted_config(_row_config(spec, row, metric, overrides),
+                                                  classes, checkpoints)
             configs[row.name][metric] = loaded[overrides]
     return configs
 

@@ -44,7 +44,7 @@ def test_cifar10_recipe_stage1_stage2_evaluate(tmp_path):
     write_fake_cifar10(str(tmp_path / "data" / "CIFAR10"), n_train=96, n_test=40)
     write_tiny_images(str(tmp_path / "data" / "tiny_images.bin"), n_records=200)
     _run([sys.executable, "-m", "rebm.eval.fid_stats", STAGE2, "--out",
-          "data/fid_stats_cifar10_train.npz"], tmp_path)
+          "data/fid_stats/fid_stats_cifar10_train.npz"], tmp_path)
     _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", TRAIN_AT, STAGE1, *SIZES,
           "wandb_disabled=false"], tmp_path)
     stage1 = tmp_path / "runs" / "stage1_cifar10"

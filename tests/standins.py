@@ -79,3 +79,11 @@ def register_standin() -> str:
         register_feature_extractor(STANDIN_NAME, _standin_class())
     return STANDIN_NAME
 
+
+
+def write_standin_statistics(path, mu, sigma) -> None:
+    """FID reference statistics of the stand-in's features, recorded as such (as
+    `REBM_FID_FEATURES=rebm.eval.standin:features python -m rebm.eval.fid_stats` writes them)."""
+    from rebm.eval.features.fid import write_statistics
+
+    write_statistics(str(path), mu, sigma, f"stand-in {STANDIN}", "test")

@@ -251,12 +251,11 @@ def test_the_shipped_stand_in_works_from_anywhere_and_labels_what_it_makes(tmp_p
     with np.load(out) as stats:
         assert str(stats["features"]) == "stand-in rebm.eval.standin:features"
     assert json.loads(proc.stdout.strip().splitlines()[-1])["features"].startswith("stand-in")
-    monkeypatch.setenv("REBM_FID_FEATURES", "rebm.eval.standin:features")
-    assert fid.load_reference(str(out))[0].shape == (15,)  # the same stand-in reads it
-    monkeypatch.delenv("REBM_FID_FEATURES")  # an Inception FID must not
+    standin = fid.FeatureNetwork("standin", spec="rebm.eval.standin:features")
+    assert fid.load_reference(str(out), standin)[0].shape == (15,)  # the same stand-in reads it
     with pytest.raises(fid.FIDError, match="holds statistics of stand-in rebm.eval.standin:"
                        "features features, but this run computes Inception-v3 pool3"):
-        fid.load_reference(str(out))
+        fid.load_reference(str(out), fid.FeatureNetwork("inception"))  # an Inception FID must not
 
 
 def test_the_standin_recipe_computes_fid_and_without_log_fid_says_which_key(tmp_path, monkeypatch):

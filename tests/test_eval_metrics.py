@@ -31,7 +31,7 @@ from rebm.eval.features.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.processes import spawn_ranks
-from tests.standins import STANDIN, fit_head, standin_features
+from tests.standins import STANDIN, fit_head, standin_features, write_standin_statistics
 
 N_TEST, N_TRAIN, N_SAMPLES = 21, 40, 13
 SAMPLE_METRICS = ("sample_grid", "keep_samples", "samples_npz", "fid", "inception_score",
@@ -74,7 +74,7 @@ def data(tmp_path_factory):
     torch.save(model.state_dict(), root / "model.pth")
     train = indist_source(cfg, "train").images(np.arange(N_TRAIN)).float() / 255.0
     mu, sigma = feature_statistics(standin_features(to_8bit(train)).numpy())
-    np.savez(root / "stats.npz", mu=mu, sigma=sigma)
+    write_standin_statistics(root / "stats.npz", mu, sigma)
     (root / "config.yaml").write_text("rand_seed: 3\n")
     return root
 
@@ -247,7 +247,9 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
         raise AssertionError("tried to download")
 
     monkeypatch.setattr(tf_inception, "load_state_dict_from_url", no_network)
-    cfg = _cfg(data, f"image_log.inception_weights={weights}", "eval.is_resize=fidelity")
+    # random weights are not the pinned file: accepted only as unverified, under their own keys
+    cfg = _cfg(data, f"image_log.inception_weights={weights}", "eval.is_resize=fidelity",
+               "image_log.unverified_inception=true")
     evaluator = Evaluator(cfg, Runtime(), ("keep_samples", "inception_score", "precision_recall"),
                           batch_size=4, run_dir=str(tmp_path))
     ours = evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime())).values
@@ -255,10 +257,13 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
                               feature_extractor_weights_path=str(weights))
     # another batch composition (torch-fidelity reads the files in name order) moves the
     # float32 Inception features by round-off only
-    assert ours["inception_score"] == pytest.approx(library["inception_score_mean"], rel=1e-5)
-    assert ours["inception_score_std"] == pytest.approx(library["inception_score_std"],
-                                                        rel=1e-3, abs=1e-6)
-    assert ours["precision"] == library["precision"] and ours["recall"] == library["recall"]
+    assert ours["inception_score_unverified"] == pytest.approx(library["inception_score_mean"],
+                                                               rel=1e-5)
+    assert ours["inception_score_unverified_std"] == pytest.approx(
+        library["inception_score_std"], rel=1e-3, abs=1e-6)
+    assert ours["precision_unverified"] == library["precision"]
+    assert ours["recall_unverified"] == library["recall"]
+    assert not {"inception_score", "precision", "recall"} & set(ours)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from rebm.config import load_config
+from rebm.config.schema import ImageLogConfig
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime
 from rebm.eval.features import fid
+from rebm.eval.features.network import feature_network
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.standins import (  # noqa: E402
@@ -93,7 +95,8 @@ def _model(cfg):
 def _fid_of(images, stats_path, batch_size: int = 100) -> float:
     """FID of float [0, 1] images (floor pixels) against a statistics file, in chunks of
     `batch_size`: the scorer an evaluation's FID uses."""
-    scorer = fid.FIDScorer(fid.feature_extractor("cpu"), fid.load_reference(str(stats_path)),
+    scorer = fid.FIDScorer(fid.feature_extractor("cpu", ImageLogConfig()),
+                           fid.load_reference(str(stats_path)),
                            Runtime(), batch_size)
     sums = fid.MomentSums()
     for chunk in images.split(batch_size):
@@ -165,7 +168,7 @@ def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, s
     ref_mu, ref_sigma = fid.feature_statistics(standin_features(images).numpy())
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
-    one_mu, one_sigma, n = dataset_statistics(cfg, Runtime(), "train", num_images=40,
+    one_mu, one_sigma, n, _ = dataset_statistics(cfg, Runtime(), "train", num_images=40,
                                               batch_size=7)
     assert n == 40
     np.testing.assert_allclose(one_mu, mu, rtol=0, atol=1e-12)
@@ -238,9 +241,8 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin
     # at the edge of the candidates 1..4 (2 - 2 is clipped to 1).
     at_4 = load_config(setup[1], [*setup[2], *cfg_overrides, "image_log.num_steps=4"])
     images, _ = generate_samples(model, at_4, runtime, num_samples=20, batch_size=8)
-    np.savez(ref, **dict(zip(("mu", "sigma"),
-                             fid.feature_statistics(standin_features(fid.to_8bit(images, "floor"))),
-                             strict=True)))
+    mu, sigma = fid.feature_statistics(standin_features(fid.to_8bit(images, "floor")))
+    fid.write_statistics(str(ref), mu, sigma, f"stand-in {STANDIN}", "the sweep's own samples")
     evaluator = Evaluator(cfg, runtime, ("sample_grid", "keep_samples", "fid"), batch_size=8,
                           run_dir=str(tmp_path))
     evaluation = evaluator.evaluate_all_ranks(model, step=7)
@@ -304,6 +306,7 @@ def test_missing_weights_and_statistics_are_one_line_naming_path_and_key(setup, 
     # without log_fid nothing is needed; a stand-in needs no Inception weights
     assert _evaluator(_cfg(setup, f"image_log.data_dir={tmp_path / 'none.npz'}")).problems() == []
     monkeypatch.setenv(fid.FEATURES_ENV, STANDIN)
+    fid.write_statistics(str(stats), np.zeros(15), np.eye(15), f"stand-in {STANDIN}", "test")
     assert _evaluator(_cfg(setup, "image_log.log_fid=true",
                            f"image_log.data_dir={stats}")).problems() == []
 
@@ -317,20 +320,21 @@ def test_missing_weights_and_statistics_are_one_line_naming_path_and_key(setup, 
 def test_bad_statistics_file_is_one_line_naming_path_and_key(setup, tmp_path, monkeypatch,
                                                               content, words):
     weights = tmp_path / "weights.pth"
-    weights.write_bytes(b"")  # present: only the statistics are wrong here
+    weights.write_bytes(b"")  # present and accepted as unverified: only the statistics are wrong
     path = tmp_path / "stats.npz"
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content is not None:
         np.savez(path, **content)
     cfg = _cfg(setup, "image_log.log_fid=true", f"image_log.data_dir={path}",
-               f"image_log.inception_weights={weights}")
+               f"image_log.inception_weights={weights}", "image_log.unverified_inception=true")
     monkeypatch.delenv(fid.FEATURES_ENV, raising=False)
     message = _one_line_error(cfg)
     assert str(path) in message and "image_log.data_dir" in message
     assert all(word in message for word in words), message
     unset = _one_line_error(_cfg(setup, "image_log.log_fid=true",
-                                 f"image_log.inception_weights={weights}"))
+                                 f"image_log.inception_weights={weights}",
+                                 "image_log.unverified_inception=true"))
     assert "image_log.data_dir" in unset and "is not set" in unset
 
 
@@ -381,10 +385,13 @@ def test_inception_from_a_local_file_never_downloads(empty_hub, tmp_path, monkey
     monkeypatch.setattr(pf, "load_state_dict_from_url", no_network)
     monkeypatch.setattr(fid, "_INCEPTION", {})
     image = torch.rand(1, 3, 16, 16)
-    features = fid.inception_features("cpu")(image)
+    features = fid.feature_extractor("cpu", ImageLogConfig(unverified_inception=True))(image)
     assert features.shape == (1, fid.INCEPTION_DIMS) and torch.isfinite(features).all()
     ours = fid.inception_network(str(empty_hub)).state_dict()
-    from_path = fid.inception_network(fid.inception_weights_path(str(configured))).state_dict()
+    elsewhere = feature_network(ImageLogConfig(inception_weights=str(configured),
+                                               unverified_inception=True))
+    assert elsewhere.weights == str(configured) and elsewhere.kind == "unverified"
+    from_path = fid.inception_network(elsewhere.weights).state_dict()
     assert pf.load_state_dict_from_url is no_network  # restored after each construction
     # The network is pytorch-fid's own InceptionV3 reading its hub cache, to the bit (the same
     # class, so the same forward; pytorch-fid's resize and scaling included).
@@ -407,7 +414,7 @@ def test_real_inception_weights_when_present():
         pytest.skip(f"no {fid.INCEPTION_WEIGHTS_FILE} in {os.path.dirname(path)}")
     torch.manual_seed(0)
     images = torch.rand(8, 3, 32, 32)
-    features = fid.inception_features("cpu")
+    features = fid.feature_extractor("cpu", ImageLogConfig())
     sums = fid.MomentSums()
     fid.FIDScorer(features, (np.zeros(2048), np.eye(2048)), Runtime(), 4).add(sums, images)
     mu, sigma = sums.statistics(Runtime())

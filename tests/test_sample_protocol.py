@@ -23,10 +23,16 @@ import pytest
 import torch
 
 from rebm.config import load_config
+from rebm.config.schema import ImageLogConfig
 from rebm.distributed import Runtime
 from rebm.eval.features.fid import FEATURES_ENV
 from tests.fake_data import write_fake_cifar10, write_fake_imagenet
-from tests.standins import STANDIN, random_fid_inception_state, standin_features
+from tests.standins import (
+    STANDIN,
+    random_fid_inception_state,
+    standin_features,
+    write_standin_statistics,
+)
 
 N_SAMPLES = 12
 
@@ -48,7 +54,7 @@ def data(tmp_path_factory):
     torch.save(build_model("WideResNet10x1", 10).state_dict(), root / "model.pth")
     train = indist_source(_cfg(root), "train").images(np.arange(30)).float() / 255.0
     mu, sigma = feature_statistics(standin_features(train).numpy())
-    np.savez(root / "stats.npz", mu=mu, sigma=sigma)
+    write_standin_statistics(root / "stats.npz", mu, sigma)
     return root
 
 
@@ -191,7 +197,8 @@ def _spread_inception_weights(path):
     state = random_fid_inception_state()
     torch.save(state, path)
     probe = pil_resize(torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8))
-    extractor = build_extractor(str(path), "cpu")
+    extractor = build_extractor(ImageLogConfig(inception_weights=str(path),
+                                               unverified_inception=True), "cpu")
     with torch.no_grad():
         pool = extractor.convert_features_tuple_to_dict(extractor(probe))["2048"].double()
     mean = pool.mean(0)
@@ -214,7 +221,9 @@ def test_inception_score_is_the_originals_path(data, tmp_path, monkeypatch):
         raise AssertionError("tried to download")
 
     monkeypatch.setattr(tf_inception, "load_state_dict_from_url", no_network)
-    cfg = _cfg(data, f"image_log.inception_weights={weights}")
+    # random weights: accepted as unverified, their values under *_unverified keys
+    unverified = "image_log.unverified_inception=true"
+    cfg = _cfg(data, f"image_log.inception_weights={weights}", unverified)
     assert cfg.eval.is_resize == "pil"
     ours = _evaluate(cfg, ("inception_score",))
     folder = tmp_path / "original"
@@ -225,11 +234,11 @@ def test_inception_score_is_the_originals_path(data, tmp_path, monkeypatch):
     assert splits == 6  # torch.chunk of 12 rows into 10 gives 6 splits of 2
     assert mean > 1.2 and std > 0
     # other batches (5 here, 4 there) move the float32 Inception logits by round-off only
-    assert ours["inception_score"] == pytest.approx(mean, rel=1e-5)
-    assert ours["inception_score_std"] == pytest.approx(std, rel=1e-3, abs=1e-6)
-    native = _evaluate(_cfg(data, f"image_log.inception_weights={weights}",
+    assert ours["inception_score_unverified"] == pytest.approx(mean, rel=1e-5)
+    assert ours["inception_score_unverified_std"] == pytest.approx(std, rel=1e-3, abs=1e-6)
+    native = _evaluate(_cfg(data, f"image_log.inception_weights={weights}", unverified,
                             "eval.is_resize=fidelity"), ("inception_score",))
-    assert native["inception_score"] != pytest.approx(mean, rel=1e-5)
+    assert native["inception_score_unverified"] != pytest.approx(mean, rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,5 +438,6 @@ def test_metrics_of_one_pass_keep_their_own_inception_weights(data, monkeypatch)
     built = dict(evaluator.resources)
     first = shared_extractor(configs["inception_score"], Runtime(), evaluator.resources)
     other = shared_extractor(configs["precision_recall"], Runtime(), evaluator.resources)
-    assert first is built["fidelity extractor a.pth"] and other is not first
+    assert other is not first
+    assert first is next(value for key, value in built.items() if "a.pth" in key)
     assert evaluator.resources == built

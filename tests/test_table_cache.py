@@ -20,6 +20,7 @@ import torch
 
 from tests.helpers import REPO, RunResult, base_env, finish, run_command
 from tests.processes import popen
+from tests.standins import write_standin_statistics
 
 STANDIN = "rebm.eval.standin:features"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
@@ -45,7 +46,7 @@ def _write_stats(path: Path, seed: int) -> None:
     """FID reference statistics of the 15-d stand-in features, in pytorch-fid's npz format."""
     rng = np.random.default_rng(seed)
     features = rng.random((64, 15))
-    np.savez(path, mu=features.mean(0), sigma=np.cov(features, rowvar=False))
+    write_standin_statistics(path, features.mean(0), np.cov(features, rowvar=False))
 
 
 def _table(tmp: Path, name: str, metrics, rows, overrides=(), metric_overrides=None) -> Path:

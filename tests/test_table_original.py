@@ -17,6 +17,7 @@ import torch
 from rebm.eval.table.spec import TableError, load_table
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
+from tests.standins import write_standin_statistics
 
 STANDIN = "rebm.eval.standin:features"
 CIFAR10_T40_SEED0 = """\
@@ -213,7 +214,7 @@ def project(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("original")
     write_fake_cifar10(str(tmp / "cifar"), n_train=50, n_test=40)
     features = np.random.default_rng(0).random((64, 15))  # stand-in features' statistics
-    np.savez(tmp / "stats.npz", mu=features.mean(0), sigma=np.cov(features, rowvar=False))
+    write_standin_statistics(tmp / "stats.npz", features.mean(0), np.cov(features, rowvar=False))
     overrides = [f"data.indist_ds_dir={tmp / 'cifar'}", "data.num_workers=0",
                  "model.model_type=WideResNet10x1", "eval.num_images=16",
                  "image_log.num_samples=10", "image_log.log_fid=true",

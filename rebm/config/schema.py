@@ -73,6 +73,7 @@ class ImageLogConfig(LegacyImageLogFields, Frozen):
     log_fid: bool = False  # compute FID of the samples against data_dir (see docs/evaluation.md)
     data_dir: Optional[str] = None  # FID reference statistics (.npz with mu, sigma; python -m rebm.eval.fid_stats)
     inception_weights: Optional[str] = None  # FID Inception weights file; default: the FID library's cache
+    unverified_inception: bool = False  # true: accept Inception weights that are not the pinned file (sha256 6726825d...); FID, IS and precision/recall then go under *_unverified keys
     num_samples: int = 100  # samples per evaluation, labels balanced over the classes
     step_size: float = 0.1  # PGD step length of generation
     eps: float = math.inf  # PGD radius of generation

@@ -125,6 +125,21 @@ def imagenet_augmentation(name: str, size: int) -> FullImageTransform:
     return FullImageTransform(steps[name] + [v2.PILToTensor()] + tail)
 
 
+class CenterSquare(torch.nn.Module):
+    """The largest centred square of an image (PIL or CHW tensor): CenterCrop(min side)."""
+
+    def forward(self, image):
+        return v2.functional.center_crop(image, min(v2.functional.get_size(image)))
+
+
+def center_square_resize(size: int) -> FullImageTransform:
+    """CenterCrop(min side) + bilinear Resize((size, size)), PIL or uint8 CHW tensor in, uint8
+    tensor out: how the original's vendored pytorch-fid/src/pytorch_fid/fid_score2.py:146-153
+    reads images for 256 px FID statistics (rebm.eval.fid_stats --recipe fid_score2)."""
+    return FullImageTransform([CenterSquare(), v2.Resize((size, size), antialias=True),
+                               v2.PILToTensor()])
+
+
 def _crop_flip(image_size: int) -> list:
     padding = max(1, image_size // 8)  # 4 px at 32 px, scaled for other sizes
     return [

@@ -34,7 +34,8 @@ def describe_evaluation(results: Dict[str, Any]) -> str:
     for key, label, fmt in (("test_acc", "clean acc", "{:.3f}"),
                             ("robust_test_acc", "robust acc", "{:.3f}"),
                             ("autoattack_test_acc", "AutoAttack acc", "{:.3f}"),
-                            ("fid", "FID", "{:.2f}"), ("fid_standin", "stand-in FID", "{:.2f}"),
+                            ("fid", "FID", "{:.2f}"), ("fid_unverified", "UNVERIFIED-weights FID", "{:.2f}"),
+                            ("fid_standin", "stand-in FID", "{:.2f}"),
                             ("inception_score", "IS", "{:.2f}"),
                             ("ood_auroc", "OOD AUROC", "{:.3f}"), ("ece", "ECE", "{:.3f}")):
         value = results.get(key)

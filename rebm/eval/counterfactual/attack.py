@@ -23,6 +23,7 @@ from rebm.attacks.pgd import pgd_attack
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import FIDError, frechet_distance, load_reference
+from rebm.eval.features.network import FeatureNetwork
 from rebm.eval.metric import to_pixels
 
 LOGGER = logging.getLogger("rebm")
@@ -46,7 +47,7 @@ class CounterfactualSettings:
     eps: float = math.inf
     norm: str = "L2"
     fid_stats: Optional[str] = None  # per-class reference statistics, a path with {label}
-    inception_weights: Optional[str] = None
+    image_log: Any = None  # the ImageLogConfig whose feature network computes that FID
 
 
 def stats_classes(template: Optional[str], num_classes: int) -> List[int]:
@@ -70,11 +71,14 @@ def attack_toward(model: nn.Module, x: Tensor, targets: Tensor,
     return to_pixels(adv, COUNTERFACTUAL_PIXELS), confidence, success
 
 
-def class_fid(c: int, mu: np.ndarray, sigma: np.ndarray, template: str) -> Optional[float]:
-    """FID of (mu, sigma) against class c's statistics file; None (a warning) without one."""
+def class_fid(c: int, mu: np.ndarray, sigma: np.ndarray, template: str,
+              network: FeatureNetwork) -> Optional[float]:
+    """FID of (mu, sigma) against class c's statistics file (made by `network`); None (a
+    warning) without one."""
     try:
-        return frechet_distance(mu, sigma, *load_reference(template.format(label=c),
-                                                           mu.shape[0]))
+        reference = load_reference(template.format(label=c), network, dims=mu.shape[0],
+                                   key="eval.counterfactual_fid_stats")
+        return frechet_distance(mu, sigma, *reference)
     except (FIDError, ValueError) as err:
         LOGGER.warning("counterfactual FID of class %d skipped: %s", c, err)
         return None

@@ -35,6 +35,7 @@ from rebm.eval.counterfactual.attack import (
     write_per_class,
 )
 from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
+from rebm.eval.features.network import feature_network
 from rebm.eval.metrics.accuracy import eval_mode
 from rebm.eval.metrics.ood_sets import chunk_loader
 
@@ -104,8 +105,9 @@ def evaluate_grid_counterfactuals(model: nn.Module, sources: FixedImageSet,
                                  "look for the per-class FID statistics")
     features, dims = None, None
     if fid_classes:
-        features = feature_extractor(runtime.device, settings.inception_weights)
-        dims = load_reference(settings.fid_stats.format(label=fid_classes[0]))[0].shape[0]
+        features = feature_extractor(runtime.device, settings.image_log)
+        dims = load_reference(settings.fid_stats.format(label=fid_classes[0]),
+                              key="eval.counterfactual_fid_stats")[0].shape[0]
     m = targets_per_image(num_classes, settings.num_targets)
     per_chunk = max(1, batch_size // m)  # sources per chunk: about batch_size attacks
     loader = chunk_loader(sources.images, n, per_chunk, runtime)
@@ -161,7 +163,8 @@ def _class_fids(features: Tensor, targets: Tensor, classes: List[int],
         rows = features[targets == c].double().numpy()
         if len(rows) < 2:
             continue
-        fid = class_fid(c, *feature_statistics(rows), settings.fid_stats)
+        fid = class_fid(c, *feature_statistics(rows), settings.fid_stats,
+                            feature_network(settings.image_log))
         if fid is not None:
             fids[c] = fid
     return fids

@@ -42,6 +42,7 @@ from rebm.eval.counterfactual.attack import (
     write_per_class,
 )
 from rebm.eval.features.fid import MomentSums, feature_extractor
+from rebm.eval.features.network import feature_network
 from rebm.eval.metric import EvalError
 from rebm.eval.metrics.accuracy import eval_mode
 
@@ -115,7 +116,7 @@ class _OriginalRun:
         self.settings, self.runtime, self.num_classes = settings, runtime, num_classes
         self.counts = np.bincount(targets, minlength=num_classes)
         self.fid_classes = set(fid_classes)
-        self.features = (feature_extractor(runtime.device, settings.inception_weights)
+        self.features = (feature_extractor(runtime.device, settings.image_log)
                          if fid_classes else None)
         self.slots = _preview_slots(targets, num_classes)
         self.scores: List[Tuple[Tensor, Tensor]] = []  # (positions, (b, 2) confidence, success)
@@ -145,7 +146,8 @@ class _OriginalRun:
             return
         mu, sigma = sums.statistics(self.runtime)
         template = self.settings.fid_stats
-        fid = decide_on_main(self.runtime, lambda: class_fid(c, mu, sigma, template),
+        fid = decide_on_main(self.runtime, lambda: class_fid(c, mu, sigma, template,
+                                                           feature_network(self.settings.image_log)),
                              f"compute the counterfactual FID of class {c}")
         if fid is not None:
             self.fids[c] = fid

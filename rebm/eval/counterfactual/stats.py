@@ -19,8 +19,14 @@ from rebm.distributed import Runtime, setup_logging
 from rebm.distributed.collectives import on_main
 from rebm.distributed.logs import progress
 from rebm.eval.counterfactual.attack import COUNTERFACTUAL_PIXELS
-from rebm.eval.features.fid import FIDError, feature_extractor, moments_statistics, to_8bit
-from rebm.eval.fid_stats import save_statistics
+from rebm.eval.features.fid import (
+    FIDError,
+    feature_extractor,
+    moments_statistics,
+    to_8bit,
+    write_statistics,
+)
+from rebm.eval.features.network import feature_network
 from rebm.eval.metrics.ood_sets import chunk_loader
 
 LOGGER = logging.getLogger("rebm")
@@ -53,7 +59,9 @@ def run_class_stats(cfg, runtime: Runtime, args) -> Dict[int, Any]:
     if "{label}" not in args.class_stats:
         raise FIDError(f"--class-stats '{args.class_stats}' must contain {{label}} (one file "
                        "per class), e.g. data/fid_stats/cifar10_class{label}.npz")
-    features = feature_extractor(runtime.device, cfg.image_log.inception_weights)
+    network = feature_network(cfg.image_log)
+    features = feature_extractor(runtime.device, cfg.image_log)
+    recipe = f"class {{label}} of the {args.split} split, rebm's test transform, 8-bit"
     written = {}
     for label in range(cfg.data.num_classes):
         images = class_image_set(cfg, label, args.split)
@@ -61,8 +69,9 @@ def run_class_stats(cfg, runtime: Runtime, args) -> Dict[int, Any]:
             raise FIDError(f"class {label} has {len(images)} {args.split} images; FID "
                            "statistics need at least 2")
         mu, sigma = class_statistics(images, runtime, features, args.batch_size)
-        path = args.class_stats.format(label=label)
-        on_main(runtime, lambda p=path, m=mu, s=sigma: save_statistics(p, m, s), f"write {path}")
+        path, made = args.class_stats.format(label=label), recipe.format(label=label)
+        on_main(runtime, lambda p=path, m=mu, s=sigma, r=made:
+                write_statistics(p, m, s, network.describe(), r), f"write {path}")
         written[label] = (path, len(images))
         LOGGER.info("class %d: statistics of %d images written to %s", label, len(images), path)
     return written

@@ -2,7 +2,9 @@
 
 - The features are pytorch-fid's `InceptionV3` pool3 features (2048-d). Its weights file
   `pt_inception-2015-12-05-6726825d.pth` is read from `image_log.inception_weights` when set,
-  else from the torch hub cache where pytorch-fid looks (`$TORCH_HOME/hub/checkpoints/`). It is
+  else from the torch hub cache where pytorch-fid looks (`$TORCH_HOME/hub/checkpoints/`), and
+  checked against the pinned size and SHA-256 first (rebm/eval/features/network.py; another
+  file only with `image_log.unverified_inception`, its results under `<key>_unverified`). It is
   never downloaded: pytorch-fid's loader is handed the local state dict instead of the URL.
 - The distance is pytorch-fid's `calculate_frechet_distance`; the reference statistics are a
   pytorch-fid `.npz` with `mu` and `sigma` (`image_log.data_dir`, written by
@@ -11,9 +13,10 @@
   the environment variable `REBM_FID_FEATURES=module:function` names a callable float [0, 1]
   images (N, 3, H, W) -> (N, D) features; every process then uses it for the samples and for
   `fid_stats` alike (and for IS and precision/recall, rebm/eval/features/fidelity.py). Its results are
-  stored under `<key>_standin` (`standin_key`) and labelled as such. rebm ships one,
-  `rebm.eval.standin:features` (rebm/eval/standin.py); statistics files rebm writes name their
-  network (`features` in the .npz), and a run with another network refuses them.
+  stored under `<key>_standin` (`FeatureNetwork.key`) and labelled as such. rebm ships one,
+  `rebm.eval.standin:features` (rebm/eval/standin.py). Statistics files rebm writes name their
+  network (`features` in the .npz, with an unverified file's digest) and the recipe that read
+  the images (`recipe`), and a run with another network refuses them.
 
 Samples are quantised to 8 bits before the features, as if written to and read from PNG files
 (what the original DAT code fed pytorch-fid): by `eval.sample_pixels`, floor(255 x) by default,
@@ -40,38 +43,54 @@ import logging
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
-from rebm.errors import UserError
-from rebm.eval import standin
+from rebm.eval.features.network import (  # noqa: F401  (FIDError and the names are re-exported)
+    FEATURES_ENV,
+    INCEPTION,
+    INCEPTION_WEIGHTS_FILE,
+    STANDIN,
+    STANDIN_SPEC,
+    FeatureNetwork,
+    FIDError,
+    feature_network,
+    hub_weights_path,
+    weights_in_use,
+)
 from rebm.eval.metric import to_pixels
 
 LOGGER = logging.getLogger("rebm")
 
 Features = Callable[[Tensor], Tensor]  # float [0, 1] images (N, 3, H, W) -> (N, D)
 
-INCEPTION_WEIGHTS_FILE = "pt_inception-2015-12-05-6726825d.pth"
 INCEPTION_DIMS = 2048
-FEATURES_ENV = "REBM_FID_FEATURES"
-STANDIN_SPEC = standin.SPEC
-_warned: set = set()  # each distinct reason is reported once per process
+_said: set = set()  # each distinct notice is logged once per process
 _INCEPTION: Dict[str, torch.nn.Module] = {}  # weights path -> network, built once
 
 
-class FIDError(UserError, ValueError):
-    """FID cannot be computed: weights or statistics missing or unreadable; one line that names
-    the path, the config key and the fix."""
+class Statistics(NamedTuple):
+    """A reference .npz: mu, sigma, and what rebm recorded of how they were made (None in files
+    from pytorch-fid or the original code)."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    features: Optional[str]  # FeatureNetwork.describe() of the network
+    recipe: Optional[str]  # how the images were read (rebm.eval.fid_stats --recipe)
+
+
+def _say_once(message: str, level: int = logging.WARNING) -> None:
+    if message not in _said:
+        _said.add(message)
+        LOGGER.log(level, message)
 
 
 def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        LOGGER.warning(message)
+    _say_once(message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,36 +178,8 @@ def moments_statistics(feature_batches: Iterable[Tensor], runtime: Runtime
 
 
 # --------------------------------------------------------------------------------------------
-# Feature networks: pytorch-fid's Inception from a local file, or a stand-in
+# Feature networks: pytorch-fid's Inception from a local, checked file, or a stand-in
 # --------------------------------------------------------------------------------------------
-def hub_weights_path() -> str:
-    """Where pytorch-fid's loader looks for the weights: <torch hub dir>/checkpoints/."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", INCEPTION_WEIGHTS_FILE)
-
-
-def missing_weights_message(configured: Optional[str] = None) -> str:
-    from pytorch_fid.inception import FID_WEIGHTS_URL
-
-    if configured:
-        return (f"image_log.inception_weights '{configured}' does not exist; point it at "
-                f"{INCEPTION_WEIGHTS_FILE} (from {FID_WEIGHTS_URL}), or unset it to use "
-                f"{hub_weights_path()}")
-    return (f"no Inception weights for FID: put {INCEPTION_WEIGHTS_FILE} (from {FID_WEIGHTS_URL}, "
-            f"downloaded on a machine with internet) at {hub_weights_path()} or set "
-            "image_log.inception_weights=PATH (or image_log.log_fid=false); for a smoke run "
-            f"without them, {FEATURES_ENV}={STANDIN_SPEC} computes STAND-IN features, which are "
-            "not Inception numbers")
-
-
-def inception_weights_path(configured: Optional[str] = None) -> str:
-    """The weights file to use: `configured` (image_log.inception_weights), else the hub cache;
-    FIDError when it is not there."""
-    path = configured or hub_weights_path()
-    if not os.path.isfile(path):
-        raise FIDError(missing_weights_message(configured))
-    return path
-
-
 @contextmanager
 def offline_loader(module, state_dict: dict):
     """`module` (pytorch-fid's or torch-fidelity's Inception module) builds its network with
@@ -222,12 +213,6 @@ def inception_network(path: str) -> torch.nn.Module:
     return _INCEPTION[path]
 
 
-def inception_features(device, weights: Optional[str] = None) -> Features:
-    """Pool3 features (N, 2048) of float [0, 1] images (resized to 299 inside pytorch-fid)."""
-    net = inception_network(inception_weights_path(weights)).to(device)
-    return lambda images: net(images)[0].flatten(1)
-
-
 def env_features() -> Optional[Features]:
     """The stand-in named by REBM_FID_FEATURES=module:function, or None when it is unset."""
     spec = os.environ.get(FEATURES_ENV)
@@ -244,9 +229,14 @@ def env_features() -> Optional[Features]:
     return found
 
 
-def feature_extractor(device, weights: Optional[str] = None) -> Features:
-    """The REBM_FID_FEATURES stand-in when set, else Inception from the local weights."""
-    return env_features() or inception_features(device, weights)
+def feature_extractor(device, image_log) -> Features:
+    """The features of `image_log`'s network (`feature_network`: the REBM_FID_FEATURES stand-in,
+    or pool3 of Inception from its checked weights file; FIDError when there is none)."""
+    network = feature_network(image_log)
+    if network.kind == STANDIN:
+        return env_features()
+    net = inception_network(network.weights).to(device)
+    return lambda images: net(images)[0].flatten(1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,79 +246,91 @@ def _make_stats_hint(path: str) -> str:
     return f"make it with `python -m rebm.eval.fid_stats CONFIG --out {path}`"
 
 
-def load_reference(path: Optional[str], dims: Optional[int] = None
-                   ) -> Tuple[np.ndarray, np.ndarray]:
-    """(mu, sigma) of a pytorch-fid .npz; FIDError naming image_log.data_dir when it is not set,
-    missing, unreadable, or not (D,) / (D, D) (with D = `dims` when given)."""
-    if not path:
-        raise FIDError("image_log.data_dir (FID reference statistics .npz) is not set; "
-                       f"{_make_stats_hint('STATS.npz')} and set image_log.data_dir=STATS.npz")
+def read_statistics(path: str, key: str = "image_log.data_dir") -> Statistics:
+    """The statistics in the .npz at `path`, with their record when rebm wrote them; FIDError
+    naming `key` when the file is missing or not a .npz with mu and sigma. Nothing is unpickled."""
     if not os.path.isfile(path):
-        raise FIDError(f"image_log.data_dir '{path}' (FID reference statistics) does not "
-                       f"exist; {_make_stats_hint(path)}")
+        raise FIDError(f"{key} '{path}' (FID reference statistics) does not exist; "
+                       f"{_make_stats_hint(path)}")
     try:
         with np.load(path) as ref:
             mu, sigma = np.asarray(ref["mu"], np.float64), np.asarray(ref["sigma"], np.float64)
-            made_with = str(ref["features"]) if "features" in ref.files else None
+            record = {name: str(ref[name]) for name in ("features", "recipe") if name in ref.files}
     except Exception as err:  # not a zip, no mu/sigma key, pickled object arrays, ...
-        raise FIDError(f"image_log.data_dir '{path}' is not a .npz with mu and sigma "
+        raise FIDError(f"{key} '{path}' is not a .npz with mu and sigma "
                        f"({type(err).__name__}: {err}); {_make_stats_hint(path)}") from None
-    if made_with is not None and made_with != feature_network_name():
-        # rebm's files name their network (pytorch-fid's and the original's do not)
-        raise FIDError(f"'{path}' holds statistics of {made_with} features, but this run "
-                       f"computes {feature_network_name()} features; make the statistics with "
-                       f"the same network: {_make_stats_hint(path)}")
+    return Statistics(mu, sigma, record.get("features"), record.get("recipe"))
+
+
+def statistics_network(path: str, stats: Statistics) -> str:
+    """The network `stats` were computed with: their record, or, for a file without one (from
+    pytorch-fid or the original code), the verified Inception's (said once per file)."""
+    if stats.features is not None:
+        return stats.features
+    verified = FeatureNetwork(INCEPTION).describe()
+    _say_once(f"'{path}' does not record its feature network (a pytorch-fid or original file): "
+              f"read as statistics of the verified {verified}", logging.INFO)
+    return verified
+
+
+def load_reference(path: Optional[str], network: Optional[FeatureNetwork] = None,
+                   dims: Optional[int] = None, key: str = "image_log.data_dir"
+                   ) -> Tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of a pytorch-fid .npz; FIDError naming `key` when it is not set, missing,
+    unreadable, made by another network than `network` (when given), or not (D,) / (D, D)
+    (with D = `dims` when given)."""
+    if not path:
+        raise FIDError(f"{key} (FID reference statistics .npz) is not set; "
+                       f"{_make_stats_hint('STATS.npz')} and set {key}=STATS.npz")
+    stats = read_statistics(path, key)
+    mu, sigma = stats.mu, stats.sigma
     want = dims or (mu.shape[0] if mu.ndim == 1 else -1)
     if mu.shape != (want,) or sigma.shape != (want, want):
         expect = f"({dims},) and ({dims}, {dims})" if dims else "(D,) and (D, D)"
-        raise FIDError(f"image_log.data_dir '{path}' holds mu {mu.shape} and sigma "
+        raise FIDError(f"{key} '{path}' holds mu {mu.shape} and sigma "
                        f"{sigma.shape}, expected {expect}; {_make_stats_hint(path)}")
+    if network is not None:
+        made_with, computes = statistics_network(path, stats), network.describe()
+        if made_with != computes:
+            raise FIDError(f"'{path}' holds statistics of {made_with} features, but this run "
+                           f"computes {computes} features; FID compares only the same network's: "
+                           f"{_make_stats_hint(path)} with the same weights")
     return mu, sigma
 
 
-def weights_in_use(configured: Optional[str]) -> Optional[str]:
-    """The Inception weights file a feature-network metric reads (`image_log.inception_weights`,
-    else the hub cache), or None when REBM_FID_FEATURES names a stand-in (no file)."""
-    if os.environ.get(FEATURES_ENV):
-        return None
-    return configured or hub_weights_path()
+def write_statistics(path: str, mu: np.ndarray, sigma: np.ndarray, features: str, recipe: str
+                     ) -> None:
+    """A pytorch-fid .npz (mu, sigma) that also records the network (`features`: its
+    `describe()`) and the recipe that read the images; written through a temporary file and
+    os.replace (never a half-written file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp.npz")
+    np.savez(tmp, mu=mu, sigma=sigma, features=np.array(features), recipe=np.array(recipe))
+    os.replace(tmp, path)
 
 
-def weights_files(configured: Optional[str]) -> Dict[str, Optional[str]]:
+def weights_files(image_log) -> Dict[str, Optional[str]]:
     """{'image_log.inception_weights': the file in use}, or {} with a stand-in (Metric.files)."""
-    path = weights_in_use(configured)
+    path = weights_in_use(image_log.inception_weights)
     return {} if path is None else {"image_log.inception_weights": path}
 
 
-def feature_problems(weights: Optional[str]) -> List[str]:
-    """The missing Inception weights file (none when REBM_FID_FEATURES names a stand-in)."""
-    if os.environ.get(FEATURES_ENV):
-        return []
-    path = weights or hub_weights_path()
-    return [] if os.path.isfile(path) else [missing_weights_message(weights)]
-
-
 def reference_problems(cfg) -> List[str]:
-    """What FID lacks here whenever it is asked for: the weights and the reference statistics."""
-    problems = feature_problems(cfg.image_log.inception_weights)
+    """What FID lacks here whenever it is asked for: a usable feature network, and reference
+    statistics of that network (checked as far as they can be without it)."""
+    problems: List[str] = []
     try:
-        load_reference(cfg.image_log.data_dir,
-                       None if os.environ.get(FEATURES_ENV) else INCEPTION_DIMS)
+        network: Optional[FeatureNetwork] = feature_network(cfg.image_log)
+    except FIDError as err:
+        problems.append(f"{err} (or image_log.log_fid=false: no FID)")
+        network = None
+    dims = None if network is not None and network.kind == STANDIN else INCEPTION_DIMS
+    try:
+        load_reference(cfg.image_log.data_dir, network, dims)
     except FIDError as err:
         problems.append(str(err))
     return problems
-
-
-def feature_network_name() -> str:
-    """What computes the features: Inception, or the stand-in REBM_FID_FEATURES names."""
-    spec = os.environ.get(FEATURES_ENV)
-    return f"stand-in {spec}" if spec else "Inception-v3 pool3 (pytorch-fid)"
-
-
-def standin_key(key: str) -> str:
-    """The results key of a feature-network metric: `key`, or `key_standin` when a stand-in
-    computes the features (a stand-in FID is not an Inception FID, and is never stored as one)."""
-    return f"{key}_standin" if os.environ.get(FEATURES_ENV) else key
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,11 +382,12 @@ def fid_scorer(cfg, runtime: Runtime, batch_size: int, resources: Dict[str, Any]
     its feature network and reference statistics taken from `resources` (an Evaluator's, built
     there on first use: FIDError, one line, when missing or unreadable). Rank-local."""
     log = cfg.image_log
-    key = f"fid features {log.inception_weights}"
+    network = feature_network(log)
+    key = f"fid features {network}"
     if key not in resources:
-        resources[key] = feature_extractor(runtime.device, log.inception_weights)
-    reference = f"fid reference {log.data_dir}"
+        resources[key] = feature_extractor(runtime.device, log)
+    reference = f"fid reference {log.data_dir} {network}"
     if reference not in resources:
-        resources[reference] = load_reference(log.data_dir)
+        resources[reference] = load_reference(log.data_dir, network)
     return FIDScorer(resources[key], resources[reference], runtime, batch_size,
                      str(log.data_dir), cfg.eval.sample_pixels)

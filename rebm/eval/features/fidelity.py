@@ -4,12 +4,12 @@
 - The network is torch-fidelity's `inception-v3-compat` (`FeatureExtractorInceptionV3`: the
   TF-compatible resize to 299 and its 2048-d pool and 1008 logits). Its weights are the same
   file as FID's (`pt_inception-2015-12-05-6726825d.pth`, the same state dict keys and values as
-  torch-fidelity's own download), found where FID finds it (`image_log.inception_weights`, else
-  torch's hub cache) and handed to torch-fidelity's constructor in place of its URL loader:
+  torch-fidelity's own download), found and checked as FID's (`image_log.inception_weights`,
+  else torch's hub cache; rebm/eval/features/network.py) and handed to torch-fidelity's constructor in place of its URL loader:
   nothing is downloaded, and the file is read with weights_only=True.
 - With REBM_FID_FEATURES set, its callable stands in (`StandInExtractor`, a torch-fidelity
   feature extractor with the one feature "standin", used as IS logits and PR features alike);
-  the values are then stored under `<key>_standin`.
+  the values are then stored under `<key>_standin` (`<key>_unverified` with unverified weights).
 
 Features are computed once per generated chunk for all metrics (`chunk_features`), on the
 8-bit samples (uint8, as torch-fidelity reads PNG files; the Inception Score's default protocol
@@ -22,7 +22,6 @@ gathers its rows; the Inception Score keeps only split statistics, inception_sco
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List
 
 import torch
@@ -30,11 +29,12 @@ from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.distributed.collectives import all_gather_by_index
-from rebm.eval.features.fid import (
-    FEATURES_ENV,
-    env_features,
-    inception_weights_path,
-    offline_loader,
+from rebm.eval.features.fid import env_features, offline_loader
+from rebm.eval.features.network import (
+    STANDIN,
+    FIDError,
+    feature_network,
+    network_description,
 )
 from rebm.eval.metric import SampleChunk
 
@@ -49,9 +49,9 @@ def library_version() -> str:
     return f"torch-fidelity {torch_fidelity.__version__}"
 
 
-def fidelity_network_name() -> str:
-    spec = os.environ.get(FEATURES_ENV)
-    return f"stand-in {spec}" if spec else f"Inception-v3 ({INCEPTION_NAME})"
+def fidelity_network_name(image_log) -> str:
+    """The network of IS and precision/recall in settings (with an unverified file's digest)."""
+    return network_description(image_log, f"({INCEPTION_NAME})")
 
 
 def _standin_class():
@@ -86,17 +86,25 @@ def _standin_class():
     return StandInExtractor
 
 
-def build_extractor(weights, device):
-    """torch-fidelity's Inception from the local weights file (FIDError when missing), or the
-    stand-in; in eval mode on `device`."""
-    if os.environ.get(FEATURES_ENV):
+def build_extractor(image_log, device):
+    """torch-fidelity's Inception from the checked local weights file (FIDError when missing or
+    not the pinned file), or the stand-in; in eval mode on `device`."""
+    network = feature_network(image_log)
+    if network.kind == STANDIN:
         extractor = _standin_class()(STANDIN_NAME, ["standin"])
     else:
         from torch_fidelity import feature_extractor_inceptionv3 as tf_inception
 
-        state = torch.load(inception_weights_path(weights), map_location="cpu", weights_only=True)
-        with offline_loader(tf_inception, state):
-            extractor = tf_inception.FeatureExtractorInceptionV3(INCEPTION_NAME, INCEPTION_LAYERS)
+        try:
+            state = torch.load(network.weights, map_location="cpu", weights_only=True)
+            with offline_loader(tf_inception, state):
+                extractor = tf_inception.FeatureExtractorInceptionV3(INCEPTION_NAME,
+                                                                     INCEPTION_LAYERS)
+        except Exception as err:  # an unverified file: unpickling, wrong keys or shapes
+            raise FIDError(f"Inception weights '{network.weights}' cannot be loaded into "
+                           f"torch-fidelity's Inception ({type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+                           ) from None
     return extractor.requires_grad_(False).eval().to(device)
 
 
@@ -105,10 +113,9 @@ def shared_extractor(cfg, runtime: Runtime, resources: Dict[str, Any]):
     an Evaluator's `resources` (at start, `Metric.build`). Keyed by the weights setting:
     metrics of one sample pass may name different weights files (the table's
     metric_overrides)."""
-    weights = cfg.image_log.inception_weights
-    key = f"fidelity extractor {weights}"
+    key = f"fidelity extractor {cfg.image_log.inception_weights} {feature_network(cfg.image_log)}"
     if key not in resources:
-        resources[key] = build_extractor(weights, runtime.device)
+        resources[key] = build_extractor(cfg.image_log, runtime.device)
     return resources[key]
 
 

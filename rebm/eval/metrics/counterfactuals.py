@@ -39,13 +39,8 @@ from rebm.eval.counterfactual.original import (
     random_targets,
     train_image_set,
 )
-from rebm.eval.features.fid import (
-    FEATURES_ENV,
-    feature_network_name,
-    feature_problems,
-    hub_weights_path,
-    standin_key,
-)
+from rebm.eval.features.fid import weights_files
+from rebm.eval.features.network import network_description, network_key, network_problems
 from rebm.eval.metric import TEST_SET, Metric
 from rebm.eval.test_set import test_indices, test_set_files, test_set_settings
 
@@ -63,7 +58,7 @@ def counterfactual_settings(cfg) -> CounterfactualSettings:
         step_size=(log.step_size if ev.counterfactual_step_size is None
                    else ev.counterfactual_step_size),
         eps=log.eps if ev.counterfactual_eps is None else ev.counterfactual_eps, norm=log.norm,
-        fid_stats=ev.counterfactual_fid_stats, inception_weights=log.inception_weights)
+        fid_stats=ev.counterfactual_fid_stats, image_log=log)
 
 
 class Counterfactuals(Metric):
@@ -92,8 +87,8 @@ class Counterfactuals(Metric):
             found.update(test_num_images=found["num_images"], num_images=cf.num_images,
                          num_targets=cf.num_targets or "all others")
         if cf.fid_stats:
-            found.update(fid_stats=cf.fid_stats, features=feature_network_name(),
-                         inception_weights=cf.inception_weights)
+            found.update(fid_stats=cf.fid_stats, features=network_description(cfg.image_log),
+                         inception_weights=cfg.image_log.inception_weights)
         return found
 
     @classmethod
@@ -108,9 +103,7 @@ class Counterfactuals(Metric):
         if template:
             for c in range(cfg.data.num_classes):
                 found[f"eval.counterfactual_fid_stats[{c}]"] = template.format(label=c)
-            if not os.environ.get(FEATURES_ENV):
-                found["image_log.inception_weights"] = (cfg.image_log.inception_weights
-                                                        or hub_weights_path())
+            found.update(weights_files(cfg.image_log))
         return found
 
     @classmethod
@@ -118,7 +111,7 @@ class Counterfactuals(Metric):
         template = cfg.eval.counterfactual_fid_stats
         if not template:
             return []
-        found = feature_problems(cfg.image_log.inception_weights)
+        found = network_problems(cfg.image_log)
         if not stats_classes(template, cfg.data.num_classes):
             found.append(f"eval.counterfactual_fid_stats '{template}': no class has a "
                          "statistics file; make them with python -m rebm.eval.counterfactuals "
@@ -142,7 +135,8 @@ class Counterfactuals(Metric):
             results = evaluate_grid_counterfactuals(
                 ctx.model, sources, settings, ctx.runtime, num_classes=cfg.data.num_classes,
                 batch_size=ctx.batch_size, folder=folder)
-        return {(standin_key("counterfactual_fid") + key[len("counterfactual_fid"):]
+        fid_key = network_key(cfg.image_log, "counterfactual_fid")
+        return {(fid_key + key[len("counterfactual_fid"):]
                  if key.startswith("counterfactual_fid") else key): value
                 for key, value in results.items()}
 
@@ -156,7 +150,8 @@ class Counterfactuals(Metric):
                f"{settings['step_size']:g}, eps {settings['eps']:g})")
         rows = [("counterfactual confidence", f"{results['counterfactual_confidence']:.4f}", how),
                 ("counterfactual success", f"{results['counterfactual_success']:.4f}", how)]
-        for key in ("counterfactual_fid", "counterfactual_fid_standin"):
+        for key in ("counterfactual_fid", "counterfactual_fid_unverified",
+                    "counterfactual_fid_standin"):
             if key in results:
                 rows.append((key.replace("_", " "), f"{results[key]:.2f}",
                              f"per-class FID vs {settings['fid_stats']}, mean over classes"))

@@ -15,14 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from rebm.eval.features.fid import (
-    MomentSums,
-    feature_network_name,
-    fid_scorer,
-    reference_problems,
-    standin_key,
-    weights_files,
-)
+from rebm.eval.features.fid import MomentSums, fid_scorer, reference_problems, weights_files
+from rebm.eval.features.network import network_description, network_key, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings, seed_source
 from rebm.eval.sampling.sweep import sweep_candidates, sweep_steps
@@ -40,14 +34,14 @@ class FID(Metric):
         log = cfg.image_log
         sweep = ({"candidates": sweep_candidates(log), "sweep_num_samples": log.sweep_num_samples}
                  if log.adaptive_steps else None)
-        return {"features": feature_network_name(), "reference": log.data_dir,
+        return {"features": network_description(log), "reference": log.data_dir,
                 "inception_weights": log.inception_weights, "quantized": "8 bit",
                 "adaptive_steps": sweep, **sample_settings(cfg)}
 
     @classmethod
     def files(cls, cfg) -> Dict[str, Optional[str]]:
         return {"image_log.data_dir": cfg.image_log.data_dir, **sample_files(cfg),
-                **weights_files(cfg.image_log.inception_weights)}
+                **weights_files(cfg.image_log)}
 
     @classmethod
     def problems(cls, cfg) -> List[str]:
@@ -60,7 +54,7 @@ class FID(Metric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.key = standin_key("fid")
+        self.key = network_key(ctx.cfg.image_log, "fid")
         self.scorer = fid_scorer(ctx.cfg, ctx.runtime, ctx.batch_size, ctx.resources)
         self.sums = MomentSums()
         self.best: Optional[int] = None
@@ -88,11 +82,10 @@ class FID(Metric):
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
-        standin = settings["features"].startswith("stand-in")
-        key = "fid_standin" if standin else "fid"
+        key, mark = shown_as(settings["features"], "fid")
         if key not in results:
             return []
-        label = "FID, STAND-IN features (not Inception)" if standin else "FID"
+        label = f"FID, {mark}" if mark else "FID"
         reference = os.path.basename(settings["reference"] or "")
         return [(label, f"{results[key]:.4f}",
                  describe_samples(settings, results.get(f"{key}_best_steps"))

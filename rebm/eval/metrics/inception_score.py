@@ -41,7 +41,7 @@ from PIL import Image
 from torch import Tensor
 
 from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
-from rebm.eval.features.fid import feature_problems, standin_key, weights_files
+from rebm.eval.features.fid import weights_files
 from rebm.eval.features.fidelity import (
     chunk_features,
     extract,
@@ -51,6 +51,7 @@ from rebm.eval.features.fidelity import (
     shared_extractor,
     text_order,
 )
+from rebm.eval.features.network import network_key, network_problems, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings
 
@@ -158,16 +159,16 @@ class InceptionScore(Metric):
             protocol = {"resize": "torch-fidelity's own", "statistics": "torch-fidelity's",
                         "shuffle_seed": SHUFFLE_SEED}
         return {"library": library_version(), "is_resize": cfg.eval.is_resize, "splits": SPLITS,
-                **protocol, "features": fidelity_network_name(), "quantized": "8 bit",
+                **protocol, "features": fidelity_network_name(cfg.image_log), "quantized": "8 bit",
                 **sample_settings(cfg)}
 
     @classmethod
     def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return {**sample_files(cfg), **weights_files(cfg.image_log.inception_weights)}
+        return {**sample_files(cfg), **weights_files(cfg.image_log)}
 
     @classmethod
     def problems(cls, cfg) -> List[str]:
-        return feature_problems(cfg.image_log.inception_weights)
+        return network_problems(cfg.image_log)
 
     @classmethod
     def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
@@ -175,7 +176,7 @@ class InceptionScore(Metric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.key = standin_key("inception_score")
+        self.key = network_key(ctx.cfg.image_log, "inception_score")
         self.pil = ctx.cfg.eval.is_resize == "pil"
         self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "isc")
@@ -206,9 +207,8 @@ class InceptionScore(Metric):
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
-        standin = settings["features"].startswith("stand-in")
-        key = "inception_score_standin" if standin else "inception_score"
-        label = "Inception Score, STAND-IN features" if standin else "Inception Score"
+        key, mark = shown_as(settings["features"], "inception_score")
+        label = f"Inception Score, {mark}" if mark else "Inception Score"
         return [(label, f"{results[key]:.4f} ± {results[f'{key}_std']:.4f}",
                  f"{settings['splits']} splits, resize {settings['resize']}, "
                  f"{settings['library']}, {settings['features']}; "

@@ -39,7 +39,7 @@ from rebm.data.pipeline import load_indist
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.features.fid import feature_problems, standin_key, weights_files
+from rebm.eval.features.fid import weights_files
 from rebm.eval.features.fidelity import (
     FeatureRows,
     chunk_features,
@@ -51,6 +51,7 @@ from rebm.eval.features.fidelity import (
     text_order,
 )
 from rebm.eval.features.knn import precision_recall_all_ranks
+from rebm.eval.features.network import network_key, network_problems, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, EvalError, Metric, SampleChunk, to_pixels
 from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings
 
@@ -207,7 +208,7 @@ class PrecisionRecall(Metric):
                          "reference_dataset": cfg.data.indist_dataset,
                          "reference_split": ev.pr_reference_split, "reference_seed": cfg.rand_seed}
         return {"library": library_version(), "neighborhood": NEIGHBORHOOD,
-                "features": fidelity_network_name(), "quantized": "8 bit", **reference,
+                "features": fidelity_network_name(cfg.image_log), "quantized": "8 bit", **reference,
                 "num_real": ev.pr_num_real or ("all" if ev.pr_reference else "as many as samples"),
                 **sample_settings(cfg)}
 
@@ -216,11 +217,11 @@ class PrecisionRecall(Metric):
         reference = ({"eval.pr_reference": cfg.eval.pr_reference} if cfg.eval.pr_reference
                      else indist_root_files(cfg.data))
         return {**reference, **sample_files(cfg),
-                **weights_files(cfg.image_log.inception_weights)}
+                **weights_files(cfg.image_log)}
 
     @classmethod
     def problems(cls, cfg) -> List[str]:
-        problems = feature_problems(cfg.image_log.inception_weights)
+        problems = network_problems(cfg.image_log)
         if cfg.eval.pr_reference:
             try:
                 check_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
@@ -259,14 +260,15 @@ class PrecisionRecall(Metric):
         generated = self.rows.gather(self.ctx.runtime, total)[text_order(total)]
         precision, recall = precision_recall_all_ranks(self.ctx.runtime, generated, self.real,
                                                        NEIGHBORHOOD)
-        return {standin_key("precision"): precision, standin_key("recall"): recall,
+        log = self.ctx.cfg.image_log
+        return {network_key(log, "precision"): precision, network_key(log, "recall"): recall,
                 "n_real": n_real}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
-        standin = settings["features"].startswith("stand-in")
-        suffix = "_standin" if standin else ""
-        note = ", STAND-IN features" if standin else ""
+        precision, mark = shown_as(settings["features"], "precision")
+        recall, _ = shown_as(settings["features"], "recall")
+        note = f", {mark}" if mark else ""
         if settings["reference"] == "npz":
             against = os.path.basename(settings["reference_batch"])
         else:
@@ -274,5 +276,5 @@ class PrecisionRecall(Metric):
                        f"{settings['reference_seed']})")
         where = (f"k = {settings['neighborhood']}, vs {results.get('n_real')} {against}; "
                  f"{settings['features']}; " + describe_samples(settings))
-        return [(f"precision{note}", f"{results['precision' + suffix]:.4f}", where),
-                (f"recall{note}", f"{results['recall' + suffix]:.4f}", where)]
+        return [(f"precision{note}", f"{results[precision]:.4f}", where),
+                (f"recall{note}", f"{results[recall]:.4f}", where)]

@@ -3,7 +3,9 @@
 The standard deviation is the sample standard deviation (ddof = 1) over the rows of a group
 that have the value; a group of one row shows its value alone. Columns are the table's
 `columns` (result key -> header) or, without them, every numeric result key except counts
-(`n_*`) and sweep details, in the order the metrics report them.
+(`n_*`) and sweep details, in the order the metrics report them. A value computed with another
+network than the verified Inception (`fid_unverified`, `fid_standin`, ...) never fills the
+column of the verified one: it gets its own column beside it, its header marked.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from rebm.eval.features.network import marked_keys
 from rebm.eval.table.spec import RowSpec, TableSpec
 
 Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
@@ -37,6 +40,19 @@ def default_columns(values: Values, rows: Sequence[RowSpec]) -> Dict[str, str]:
             if number(value) is not None:
                 columns.setdefault(key, key)
     return columns
+
+
+def with_marked_columns(columns: Dict[str, str], values: Values) -> Dict[str, str]:
+    """`columns` and, right after a column, the columns of its values by an unverified or
+    stand-in network when some row has them (header: the column's, marked)."""
+    found = {key for row in values.values() for key in row}
+    out: Dict[str, str] = {}
+    for key, header in columns.items():
+        out[key] = header
+        for marked, mark in marked_keys(key).items():
+            if marked in found and marked not in columns:
+                out[marked] = f"{header} ({mark})"
+    return out
 
 
 def group_stats(values: Values, rows: Sequence[RowSpec], key: str
@@ -72,7 +88,8 @@ def write_report(spec: TableSpec, values: Values, missing: Dict[str, str], out_d
     """Write <out_dir>/table.md and table.csv; returns their paths. `missing`: row name ->
     the checkpoint path that was not there."""
     present = [r for r in spec.rows if r.name in values]
-    columns = spec.columns or default_columns(values, present)
+    columns = with_marked_columns(spec.columns or default_columns(values, present),
+                                  {r.name: values[r.name] for r in present})
     groups = groups_of(present)
     os.makedirs(out_dir, exist_ok=True)
     md_path, csv_path = os.path.join(out_dir, "table.md"), os.path.join(out_dir, "table.csv")

@@ -125,3 +125,18 @@ def test_wandb_mode_precedence(monkeypatch):
     assert wandb_mode(load_config(config, online)) == "offline"
     monkeypatch.delenv("WANDB_MODE")
     assert wandb_mode(load_config(config, online)) == "online"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_wrong_starting_checkpoint_stops_before_anything_is_written(tmp_path, nproc):
+    """A new run whose model.ckpt_path does not exist stops with one line naming the key, and
+    leaves no run directory behind (no logs/, no lock): the inputs are checked first."""
+    missing = tmp_path / "no_such_model.pth"
+    run_dir = tmp_path / "runs" / "dat"
+    result = run_train(["experiments/quickstart/digits_stage2.yaml",
+                        f"model.ckpt_path={missing}"], nproc=nproc, timeout=120, run_dir=run_dir)
+    assert result.returncode != 0
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"model.ckpt_path '{missing}' does not exist" in errors[0], \
+        result.output[-3000:]
+    assert not run_dir.exists() and not run_dir.parent.exists()

@@ -65,6 +65,19 @@ def model_file(path: str, key: str = "model.ckpt_path") -> str:
     raise CheckpointError(f"{key} '{path}' does not exist{hint}")
 
 
+def check_starting_weights(cfg: TrainConfig) -> None:
+    """CheckpointError (one line, `model_file`'s) when a new run's `model.ckpt_path` does not
+    exist. A run directory holding training states resumes from them and does not read the file
+    (it may have moved since), so it is not checked then. Called before the run directory is
+    created: a typo leaves nothing behind."""
+    path = cfg.model.ckpt_path
+    if not path or os.path.exists(path):
+        return
+    if cfg.run_dir and os.path.isdir(cfg.run_dir) and list_states(cfg.run_dir):
+        return
+    model_file(path)
+
+
 def with_model_file(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with `model.ckpt_path` resolved by `model_file` (unchanged when unset)."""
     if not cfg.model.ckpt_path:

@@ -20,6 +20,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+from rebm.checkpoint.paths import check_starting_weights
 from rebm.checkpoint.state import agree_on_resume_all_ranks, check_stage
 from rebm.checkpoint.weights import save_model
 from rebm.config import (
@@ -68,6 +69,8 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dic
     """Train with the method `make_method(cfg)` builds, in cfg.run_dir, held by this job (rank
     0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
+    # the inputs first: a wrong path stops the run before anything is written
+    on_every_rank(runtime, lambda: check_starting_weights(cfg), "find model.ckpt_path")
     cfg, lock = resolve_run_dir(cfg, runtime)
     try:
         return Trainer(cfg, runtime, make_method, started).fit()

@@ -19,7 +19,9 @@ Adding a metric is one module plus one registration:
    - `finish()`: combine the ranks (every rank calls it; collectives go here) and return the
      same {key: value} dict on every rank;
    - `describe(results, settings)`: the console table's rows for it; `outputs()`: the files
-     it wrote.
+     it wrote;
+   - `summary` (optional): its values in the one-line summary of the training log and of
+     `python -m rebm.eval.evaluate` (rebm/eval/report.py); by default the value under its name.
 2. Add the class to `METRICS` in rebm/eval/registry.py.
 
 Every rank builds the same metrics in the same order and feeds them its own shard, so a metric's
@@ -42,6 +44,9 @@ from rebm.errors import UserError
 
 TEST_SET = "test set"
 SAMPLES = "samples"
+
+# One value of an evaluation's one-line summary: (results key, short label, format string).
+SummaryValue = Tuple[str, str, str]
 
 
 class EvalError(UserError, ValueError):
@@ -137,6 +142,11 @@ class Metric:
     # Bumped whenever the way the value is computed changes, so that cached values computed
     # the old way (the table runner's cache) are recomputed.
     protocol: ClassVar[int] = 1
+    # The metric's values in the one-line summary (`summary_values`), each (results key, short
+    # label, format), e.g. ("fid", "FID", "{:.2f}"); () for none. None (the default) shows the
+    # value under the metric's own name, labelled by it, so that a new metric is in the summary
+    # without declaring anything.
+    summary: ClassVar[Optional[Tuple[SummaryValue, ...]]] = None
 
     def __init__(self, ctx: EvalContext):
         self.ctx = ctx
@@ -193,3 +203,12 @@ class Metric:
     def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]) -> List[Tuple[str, str, str]]:
         """Console rows (label, value, settings text) for this metric's results."""
         return []
+
+    @classmethod
+    def summary_values(cls) -> Tuple[SummaryValue, ...]:
+        """(results key, label, format) of each value the one-line summary shows. A value that a
+        feature network other than the verified Inception computed, under `<key>_unverified` or
+        `<key>_standin`, is shown too, labelled as such (rebm/eval/report.py)."""
+        if cls.summary is None:
+            return ((cls.name, cls.name, "{:.4g}"),)
+        return cls.summary

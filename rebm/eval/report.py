@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from rebm.eval.registry import metric_classes
+from rebm.eval.features.network import INCEPTION, STANDIN, UNVERIFIED, FeatureNetwork
+from rebm.eval.registry import metric_classes, metric_names
 
 
 def jsonable(value: Any) -> Any:
@@ -27,21 +28,37 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+# A value computed with a feature network other than the verified Inception is stored under a
+# key of its own (rebm/eval/features/network.py); the summary names that network in its label,
+# so that a stand-in or unverified number never reads as an Inception one.
+NETWORK_LABEL_PREFIXES = ((INCEPTION, ""), (UNVERIFIED, "UNVERIFIED-weights "),
+                          (STANDIN, "stand-in "))
+
+
+def summary_parts(results: Dict[str, Any]) -> List[str]:
+    """'label value' of every registered metric's summary values found in `results`, in
+    registry order (`Metric.summary_values`)."""
+    parts, seen = [], set()
+    for metric in metric_classes(metric_names()):
+        for key, label, fmt in metric.summary_values():
+            for kind, prefix in NETWORK_LABEL_PREFIXES:
+                shown_key = FeatureNetwork(kind).key(key)
+                value = results.get(shown_key)
+                # numbers only (a bool is an int in Python but no value); each key once
+                if (shown_key in seen or isinstance(value, bool)
+                        or not isinstance(value, (int, float))):
+                    continue
+                seen.add(shown_key)
+                parts.append(f"{prefix}{label} {fmt.format(value)}")
+    return parts
+
+
 def describe_evaluation(results: Dict[str, Any]) -> str:
-    """One readable line of an evaluation's numbers, e.g.
-    'clean acc 0.994 | robust acc 0.858 | FID 12.31 | OOD AUROC 0.912 | ECE 0.021 (359 test images)'."""
-    parts = []
-    for key, label, fmt in (("test_acc", "clean acc", "{:.3f}"),
-                            ("robust_test_acc", "robust acc", "{:.3f}"),
-                            ("autoattack_test_acc", "AutoAttack acc", "{:.3f}"),
-                            ("fid", "FID", "{:.2f}"), ("fid_unverified", "UNVERIFIED-weights FID", "{:.2f}"),
-                            ("fid_standin", "stand-in FID", "{:.2f}"),
-                            ("inception_score", "IS", "{:.2f}"),
-                            ("ood_auroc", "OOD AUROC", "{:.3f}"), ("ece", "ECE", "{:.3f}")):
-        value = results.get(key)
-        if isinstance(value, (int, float)):
-            parts.append(f"{label} {fmt.format(value)}")
-    line = " | ".join(parts) or "no metrics"
+    """One readable line of an evaluation's numbers (the training log's and
+    `rebm.eval.evaluate`'s), every registered metric's `summary_values`, e.g.
+    'clean acc 0.994 | robust acc 0.858 | ECE 0.021 | OOD AUROC 0.912 | stand-in FID 12.31
+    (359 test images)'."""
+    line = " | ".join(summary_parts(results)) or "no metrics"
     return line + (f" ({results['n_test']} test images)" if "n_test" in results else "")
 
 

@@ -90,6 +90,7 @@ class CorrectCount(Metric):
 class CleanAccuracy(CorrectCount):
     name = "accuracy"
     key = "test_acc"
+    summary = (("test_acc", "clean acc", "{:.3f}"),)
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -112,6 +113,7 @@ def attack_settings(attack) -> Dict[str, Any]:
 class RobustAccuracy(CorrectCount):
     name = "robust_accuracy"
     key = "robust_test_acc"
+    summary = (("robust_test_acc", "robust acc", "{:.3f}"),)
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:

@@ -40,6 +40,7 @@ def library_version() -> str:
 class AutoAttackAccuracy(CorrectCount):
     name = "autoattack"
     key = "autoattack_test_acc"
+    summary = (("autoattack_test_acc", "AutoAttack acc", "{:.3f}"),)
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:

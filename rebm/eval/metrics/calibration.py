@@ -90,6 +90,7 @@ class Calibration(Metric):
     """Registered metric "ece": the clean predictions' expected calibration error."""
 
     name = "ece"
+    summary = (("ece", "ECE", "{:.3f}"),)
     source = TEST_SET
 
     def __init__(self, ctx: EvalContext):

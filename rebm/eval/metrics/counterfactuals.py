@@ -66,6 +66,7 @@ class Counterfactuals(Metric):
     previews or grids into <run_dir>/counterfactuals/ when the spec has a run_dir."""
 
     name = "counterfactuals"
+    summary = (("counterfactual_fid", "counterfactual FID", "{:.2f}"),)
     source = TEST_SET
     # 2: the original protocol (training images, one seeded random target each, per-class FID)
     # is the default; settings name the protocol

@@ -24,6 +24,7 @@ from rebm.eval.sampling.sweep import sweep_candidates, sweep_steps
 
 class FID(Metric):
     name = "fid"
+    summary = (("fid", "FID", "{:.2f}"),)
     source = SAMPLES
     # 2: floor pixels by default (eval.sample_pixels), unblurred seeds unless
     # image_log.blur_fid_seeds, unconditional samples under logsumexp_sampling

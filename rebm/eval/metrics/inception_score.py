@@ -144,6 +144,7 @@ class SplitStatistics:
 
 class InceptionScore(Metric):
     name = "inception_score"
+    summary = (("inception_score", "IS", "{:.2f}"),)
     source = SAMPLES
     # 2: eval.is_resize (pil by default: the original's resize and split statistics),
     # eval.sample_pixels, unblurred seeds, logsumexp_sampling -> unconditional

@@ -29,6 +29,7 @@ def score_name(cfg) -> str:
 
 class OODDetection(Metric):
     name = "ood"
+    summary = (("ood_auroc", "OOD AUROC", "{:.3f}"),)
     source = TEST_SET
 
     def __init__(self, ctx: EvalContext):

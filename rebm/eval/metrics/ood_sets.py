@@ -278,6 +278,7 @@ class OODSets(Metric):
     adversarial (the module docstring)."""
 
     name = "ood_sets"
+    summary = (("ood/mean/auroc", "OOD-sets mean AUROC", "{:.3f}"),)
     source = TEST_SET
     # 2: noise is the original's noise; ImageNet-size models read the sets at 224 px;
     # restricted_imagenet

@@ -193,6 +193,7 @@ def real_features(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 class PrecisionRecall(Metric):
     name = "precision_recall"
+    summary = (("precision", "precision", "{:.3f}"), ("recall", "recall", "{:.3f}"))
     source = SAMPLES
     # 2: the reference (an OpenAI batch, or a seeded class-balanced subset, never the first N),
     # eval.sample_pixels, unblurred seeds, logsumexp_sampling -> unconditional

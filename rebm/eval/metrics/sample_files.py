@@ -71,6 +71,7 @@ class SampleFileMetric(Metric):
 
     source = SAMPLES
     protocol = 2  # 2: eval.sample_pixels (floor by default), unblurred seeds, logsumexp_sampling
+    summary = ()  # files, no value for the one-line summary
 
     @classmethod
     def files(cls, cfg) -> Dict[str, Optional[str]]:

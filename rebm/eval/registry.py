@@ -3,8 +3,10 @@
 To add a metric: write its module (a `Metric` subclass; see rebm/eval/metric.py for what it
 defines) and add the class to `METRICS` below. Its name then works everywhere: in an
 `Evaluator`'s metrics (rebm/eval/evaluator.py), in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
-config (added to every evaluation, training's included); its settings go to eval.json and its
-rows to the console table. Metrics run, and are reported, in the order of `METRICS`.
+config (added to every evaluation, training's included); its settings go to eval.json, its
+rows to the console table and its `summary_values` to the one-line summary (rebm/eval/report.py).
+Metrics run, and are reported, in the order of `METRICS`; docs/evaluation.md's table of the
+metrics lists them in that order (tests/test_evaluation_doc.py checks it).
 """
 
 from __future__ import annotations

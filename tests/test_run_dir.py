@@ -127,6 +127,7 @@ def test_wandb_mode_precedence(monkeypatch):
     assert wandb_mode(load_config(config, online)) == "online"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_wrong_starting_checkpoint_stops_before_anything_is_written(tmp_path, nproc):
     """A new run whose model.ckpt_path does not exist stops with one line naming the key, and

@@ -188,7 +188,7 @@ def test_a_missing_checkpoints_folder_is_one_line(tiny, tmp_path):
 def test_check_lists_each_rows_files_and_computes_nothing(tiny, tmp_path):
     tmp, ckpts = tiny
     table = _table(tmp, "check", ["accuracy", "fid"], ["a", "b"])
-    result = _run(table, ckpts, tmp_path / "out", "--check")
+    result = _run(table, ckpts, tmp_path / "out", "--check", "--verbose")
     assert result.returncode == 1, result.output
     lines = result.output.splitlines()
     assert f"  present  checkpoint: {ckpts / 'a.pth'}" in lines
@@ -206,7 +206,7 @@ def test_check_of_every_paper_table_without_checkpoints_lists_them_missing(table
     from rebm.eval.table.spec import load_table
 
     result = run_command([sys.executable, "-m", "rebm.eval.table", str(table), "--checkpoints",
-                          str(tmp_path), "--check"], timeout=120, env=base_env(1))
+                          str(tmp_path), "--check", "--verbose"], timeout=120, env=base_env(1))
     assert result.returncode == 1, result.output
     for row in load_table(str(table)).rows:
         assert f"  MISSING  checkpoint: {tmp_path / row.checkpoint}" in result.output
@@ -282,7 +282,7 @@ def test_relative_data_paths_are_read_under_checkpoints_then_the_current_directo
     rule = (f"relative data paths: looked up in {root} (--checkpoints) first, then in {here} "
             "(the current directory)")
 
-    nowhere = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    nowhere = _run(table, root, tmp_path / "out", "--check", "--verbose", cwd=here)
     assert nowhere.returncode == 1 and nowhere.output.splitlines()[0] == rule, nowhere.output
     assert (f"  MISSING  image_log.data_dir: {stats} (looked in {root}, then {here})  [fid]"
             in nowhere.output.splitlines()), nowhere.output
@@ -292,14 +292,14 @@ def test_relative_data_paths_are_read_under_checkpoints_then_the_current_directo
 
     (here / stats).parent.mkdir(parents=True)
     _write_stats(here / stats, seed=0)
-    found = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    found = _run(table, root, tmp_path / "out", "--check", "--verbose", cwd=here)
     assert f"  present  image_log.data_dir: {stats}  [fid]" in found.output.splitlines()
     _run(table, root, tmp_path / "out", cwd=here).assert_ok()
     in_here = json.loads((tmp_path / "out" / "rows" / "a.json").read_text())["metrics"]["fid"]
 
     (root / stats).parent.mkdir(parents=True)
     _write_stats(root / stats, seed=1)  # other statistics, under --checkpoints: they win
-    found = _run(table, root, tmp_path / "out", "--check", cwd=here)
+    found = _run(table, root, tmp_path / "out", "--check", "--verbose", cwd=here)
     assert f"  present  image_log.data_dir: {root / stats}  [fid]" in found.output.splitlines()
     again = _run(table, root, tmp_path / "out", cwd=here).assert_ok()
     assert _computing(again.output) == ["fid"]

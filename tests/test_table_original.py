@@ -267,7 +267,7 @@ def test_a_folder_of_original_configs_runs_as_a_table_and_check_lists_it(project
     assert "| cifar10-dat-WideResNet34x10-T40 | 0, 1 |" in markdown  # the seeds form a group
 
     shutil.rmtree(tmp / "wandb/robust-ebms-2/wandb/run-20250502_142218-q4ccywk7")
-    check = _table([*common, "--check"])
+    check = _table([*common, "--check", "--verbose"])
     assert check.returncode == 1
     assert ("  MISSING  checkpoint: " + str(tmp / "wandb/robust-ebms-2/wandb/"
             "run-20250502_142218-q4ccywk7/files/model_bestfid.pth")) in check.output

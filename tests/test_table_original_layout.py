@@ -11,8 +11,11 @@ import sys
 import pytest
 
 from rebm.config import load_config
+from rebm.eval.table.paths import DATA_SOURCES
 from rebm.eval.table.spec import load_table, row_configs
-from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
+from tests.helpers import REPO, TRAINING_CONFIGS, base_env, finish, run_command
+from tests.processes import popen
+from tests.test_table_original import CIFAR10_T40_SEED1, IMAGENET_DAT_CONVNEXT_BASE, ORIGINALS
 
 # image_log.data_dir of the original's configs: experiments/cifar10/eval_fid/
 # cifar10_conditional_wrn3410_eval_fid_steps33.yaml:39, experiments/cifar100/eval_fid/
@@ -82,7 +85,8 @@ def test_the_original_checkout_as_checkpoints_folder_works_as_it_is(table, row, 
     else:
         seed_path.mkdir(parents=True)
     result = run_command([sys.executable, "-m", "rebm.eval.table", str(path), "--checkpoints",
-                          str(tmp_path), "--rows", row, "--metrics", "fid", "--check"],
+                          str(tmp_path), "--rows", row, "--metrics", "fid", "--check",
+                          "--verbose"],
                          timeout=120, env=base_env(1))
     lines = result.output.splitlines()
     assert lines[0] == (f"relative data paths: looked up in {tmp_path} (--checkpoints) first, "
@@ -93,3 +97,69 @@ def test_the_original_checkout_as_checkpoints_folder_works_as_it_is(table, row, 
     kind = "" if seeds.endswith(".pt") else " (folder)"
     assert f"  present  image_log.seed_images: {seed_path}{kind}  [fid]" in lines, result.output
     assert "Traceback" not in result.output
+
+
+def _check(folder, root, here, torch_home, *extra):
+    """(exit code, stdout and stderr lines) of --check over the original's configs, run in
+    `here` (relative data paths are looked up under `root`, then there)."""
+    cmd = [sys.executable, "-m", "rebm.eval.table", str(folder), "--checkpoints", str(root),
+           "--check", *extra]
+    code, output = finish(popen(cmd, base_env(1, {"TORCH_HOME": str(torch_home)}), here), 180)
+    assert "Traceback" not in output, output
+    return code, output.splitlines()
+
+
+def test_check_of_the_original_configs_says_once_what_to_fetch_and_where_it_goes(tmp_path):
+    """Issue 40: each missing file once, as the absolute path it goes to, with the folders
+    looked in, the rows and metrics that need it, under where the original distributes it; no
+    per-row listing without --verbose; a short last line."""
+    folder = tmp_path / "model_configs"
+    folder.mkdir()
+    originals = {**ORIGINALS, "cifar10-dat-WideResNet34x10-T40-seed1.yaml": CIFAR10_T40_SEED1,
+                 "imagenet-dat-ConvNeXtBase-convst.yaml": IMAGENET_DAT_CONVNEXT_BASE,
+                 # the original's 224 px file of the same checkpoint as the 256 px one
+                 "imagenet-at-ConvNeXtLarge-convst.yaml": ORIGINALS[
+                     "imagenet-at-ConvNeXtLarge-convst-256x256.yaml"].replace("256", "224")}
+    for name, text in originals.items():
+        (folder / name).write_text(text)
+    root, here, torch_home = tmp_path / "original", tmp_path / "here", tmp_path / "torch"
+    root.mkdir()
+    here.mkdir()
+    code, lines = _check(folder, root, here, torch_home)
+    assert code == 1, "\n".join(lines)
+    looked = f"(looked in {root}, then {here})"
+    dropbox = next(i for i, x in enumerate(lines) if x.startswith("from the original's Dropbox"))
+    assert DATA_SOURCES[0][1] in lines[dropbox] and "README.md:16" in lines[dropbox]
+    convnext = f"  {root / 'checkpoints/convnext_large_cvst_robust.pt'}  [rows "
+    assert [x for x in lines if x.startswith(convnext)] == [
+        convnext + "imagenet-at-ConvNeXtLarge-convst-256x256, imagenet-at-ConvNeXtLarge-convst]"]
+    statistics = (f"  {root / 'data/fid_stats/fid_stats_cifar10_train.npz'} {looked}  "
+                  "[fid of all 2 rows of model_configs-cifar10]")
+    assert lines.index(statistics) > dropbox, "\n".join(lines)
+    seeds = (f"  {root / 'data/OpenImage-O-large/fid_eval'} {looked}  [fid, inception_score, "
+             "precision_recall of all 5 rows of model_configs-imagenet]")
+    source = lines[lines.index(seeds) - 1]
+    assert source.startswith("from the original's data/OpenImage-O-large/README.md"), source
+    weights = torch_home / "hub/checkpoints/pt_inception-2015-12-05-6726825d.pth"
+    assert [x for x in lines if str(weights) in x] == [
+        f"  {weights}  [counterfactuals, fid, inception_score, precision_recall of every row (7)]"]
+    assert sum("imagenet_train_stats.npz" in x for x in lines) == 1  # once for 5 rows
+    assert not [x for x in lines if x.startswith("row ") or "MISSING" in x or "present" in x]
+    assert lines[-1].startswith("check: ") and lines[-1].endswith(
+        "files missing, 0 other problem(s), in 7 of 7 rows (named above); nothing was computed")
+
+    # found under --checkpoints: not missing; not statistics either, the row's own problem
+    (root / "data/fid_stats").mkdir(parents=True)
+    (root / "data/fid_stats/fid_stats_cifar10_train.npz").write_bytes(b"statistics")
+    row = ("--rows", "cifar10-dat-WideResNet34x10-T40-seed1")
+    code, lines = _check(folder, root, here, torch_home, *row)
+    assert code == 1 and not [x for x in lines if "fid_stats_cifar10_train.npz (looked" in x]
+    problem = [x for x in lines if x.startswith("problem [fid] image_log.data_dir ")]
+    assert len(problem) == 1 and problem[0].endswith(f"  [row {row[1]}]"), "\n".join(lines)
+    assert lines[-1] == (f"check: 14 of 15 files missing, 1 other problem(s), in row(s) {row[1]}; "
+                         "nothing was computed")
+    code, verbose = _check(folder, root, here, torch_home, "--verbose", *row)
+    assert code == 1 and f"row {row[1]}:" in verbose and verbose[-1] == lines[-1]
+    assert (f"  present  image_log.data_dir: {root / 'data/fid_stats/fid_stats_cifar10_train.npz'}"
+            "  [fid]") in verbose
+    assert [x for x in verbose if x.startswith(f"  MISSING  checkpoint: {root / 'wandb'}/")]

@@ -1,7 +1,7 @@
 """One command per paper table: evaluate every row of a table YAML, then write table.md/.csv.
 
     python -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR \\
-        [--rows NAME|GROUP ...] [--metrics NAME ...] [--out DIR] [--force] [--check]
+        [--rows NAME|GROUP ...] [--metrics NAME ...] [--out DIR] [--force] [--check [--verbose]]
     torchrun --nproc_per_node=N -m rebm.eval.table experiments/paper/cifar10.yaml --checkpoints DIR
     python -m rebm.eval.table ORIGINAL/model_configs[/FILE.yaml] --checkpoints ORIGINAL \\
         [--protocol TABLE]
@@ -20,8 +20,9 @@ files of the metrics (sample grids, counterfactual grids) go to `<out>/<row>/`. 
 batch is the table's `batch_size` on any number of processes, so the numbers do not depend on it.
 
 `--check` computes nothing and starts no process group: it loads every row's config as the run
-would, lists each file a row needs (checkpoint, and every file of its metrics, `Metric.files`) as
-present or missing, and exits non-zero if one is missing. An original model config (or a folder
+would, lists each missing file once (checkpoint, or a file of the metrics, `Metric.files`) with
+the rows that need it and where it comes from, and exits non-zero if one is missing; with
+`--verbose` it first lists every row's files, present or missing. An original model config (or a folder
 of them) in place of the table is evaluated with its dataset's protocol
 (rebm/eval/table/original_configs.py).
 """
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="compute nothing: load every row's config, list the files each "
                         "row needs as present or missing, exit non-zero if one is missing")
+    parser.add_argument("--verbose", action="store_true",
+                        help="with --check: list every row's files, present or missing, before "
+                        "the list of missing files")
     parser.add_argument("--protocol", metavar="TABLE",
                         help="original model configs: the table whose metrics, batch size and "
                         "overrides they are evaluated with (default: the shipped paper table "

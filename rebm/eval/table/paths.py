@@ -14,6 +14,7 @@ always relative to `--checkpoints`.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -122,3 +123,67 @@ def rule_line(root: str) -> str:
 def looked_in(folders: Sequence[str]) -> str:
     """'looked in DIR, then CWD' of `search_folders`."""
     return "looked in " + ", then ".join(folders)
+
+
+def config_value(cfg, label: str) -> Any:
+    """The config value behind a `Metric.files` label ('eval.counterfactual_fid_stats[3]' ->
+    the template it was formatted from); None for a label that is no config key."""
+    return _value(cfg, label.partition("[")[0].split("."))
+
+
+def missing_target(path: str, root: str) -> Tuple[str, Tuple[str, ...]]:
+    """(the absolute path a missing file goes to, the folders it was looked in). A relative
+    path goes under the rule's first folder, --checkpoints: the run looks there first, and the
+    original's README puts its data under the project folder that --checkpoints stands for."""
+    _, folders = find_data_path(path, root)
+    if not folders:
+        return os.path.abspath(os.path.expanduser(path)), ()
+    return os.path.abspath(os.path.join(folders[0], path)), folders
+
+
+# Where each file of the original's layout comes from, for --check's list of missing files:
+# (fnmatch patterns of the path as the configs write it, relative to the project folder, or of
+# an absolute path; where to get it). The first match wins. The same sources as docs/data.md
+# ("Where the original puts each") and docs/evaluation.md; at xuwangyin/DAT fb2ffc7.
+_DROPBOX = ("https://www.dropbox.com/scl/fo/81n3lxw5dvhds56guuegh/AN3sYMNamKQnCkkFXC3CKcg"
+            "?rlkey=ih9m3rasrmuzeyxwe7qjcpue9&st=b3a1r2nz&dl=0")
+DATA_SOURCES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("checkpoints/*", "wandb/*", "data/fid_stats/fid_stats_*_train.npz",
+      "data/fid_stats/imagenet_train_stats.npz", "data/cifar_fid_imgs_50K.pt"),
+     "the original's Dropbox folder of model checkpoints and FID data (its README.md:16), "
+     f"its folders placed under --checkpoints: {_DROPBOX}"),
+    (("data/fid_stats/*_class*.npz",),
+     "rebm itself (the original did not distribute them; it computed them from each class's "
+     "images on every run): python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE "
+     "(the config's eval.counterfactual_fid_stats)"),
+    (("data/ImageNet", "data/ImageNet/*"),
+     "image-net.org, ILSVRC 2012 (registration; the original's README.md:14); the layout "
+     "torchvision builds: docs/data.md, ImageNet"),
+    (("data/OpenImage-O-large/*",),
+     "the original's data/OpenImage-O-large/README.md (README.md:13): its scripts download "
+     "train/ and val/ by Open Images file id, make_openimages_50K_val_fideval.py makes "
+     "fid_eval/ from val/"),
+    (("data/CIFAR10", "data/CIFAR100"),
+     "torchvision: .venv/bin/python -c \"import torchvision; "
+     "torchvision.datasets.CIFAR10('DIR', download=True)\" (CIFAR100 alike; docs/data.md)"),
+    (("data/tiny_images.bin",),
+     "archive.org (the original's README.md:15): "
+     "http://www.archive.org/download/80-million-tiny-images-2-of-2/tiny_images.bin"),
+    (("*VIRTUAL_imagenet256_labeled.npz",),
+     "OpenAI's guided-diffusion reference batch (the original's README.md:75): https://"
+     "openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet/256/"
+     "VIRTUAL_imagenet256_labeled.npz"),
+    (("*/pt_inception-2015-12-05-6726825d.pth",),
+     "pytorch-fid's release (docs/evaluation.md, Inception weights): https://github.com/"
+     "mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"),
+)
+NO_SOURCE = "a place rebm does not know (docs/data.md says where each dataset comes from)"
+
+
+def data_source(path: str) -> str:
+    """Where the file or folder `path` (as a config writes it) comes from: DATA_SOURCES."""
+    key = os.path.normpath(os.path.expanduser(path))  # './data/x' -> 'data/x'
+    for patterns, source in DATA_SOURCES:
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns):
+            return source
+    return NO_SOURCE

@@ -23,9 +23,10 @@ Samples are quantised to 8 bits before the features, as if written to and read f
 byte for byte the PNGs the original wrote with torchvision's `to_pil_image`
 (rebm.eval.metric.to_pixels), or rounded. The features are computed sharded, chunk by
 chunk as the samples are generated (rebm/eval/metrics/fid.py; chunk k on rank k % W, so an
-image's features do not depend on the world size); only float64 sums of the features and of
-their outer products are kept (`MomentSums`), and all-reduced, so every rank gets the same mu and
-sigma.
+image's features do not depend on the world size); only sums of the features and of their outer
+products are kept (`MomentSums`): each chunk's in float64, added over the chunks and the ranks
+as exact fixed-point integers (rebm/eval/exact_sums.py), so every rank gets the same mu and sigma,
+bit for bit on any number of processes.
 
 `reference_problems(cfg)` lists what is missing (the FID metric's `problems`: a `--check` warning
 each, one `EvalError` line at the start of a run, rebm/eval/evaluator.py), and the Evaluator
@@ -49,7 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
+from rebm.distributed import Runtime
+from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.network import (  # noqa: F401  (FIDError and the names are re-exported)
     FEATURES_ENV,
     INCEPTION,
@@ -133,37 +135,35 @@ def to_8bit(images: Tensor, mode: str = "round") -> Tensor:
 
 
 class MomentSums:
-    """Running float64 sums of feature rows (count, sum, sum of outer products): what FID keeps
-    of a set of images, whatever its size. `statistics` all-reduces them over the ranks."""
+    """What FID keeps of a set of images, whatever its size: the count, the sum and the sum of
+    outer products of their feature rows, as one (D+1) x (D+1) moment matrix, the sum over the
+    added batches of [1, x]^T [1, x] (its corner is the count, its first row the sum, the rest
+    the outer products). Each batch's matrix is one float64 product of that batch; the batches'
+    matrices are added exactly (rebm/eval/exact_sums.py), so the totals do not depend on the
+    order of the batches or on which rank added which. Fed the same batches (evaluation chunks,
+    the same on any world size), mu and sigma are the same bits on any number of processes.
+    `statistics` combines the ranks."""
 
     def __init__(self) -> None:
-        self.count, self.s1, self.s2 = 0, None, None
+        self.moments = ExactSums()
 
     def add(self, feats: Tensor) -> None:
         feats = feats.detach().flatten(1).double()
-        if self.s1 is None:
-            self.s1 = feats.new_zeros(feats.shape[1])
-            self.s2 = feats.new_zeros(feats.shape[1], feats.shape[1])
-        self.count += feats.shape[0]
-        self.s1 += feats.sum(0)
-        self.s2 += feats.T @ feats
+        rows = torch.cat([feats.new_ones(feats.shape[0], 1), feats], dim=1)
+        self.moments.add(rows.T @ rows)
 
     def statistics(self, runtime: Runtime) -> Tuple[np.ndarray, np.ndarray]:
         """(mu, sigma) of all ranks' rows together (unbiased covariance). Every rank must call
-        this, also one that added nothing; ValueError with fewer than 2 rows in all."""
-        have = 0 if self.s1 is None else self.s1.numel()
-        dims = int(all_reduce_max(runtime, torch.tensor([have], device=runtime.device))[0])
-        s1, s2 = self.s1, self.s2
-        if s1 is None:
-            s1 = torch.zeros(dims, dtype=torch.float64, device=runtime.device)
-            s2 = torch.zeros(dims, dims, dtype=torch.float64, device=runtime.device)
-        packed = torch.cat([s1.new_tensor([self.count]), s1, s2.flatten()])
-        packed = all_reduce_sum(runtime, packed).cpu().numpy()
-        n, s1_all, s2_all = packed[0], packed[1:dims + 1], packed[dims + 1:].reshape(dims, dims)
-        if n < 2:
-            raise ValueError(f"FID statistics need at least 2 images, got {int(n)}")
-        mu = s1_all / n
-        sigma = (s2_all - n * np.outer(mu, mu)) / (n - 1)
+        this, also one that added nothing; ValueError with fewer than 2 rows in all (or sums
+        beyond the exact range: features of 1e6 and more)."""
+        total = self.moments.total_all_ranks(runtime)
+        if total is None or total[0, 0] < 2:
+            got = 0 if total is None else int(total[0, 0])
+            raise ValueError(f"FID statistics need at least 2 images, got {got}")
+        moments = total.cpu().numpy()
+        n, s1, s2 = moments[0, 0], moments[0, 1:], moments[1:, 1:]
+        mu = s1 / n
+        sigma = (s2 - n * np.outer(mu, mu)) / (n - 1)
         return mu, (sigma + sigma.T) / 2
 
 

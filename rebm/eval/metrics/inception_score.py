@@ -24,10 +24,10 @@ sum_y p log p, and the count. A sample's split is the one its position in the pe
 falls in, from its sample index (the protocol's permutation of all N indices, on every rank).
 One all-reduce of the splits x (C + 2) statistics gives every rank the scores: KL of a split =
 (sum_x sum_y p log p - sum_y S_y log(S_y / n)) / n with S_y = sum_x p(y|x), the library's
-mean KL(p(y|x) || p(y)) written in sums. The sums are exact (fixed point, 2^-60, in int64), so
-the result does not depend on the world size or the order of the chunks; it equals the
-library's computation up to float64 round-off (~1e-15 relative; float32 for the "pil" path's
-softmax, as torchmetrics').
+mean KL(p(y|x) || p(y)) written in sums. The sums are exact (`ExactSums`, fixed point to 2^-84
+in int64 digits, rebm/eval/exact_sums.py), so the result does not depend on the world size or
+the order of the chunks; it equals the library's computation up to float64 round-off (~1e-15
+relative; float32 for the "pil" path's softmax, as torchmetrics').
 Stored as "inception_score" and "inception_score_std" (the std over the splits).
 """
 
@@ -40,7 +40,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rebm.distributed import Runtime, all_reduce_max, all_reduce_sum
+from rebm.distributed import Runtime
+from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.fid import weights_files
 from rebm.eval.features.fidelity import (
     chunk_features,
@@ -93,51 +94,32 @@ def fidelity_split_of(n: int, splits: int) -> Tensor:
     return split_of
 
 
-def _fixed_point(values: Tensor) -> Tensor:
-    """float64 values as two int64 digits (multiples of 2^-30 and 2^-60, the last rounded):
-    their integer sums are exact, in any order."""
-    high = torch.floor(values * 2.0**30)
-    low = torch.round((values * 2.0**30 - high) * 2.0**30)
-    return torch.stack([high, low], dim=-1).to(torch.int64)
-
-
-def _from_fixed_point(digits: Tensor) -> Tensor:
-    return digits[..., 0].double() * 2.0**-30 + digits[..., 1].double() * 2.0**-60
-
-
 class SplitStatistics:
-    """A rank's per-split sums for the Inception Score (see the module's docstring)."""
+    """A rank's per-split sums for the Inception Score (see the module's docstring), exact
+    (rebm/eval/exact_sums.py): per split, the count, the sum of sum_y p log p and of p(y|x), as
+    the rows (splits, 2 + C) of one ExactSums, each sample's values added to its split's row."""
 
     def __init__(self, split_of: Tensor, splits: int, softmax_dtype: torch.dtype):
         self.split_of, self.splits, self.dtype = split_of, splits, softmax_dtype
-        self.mass: Optional[Tensor] = None  # (splits, C, 2) fixed point: sum of p(y|x)
-        self.entropy = torch.zeros(splits, 2, dtype=torch.int64)  # sum of sum_y p log p
-        self.count = torch.zeros(splits, dtype=torch.int64)
+        self.sums = ExactSums(rows=splits)
 
     def add(self, indices: Tensor, logits: Tensor) -> None:
         features = logits.detach().cpu().to(self.dtype)
-        p, log_p = features.softmax(dim=1), features.log_softmax(dim=1)
+        p, log_p = features.softmax(dim=1).double(), features.log_softmax(dim=1).double()
         split = self.split_of[indices.cpu()].long()
-        if self.mass is None:
-            self.mass = torch.zeros(self.splits, p.shape[1], 2, dtype=torch.int64)
-        self.mass.index_add_(0, split, _fixed_point(p.double()))
-        self.entropy.index_add_(0, split, _fixed_point((p.double() * log_p.double()).sum(dim=1)))
-        self.count += torch.bincount(split, minlength=self.splits)
+        entropy = (p * log_p).sum(dim=1, keepdim=True)
+        self.sums.add(torch.cat([torch.ones_like(entropy), entropy, p], dim=1), split)
 
     def scores_all_ranks(self, runtime: Runtime) -> Tuple[Tensor, Tensor]:
         """(exp(mean KL), sample count) of every split (float64, on every rank; an empty split's
-        score is NaN, as the library's): one all-reduce of the statistics (and one of the class
-        count, for a rank that saw no sample). Every rank must call this."""
-        mine = 0 if self.mass is None else self.mass.shape[1]
-        classes = int(all_reduce_max(runtime, torch.tensor([mine], device=runtime.device)))
-        mass = (torch.zeros(self.splits, classes, 2, dtype=torch.int64) if self.mass is None
-                else self.mass)
-        flat = torch.cat([mass.flatten(), self.entropy.flatten(), self.count])
-        total = all_reduce_sum(runtime, flat.to(runtime.device)).cpu()
-        cut = self.splits * classes * 2
-        mass = _from_fixed_point(total[:cut].view(self.splits, classes, 2))
-        entropy = _from_fixed_point(total[cut:cut + self.splits * 2].view(self.splits, 2))
-        n = total[cut + self.splits * 2:].double()
+        score is NaN, as the library's): the exact sums of all ranks, the same on any world
+        size. Every rank must call this."""
+        total = self.sums.total_all_ranks(runtime)
+        if total is None:  # no sample on any rank
+            return torch.full((self.splits,), float("nan"), dtype=torch.float64), \
+                torch.zeros(self.splits, dtype=torch.float64)
+        total = total.cpu()
+        n, entropy, mass = total[:, 0], total[:, 1], total[:, 2:]
         cross = torch.xlogy(mass, mass / n[:, None]).sum(dim=1)  # sum_y S_y log(S_y / n)
         return ((entropy - cross) / n).exp(), n
 

@@ -2,8 +2,10 @@
 rebm/eval/features/fid.py and rebm/eval/sampling/sweep.py).
 
 Each generated chunk's features (pytorch-fid's Inception pool3 of the 8-bit samples, or the
-REBM_FID_FEATURES stand-in) go into float64 sums; `finish` all-reduces them and computes the
-Fréchet distance to `image_log.data_dir`. With `image_log.adaptive_steps` the step sweep runs
+REBM_FID_FEATURES stand-in) go into exact sums (`MomentSums`, rebm/eval/exact_sums.py);
+`finish` adds up the ranks' and computes the Fréchet distance to `image_log.data_dir`: the same
+value on any number of processes, bit for bit, as long as the evaluation batch (the chunk) is
+the same. With `image_log.adaptive_steps` the step sweep runs
 before the generation pass (`generation_steps_all_ranks`: its own generation passes, same
 chunks) and fixes the main pass's step count. A missing weights or statistics file stops the
 evaluation before any work (`problems`); the network and the statistics are loaded once per
@@ -28,7 +30,9 @@ class FID(Metric):
     source = SAMPLES
     # 2: floor pixels by default (eval.sample_pixels), unblurred seeds unless
     # image_log.blur_fid_seeds, unconditional samples under logsumexp_sampling
-    protocol = 2
+    # 3: exact sums (rebm/eval/exact_sums.py): the same bits on any world size, where values
+    # cached by 2 moved with the world size by round-off
+    protocol = 3
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:

@@ -28,6 +28,10 @@ Every rank builds the same metrics in the same order and feeds them its own shar
 collectives line up on all ranks. Results must not depend on the world size: test images are
 sharded by dataset index, samples by index chunk (rebm/eval/sampling/samples.py), and per-rank state is
 combined by sums or by index-ordered gathers.
+
+Sums of floats go through `ExactSums` (rebm/eval/exact_sums.py, beside this module): float64
+running sums added per rank come out in another order on another world size, and move the value
+by round-off; exact sums give the same bits on any world size.
 """
 
 from __future__ import annotations

@@ -19,20 +19,22 @@ The arithmetic, and why it is exact:
   [0, 2^32); scaling by a power of 2 and taking the fraction of a non-negative float64 are exact,
   so the only rounding is r to the nearest integer (d2): |error| <= 2^-85, and none when
   |v| >= 2^-32 (a float64 of that size is a multiple of 2^-84). Then the sign goes on each digit;
-- d1 and d2 stay below 2^32 in magnitude per value, so an int64 digit takes 2^30 values before
+- d1 and d2 are at most 2^32 in magnitude per value, so an int64 digit takes 2^30 values before
   it could overflow; the digits are carried (d2 -> d1 -> d0, by 2^32) before that, and before the
   all-reduce, so a rank's low digits are in [0, 2^32) and W ranks' sum cannot overflow either;
 - d0 holds |total| 2^20, so a total must stay below RANGE = 2^41 (about 2.2e12) in magnitude.
   Each rank bounds its totals by the sum over its adds of the largest |value| (times the rows of
   an indexed add); the bounds are summed in the same all-reduce, and a bound of RANGE or more, or
-  a value that is not finite, is a ValueError on every rank (the same answer everywhere).
+  a value that is not finite, is a ValueError on every rank of the run (the same answer on all;
+  the bound is far from any total a metric keeps: features of 1e3 give FID moments of 5e10 at
+  50,000 samples).
 
 The totals are read as float64 from the carried digits (sign apart), within one or two units in
 the last place of the exact integer total: the read is a function of the integers only, so it
 is the same on every rank and world size.
 
 Memory: three int64 per summed number (3 x the float64 sums it replaces; FID's (D+1)^2 moments at
-D = 2048: 100 MB), plus the digits of the values being added.
+D = 2048: 100 MB), plus the digits of the values being added and one float64 copy of them.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ _BOUND_CAP = 2**50  # a rank's range bound in the all-reduce (W < 2^12 ranks can
 
 def _digits(values: Tensor) -> Tensor:
     """float64 values as (3, *shape) int64 digits (see the module's docstring). A value that is
-    not finite or out of range gives digits of 0 or of RANGE (the caller's bound flags it)."""
-    magnitude = torch.nan_to_num(values.abs(), nan=0.0, posinf=RANGE).clamp(max=RANGE) * TOP_SCALE
-    sign = torch.sign(values).nan_to_num(0.0)
-    high = torch.floor(magnitude)
-    rest = (magnitude - high) * 2.0**DIGIT_BITS  # exact: the fraction, scaled by 2^32
-    middle = torch.floor(rest)
-    low = torch.round((rest - middle) * 2.0**DIGIT_BITS)  # the one rounding
-    return torch.stack([high * sign, middle * sign, low * sign]).to(torch.int64)
+    not finite or out of range gives the digits of +-RANGE or 0 (the caller's bound flags it)."""
+    values = torch.nan_to_num(values, nan=0.0, posinf=RANGE, neginf=-RANGE).clamp_(-RANGE, RANGE)
+    digits = torch.empty(3, *values.shape, dtype=torch.int64, device=values.device)
+    rest = values.abs().mul_(TOP_SCALE)  # in place from here on: a copy of 8 bytes a value
+    for k in range(3):
+        digit = rest.floor() if k < 2 else rest.round()  # the last: the one rounding
+        digits[k] = digit.copysign_(values)
+        if k < 2:
+            rest.sub_(digit.abs_()).mul_(2.0**DIGIT_BITS)  # exact: the fraction, times 2^32
+    return digits
 
 
 def _carry(digits: Tensor) -> None:

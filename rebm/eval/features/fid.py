@@ -154,8 +154,8 @@ class MomentSums:
 
     def statistics(self, runtime: Runtime) -> Tuple[np.ndarray, np.ndarray]:
         """(mu, sigma) of all ranks' rows together (unbiased covariance). Every rank must call
-        this, also one that added nothing; ValueError with fewer than 2 rows in all (or sums
-        beyond the exact range: features of 1e6 and more)."""
+        this, also one that added nothing; ValueError with fewer than 2 rows in all, or with
+        moments beyond the exact sums' range (features of about 7e3 at 50,000 images)."""
         total = self.moments.total_all_ranks(runtime)
         if total is None or total[0, 0] < 2:
             got = 0 if total is None else int(total[0, 0])

@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from rebm.distributed import all_reduce_sum
 from rebm.distributed.collectives import on_main
+from rebm.eval.exact_sums import ExactSums
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.test_set import describe_test_set, test_set_files, test_set_settings
 
@@ -95,7 +95,7 @@ class Calibration(Metric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.sums = torch.zeros(3, N_BINS, dtype=torch.float64, device=ctx.runtime.device)
+        self.sums = ExactSums()  # the same bins on any world size (rebm/eval/exact_sums.py)
 
     @classmethod
     def settings(cls, cfg) -> Dict[str, Any]:
@@ -107,10 +107,11 @@ class Calibration(Metric):
         return test_set_files(cfg)
 
     def update(self, batch: TestBatch) -> None:
-        self.sums += calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS)
+        self.sums.add(calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS))
 
     def finish(self) -> Dict[str, Any]:
-        sums = all_reduce_sum(self.ctx.runtime, self.sums).cpu()
+        total = self.sums.total_all_ranks(self.ctx.runtime)
+        sums = torch.zeros(3, N_BINS, dtype=torch.float64) if total is None else total.cpu()
         ece = ece_from_bins(sums)
         if self.ctx.run_dir is not None:
             path = diagram_path(self.ctx.run_dir, self.ctx.step)

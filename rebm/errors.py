@@ -7,3 +7,8 @@ anything else is a bug and keeps its traceback.
 
 class UserError(Exception):
     """An error whose message names the key/file/path and what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix; its message is one line. Defined here, at the
+    bottom, for the registries (rebm/registry.py); rebm.config raises it (rebm.config.errors)."""

@@ -12,7 +12,7 @@ import torch
 from rebm.config import ConfigError, load_config, to_dict, training_diff
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS, dataset_reads_files
 from rebm.config.optimizers import OPTIMIZERS, build_optimizer, optimizer_section
-from rebm.config.registry import Registry
+from rebm.registry import Registry
 from rebm.config.schedule import check_stage_schedule, stage_lr_schedule
 from rebm.data import indist_source, outdist_source
 from tests.helpers import CONFIG, REPO, run_command
@@ -74,7 +74,7 @@ def test_a_new_choice_is_one_module(tmp_path, monkeypatch):
     package = tmp_path / "extra_optimizers"
     package.mkdir()
     (package / "__init__.py").write_text(
-        "from rebm.config.registry import Registry\nREGISTRY = Registry('optimizer', __name__)\n")
+        "from rebm.registry import Registry\nREGISTRY = Registry('optimizer', __name__)\n")
     (package / "plain_sgd.py").write_text(
         "import torch\nfrom extra_optimizers import REGISTRY\n\n"
         "@REGISTRY.register('plain_sgd')\n"

@@ -11,10 +11,10 @@ Adding a dataset is one module in rebm/data/sets (docs/design.md, extension cost
 
 Validation (rebm/config/loading.py) checks the names against these registries, the config takes
 a dataset's default `data.num_classes` / `data.image_size` from its entry, and `--check` asks
-`dataset_reads_files` whether a missing folder matters. The registries live here, in the config
-layer, and know the dataset modules only by their package's name: the first lookup imports
-rebm.data.sets (as rebm.models.registry imports its families), so rebm.config never imports
-rebm.data in code and the layers hold; importing this module imports no torch.
+`dataset_reads_files` whether a missing folder matters. The registries (rebm.registry.Registry)
+live here, in the config layer, and know the dataset modules only by their package's name: the
+first lookup imports rebm.data.sets, so rebm.config never imports rebm.data in code and the
+layers hold; importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
-from rebm.config.registry import Registry
+from rebm.registry import Registry
 
 INDIST_ROLE, OUTDIST_ROLE = "indist", "outdist"
 

@@ -1,7 +1,6 @@
-"""The error of a configuration problem (rebm.config raises it; entry points print one line)."""
+"""The error of a configuration problem (rebm.config raises it; entry points print one line).
+The class is defined in rebm/errors.py, below the registries that raise it too."""
 
-from rebm.errors import UserError
+from rebm.errors import ConfigError
 
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem the user can fix; its message is one line."""
+__all__ = ["ConfigError"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from rebm.config.registry import Registry
+from rebm.registry import Registry
 
 
 @dataclass(frozen=True)

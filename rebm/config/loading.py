@@ -176,7 +176,7 @@ def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> 
 
 def validate(cfg: TrainConfig, source: str = "config") -> None:
     """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
-    from rebm.models import model_names
+    from rebm.models.registry import MODELS
 
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
@@ -193,7 +193,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     )
     _validate_openimages(cfg, source)
     check_refused(cfg, source)
-    _check_choice(cfg.model.model_type, model_names(), "model.model_type", source)
+    MODELS.check(cfg.model.model_type, source)
     _validate_family_options(cfg, source)
     for key, value in (("model.channels_last", cfg.model.channels_last),
                        ("model.compile", cfg.model.compile), ("fuse_attacks", cfg.fuse_attacks)):

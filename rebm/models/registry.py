@@ -8,31 +8,29 @@ Builders take `num_classes` and the keyword options every family takes (`normali
 `model.*` config fields it reads (ConvNeXt: `use_convstem`, `use_layernorm`), declared at
 registration. They return a `rebm.models.base.Classifier`.
 
-Every public module of this package is imported the first time the registry is asked for a
-model, so a family registers itself by being a file here: no list of modules to keep. Importing
-them must stay cheap (torch, never timm): a family's expensive code lives in a private module
-(`_timm_nets.py`) that its builders import when called. Importing this module imports no torch.
+`MODELS` is a rebm.registry.Registry over this package: every public module of it is imported the
+first time the registry is asked for a model, so a family registers itself by being a file here:
+no list of modules to keep. Importing them must stay cheap (torch, never timm): a family's
+expensive code lives in a private module (`_timm_nets.py`) that its builders import when called.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Tuple
 
 from rebm.models.stats import dataset_stats
+from rebm.registry import Registry
 
 
 @dataclass(frozen=True)
-class Registration:
+class ModelEntry:
     builder: Callable[..., Any]
     options: Tuple[str, ...]  # the family's own model.* fields, passed to the builder
 
 
-_REGISTRY: Dict[str, Registration] = {}
-PACKAGE = __name__.rpartition(".")[0]
+MODELS: Registry[ModelEntry] = Registry("model.model_type", __name__.rpartition(".")[0])
 
 
 def register(name: str, options: Tuple[str, ...] = ()
@@ -40,47 +38,29 @@ def register(name: str, options: Tuple[str, ...] = ()
     """Decorator: make `builder` the model `model.model_type: name`; `options` are the `model.*`
     config fields (beyond the common ones) that `model_from_config` passes to it."""
     def add(builder: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _REGISTRY and _REGISTRY[name].builder is not builder:
-            raise ValueError(f"model '{name}' is registered twice")
-        _REGISTRY[name] = Registration(builder, tuple(options))
+        MODELS.add(name, ModelEntry(builder, tuple(options)))
         return builder
     return add
 
 
-def _load_families() -> None:
-    """Import every public module of the package (their import runs their registrations)."""
-    for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if not module.name.startswith("_"):
-            importlib.import_module(f"{PACKAGE}.{module.name}")
-
-
 def model_names() -> Tuple[str, ...]:
     """Every registered `model.model_type`."""
-    _load_families()
-    return tuple(_REGISTRY)
-
-
-def _registration(model_type: str) -> Registration:
-    _load_families()
-    if model_type not in _REGISTRY:
-        raise ValueError(f"unknown model_type '{model_type}'; use one of {', '.join(_REGISTRY)}")
-    return _REGISTRY[model_type]
+    return MODELS.names()
 
 
 def build_model(model_type: str, num_classes: int, **options: Any):
     """The model registered as `model_type`, with `num_classes` outputs."""
-    return _registration(model_type).builder(num_classes, **options)
+    return MODELS.get(model_type).builder(num_classes, **options)
 
 
 def family_options(model_type: str) -> Tuple[str, ...]:
     """The `model.*` fields the family of `model_type` reads beyond the common ones."""
-    return _registration(model_type).options
+    return MODELS.get(model_type).options
 
 
 def all_family_options() -> Tuple[str, ...]:
     """The `model.*` fields some family reads (each once)."""
-    _load_families()
-    return tuple(dict.fromkeys(o for r in _REGISTRY.values() for o in r.options))
+    return tuple(dict.fromkeys(o for _, entry in MODELS.items() for o in entry.options))
 
 
 def model_from_config(cfg: Any):

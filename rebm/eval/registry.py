@@ -1,8 +1,9 @@
 """The list of evaluation metrics, and the metric lists the entry points use.
 
 To add a metric: write its module (a `Metric` subclass; see rebm/eval/metric.py for what it
-defines) and add the class to `METRICS` below. Its name then works everywhere: in an
-`Evaluator`'s metrics (rebm/eval/evaluator.py), in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
+defines) and add the class to the list that fills `METRICS` below (a rebm.registry.Registry
+whose order is that list's, written down rather than an import order). Its name then works
+everywhere: in an `Evaluator`'s metrics (rebm/eval/evaluator.py), in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
 config (added to every evaluation, training's included); its settings go to eval.json, its
 rows to the console table and its `summary_values` to the one-line summary (rebm/eval/report.py).
 Metrics run, and are reported, in the order of `METRICS`; docs/evaluation.md's table of the
@@ -11,8 +12,7 @@ metrics lists them in that order (tests/test_evaluation_doc.py checks it).
 
 from __future__ import annotations
 
-import difflib
-from typing import List, Sequence, Tuple, Type
+from typing import Any, List, Sequence, Tuple, Type
 
 from rebm.eval.metric import EvalError, Metric
 from rebm.eval.metrics.accuracy import CleanAccuracy, RobustAccuracy
@@ -25,8 +25,20 @@ from rebm.eval.metrics.ood_detection import OODDetection
 from rebm.eval.metrics.ood_sets import OODSets
 from rebm.eval.metrics.precision_recall import PrecisionRecall
 from rebm.eval.metrics.sample_files import KeepSamples, SampleGrid, SamplesNpz
+from rebm.registry import Registry
 
-METRICS: Tuple[Type[Metric], ...] = (
+
+class MetricRegistry(Registry[Type[Metric]]):
+    """The metrics by name: an EvalError in the evaluation's wording for an unknown one."""
+
+    def unknown_message(self, name: Any, source: str) -> str:
+        names = self.names()
+        return (f"unknown metric '{name}'; the metrics are {', '.join(names)}."
+                f"{did_you_mean(str(name), names)}")
+
+
+METRICS = MetricRegistry("metric", error=EvalError, cutoff=0.6)
+for _metric in (  # the order the metrics run and are reported in
     CleanAccuracy,
     RobustAccuracy,
     AutoAttackAccuracy,
@@ -40,26 +52,25 @@ METRICS: Tuple[Type[Metric], ...] = (
     FID,
     InceptionScore,
     PrecisionRecall,
-)
+):
+    METRICS.add(_metric.name, _metric)
 
 
 def metric_names() -> List[str]:
-    return [m.name for m in METRICS]
+    return list(METRICS.names())
 
 
 def did_you_mean(name: str, choices: Sequence[str]) -> str:
     """' Did you mean 'x'?' for the closest of `choices` to a mistyped `name`, else ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
+    close = METRICS.closest(name, choices)
+    return f" Did you mean '{close}'?" if close else ""
 
 
 def metric_classes(names: Sequence[str]) -> List[Type[Metric]]:
     """The classes of `names`, in registry order; EvalError (one line) on an unknown name."""
-    unknown = [n for n in names if n not in metric_names()]
-    if unknown:
-        raise EvalError(f"unknown metric '{unknown[0]}'; the metrics are "
-                        f"{', '.join(metric_names())}.{did_you_mean(unknown[0], metric_names())}")
-    return [m for m in METRICS if m.name in names]
+    for name in names:
+        METRICS.check(name)
+    return [metric for name, metric in METRICS.items() if name in names]
 
 
 def standard_metrics(cfg, samples: bool, extra: Sequence[str] = ()) -> Tuple[str, ...]:

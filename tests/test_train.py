@@ -163,7 +163,7 @@ def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
     from rebm.engine.tracking import Tracker
 
     cfg = load_config(CONFIG, ["wandb_disabled=true"])
-    tracker = Tracker(cfg, Runtime(), str(tmp_path))
+    tracker = Tracker(cfg, Runtime(), str(tmp_path)).start_all_ranks()
     for step in (1, 2, 3):
         tracker.log_all_ranks(step, 32 * step, 0, {"x": 1.0})
     with open(tmp_path / "metrics.jsonl", "a") as fh:

@@ -125,8 +125,8 @@ def new_run_notice(cfg: TrainConfig) -> Optional[str]:
             f"training keys (run_dir={nearest} continues that one instead)")
 
 
-def resolve_run_dir(cfg: TrainConfig, runtime: Runtime
-                    ) -> Tuple[TrainConfig, Optional[RunDirLock]]:
+def resolve_run_dir_all_ranks(cfg: TrainConfig, runtime: Runtime
+                              ) -> Tuple[TrainConfig, Optional[RunDirLock]]:
     """Rank 0 creates and locks the run directory, every rank gets its absolute path and checks
     that it sees the same directory; returns the config with that `run_dir` and the lock (rank
     0) or None. Every rank calls this."""

@@ -76,10 +76,13 @@ class Tracker:
         self.wandb_run_id = wandb_run_id
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
-        self._on_main(lambda: self._start(cfg), "write config.yaml or start wandb")
+        self._cfg = cfg
 
-    def _on_main(self, write, what: str) -> Any:
-        return on_main(self.runtime, write, what)
+    def start_all_ranks(self) -> "Tracker":
+        """Rank 0 writes config.yaml and starts wandb; every rank calls this once, after the
+        constructor (which runs no collective)."""
+        on_main(self.runtime, lambda: self._start(self._cfg), "write config.yaml or start wandb")
+        return self
 
     def _start(self, cfg: TrainConfig) -> None:
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
@@ -124,7 +127,7 @@ class Tracker:
     def truncate_metrics_after_all_ranks(self, step: int) -> None:
         """On resume, drop records newer than the restored state so the log matches a straight
         run (a preempted run may have logged steps after its last saved state)."""
-        self._on_main(lambda: self._truncate(step), f"rewrite {self.metrics_path}")
+        on_main(self.runtime, lambda: self._truncate(step), f"rewrite {self.metrics_path}")
 
     def _truncate(self, step: int) -> None:
         if not os.path.exists(self.metrics_path):
@@ -140,7 +143,7 @@ class Tracker:
 
     def log_all_ranks(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
         """One record in metrics.jsonl (and wandb)."""
-        self._on_main(lambda: self._log(step, n_imgs, epoch, metrics),
+        on_main(self.runtime, lambda: self._log(step, n_imgs, epoch, metrics),
                       f"write {self.metrics_path}")
 
     def log_training(self, step: int, n_imgs: int, epoch: int, metrics: Dict[str, Any]) -> None:
@@ -187,7 +190,7 @@ class Tracker:
                             ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
         path = os.path.join(self.run_dir, "samples", name)
-        self._on_main(lambda: self._save_grid(images, path, step, nrow), f"write {path}")
+        on_main(self.runtime, lambda: self._save_grid(images, path, step, nrow), f"write {path}")
         return path
 
     def _save_grid(self, images: torch.Tensor, path: str, step: int, nrow: int) -> None:
@@ -199,7 +202,7 @@ class Tracker:
 
     def log_image_all_ranks(self, path: str, step: int) -> None:
         """An image file (a sample grid) to wandb under its name's stem, e.g. `gen_samples`."""
-        self._on_main(lambda: self._log_image(path, step), "log an image to wandb")
+        on_main(self.runtime, lambda: self._log_image(path, step), "log an image to wandb")
 
     def _log_image(self, path: str, step: int) -> None:
         if self.wandb_run is None or not os.path.exists(path):
@@ -211,7 +214,7 @@ class Tracker:
 
     def log_table_all_ranks(self, name: str, step: int, values: Dict[str, Any]) -> None:
         """One evaluation's numbers to wandb as a table (metric, value), besides the scalars."""
-        self._on_main(lambda: self._log_table(name, step, values), "log a table to wandb")
+        on_main(self.runtime, lambda: self._log_table(name, step, values), "log a table to wandb")
 
     def _log_table(self, name: str, step: int, values: Dict[str, Any]) -> None:
         if self.wandb_run is None:
@@ -230,7 +233,7 @@ class Tracker:
         return ", ".join(found) or "none yet"
 
     def close_all_ranks(self) -> None:
-        self._on_main(self._close, "finish the wandb run")
+        on_main(self.runtime, self._close, "finish the wandb run")
 
     def _close(self) -> None:
         if self.wandb_run is not None:

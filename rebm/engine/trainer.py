@@ -47,7 +47,7 @@ from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
 from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory_mib, pop_data_counts
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
-from rebm.engine.rundir import resolve_run_dir
+from rebm.engine.rundir import resolve_run_dir_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
     keep_best_all_ranks,
@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dic
     started = time.perf_counter()
     # the inputs first: a wrong path stops the run before anything is written
     on_every_rank(runtime, lambda: check_starting_weights(cfg), "find model.ckpt_path")
-    cfg, lock = resolve_run_dir(cfg, runtime)
+    cfg, lock = resolve_run_dir_all_ranks(cfg, runtime)
     try:
         return Trainer(cfg, runtime, make_method, started).fit()
     finally:
@@ -130,8 +130,8 @@ class Trainer:
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
-        self.tracker = Tracker(cfg, self.runtime, cfg.run_dir,
-                               wandb_run_id=identity.wandb_run_id, last_step=self.last_step)
+        self.tracker = Tracker(cfg, self.runtime, cfg.run_dir, wandb_run_id=identity.wandb_run_id,
+                               last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
         self.step_context = step_context(self.parts.model, self.parts.precision)

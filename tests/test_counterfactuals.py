@@ -236,7 +236,7 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     images toward it, round to 8 bits, features, FID against the class's statistics file."""
     from rebm.attacks.pgd import pgd_attack
     from rebm.distributed import Runtime
-    from rebm.eval.counterfactual.original import evaluate_original_counterfactuals
+    from rebm.eval.counterfactual.original import evaluate_original_counterfactuals_all_ranks
     from rebm.eval.features.fid import feature_statistics, frechet_distance, load_reference
     from rebm.models import build_model
     from tests.standins import standin_features
@@ -250,7 +250,7 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     sources = train_image_set(cfg, 40)
     labels = sources.labels(np.arange(40))
     targets = random_targets(labels, sources.indices, 10, cfg.rand_seed)
-    result = evaluate_original_counterfactuals(
+    result = evaluate_original_counterfactuals_all_ranks(
         model, sources, targets, counterfactual_settings(cfg), Runtime(), num_classes=10,
         batch_size=40)  # one chunk per class: the same batches as below
     for c in range(10):

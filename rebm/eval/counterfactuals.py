@@ -23,13 +23,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the .npz files to write, a path with {label}")
     parser.add_argument("--split", choices=("train", "test"), default="train")
     parser.add_argument("--batch-size", type=int, default=100, help="images per batch")
+    return cli.run_entry(parser, argv, run)
 
-    def body(cfg, runtime, args):
-        from rebm.eval.counterfactual.stats import run_class_stats  # after --help
 
-        return run_class_stats(cfg, runtime, args)
+def run(cfg, runtime, args):
+    """Every rank: the per-class statistics (rebm/eval/counterfactual/stats.py)."""
+    from rebm.eval.counterfactual.stats import run_class_stats_all_ranks  # after --help
 
-    return cli.run_entry(parser, argv, body)
+    return run_class_stats_all_ranks(cfg, runtime, args)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ def class_fid(c: int, mu: np.ndarray, sigma: np.ndarray, template: str,
         return None
 
 
-def gather_parts(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int, shape: tuple
-                 ) -> Tensor:
+def gather_parts_all_ranks(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]], n: int,
+                           shape: tuple) -> Tensor:
     """Every rank's (positions, rows) parts, rows put at their positions of [0, n), on every
     rank (cpu). `shape`: (dtype, *row shape), for a rank without parts."""
     empty = torch.zeros((0, *shape[1:]), dtype=shape[0], device=runtime.device)

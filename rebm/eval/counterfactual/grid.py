@@ -30,7 +30,7 @@ from rebm.eval.counterfactual.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
-    gather_parts,
+    gather_parts_all_ranks,
     stats_classes,
     write_per_class,
 )
@@ -90,10 +90,10 @@ def _attack_chunk(model: nn.Module, x: Tensor, targets: Tensor,
             None if feats is None else feats.view(*shape, -1))
 
 
-def evaluate_grid_counterfactuals(model: nn.Module, sources: FixedImageSet,
-                                  settings: CounterfactualSettings, runtime: Runtime, *,
-                                  num_classes: int, batch_size: int,
-                                  folder: Optional[str] = None) -> Dict[str, Any]:
+def evaluate_grid_counterfactuals_all_ranks(model: nn.Module, sources: FixedImageSet,
+                                            settings: CounterfactualSettings, runtime: Runtime, *,
+                                            num_classes: int, batch_size: int,
+                                            folder: Optional[str] = None) -> Dict[str, Any]:
     """{"counterfactual_confidence", "counterfactual_success", "n_counterfactuals", and with
     per-class statistics "counterfactual_fid" (mean over the classes that have them)} of the
     first settings.num_images (None: GRID_NUM_IMAGES) images of `sources`; files into
@@ -121,8 +121,8 @@ def evaluate_grid_counterfactuals(model: nn.Module, sources: FixedImageSet,
             targets = target_classes(labels, num_classes, settings.num_targets)
             parts = _attack_chunk(model, images.to(runtime.device), targets, settings, features)
             chunks.append(_Chunk(positions.to(runtime.device), *parts))
-    gathered = {name: gather_parts(runtime, [(c.positions, getattr(c, name)) for c in chunks],
-                                   n, shape)
+    gathered = {name: gather_parts_all_ranks(runtime, [(c.positions, getattr(c, name))
+                                                       for c in chunks], n, shape)
                 for name, shape in _row_shapes(sources, m, dims).items()}
     labels = sources.labels(np.arange(n))
     targets = target_classes(labels, num_classes, settings.num_targets)

@@ -37,7 +37,7 @@ from rebm.eval.counterfactual.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
-    gather_parts,
+    gather_parts_all_ranks,
     stats_classes,
     write_per_class,
 )
@@ -108,8 +108,8 @@ def _preview_slots(targets: np.ndarray, num_classes: int) -> Dict[int, int]:
 
 
 class _OriginalRun:
-    """One rank's state of `evaluate_original_counterfactuals`: per-image results, preview
-    pixels, the running feature sums of the class in progress, the per-class FIDs."""
+    """One rank's state of `evaluate_original_counterfactuals_all_ranks`: per-image results,
+    preview pixels, the running feature sums of the class in progress, the per-class FIDs."""
 
     def __init__(self, settings: CounterfactualSettings, runtime: Runtime, targets: np.ndarray,
                  num_classes: int, fid_classes: List[int]):
@@ -138,7 +138,7 @@ class _OriginalRun:
             slots = [self.slots[int(positions[k])] for k in shown]
             self.preview.append((torch.tensor(slots, device=device), pixels[shown]))
 
-    def finish_class(self, c: int) -> None:
+    def finish_class_all_ranks(self, c: int) -> None:
         """Class c's FID from every rank's sums. Every rank calls this for every class, in
         order, after its chunks of the class, so the collectives line up."""
         sums, self.sums = self.sums, MomentSums()
@@ -153,11 +153,12 @@ class _OriginalRun:
             self.fids[c] = fid
 
 
-def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
-                                      targets: Tensor, settings: CounterfactualSettings,
-                                      runtime: Runtime, *, num_classes: int, batch_size: int,
-                                      folder: Optional[str] = None, num_workers: int = 0
-                                      ) -> Dict[str, Any]:
+def evaluate_original_counterfactuals_all_ranks(model: nn.Module, sources: FixedImageSet,
+                                                targets: Tensor,
+                                                settings: CounterfactualSettings,
+                                                runtime: Runtime, *, num_classes: int,
+                                                batch_size: int, folder: Optional[str] = None,
+                                                num_workers: int = 0) -> Dict[str, Any]:
     """Every image of `sources` toward its class of `targets` (the module docstring):
     {"counterfactual_confidence", "counterfactual_success" (means over the target classes of
     the per-class means), "n_counterfactuals", and with statistics "counterfactual_fid" (mean
@@ -180,8 +181,8 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
                     count)):
                 stops.check_all_ranks(index)
                 run.attack(model, images, positions, c)
-            run.finish_class(c)
-    scores = gather_parts(runtime, run.scores, n, (torch.float64, 2))
+            run.finish_class_all_ranks(c)
+    scores = gather_parts_all_ranks(runtime, run.scores, n, (torch.float64, 2))
     per_class: Dict[str, Dict[int, Any]] = {"confidence": {}, "success": {}, "count": {}}
     for c in np.flatnonzero(run.counts):
         hit = torch.from_numpy(wanted == c)
@@ -190,8 +191,8 @@ def evaluate_original_counterfactuals(model: nn.Module, sources: FixedImageSet,
         per_class["count"][int(c)] = int(run.counts[c])
     per_class["fid"] = dict(run.fids)
     if folder is not None:
-        pixels = gather_parts(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
-                              (torch.uint8, 3, sources.size, sources.size))
+        pixels = gather_parts_all_ranks(runtime, run.preview, PREVIEW * min(PREVIEW, num_classes),
+                                        (torch.uint8, 3, sources.size, sources.size))
         on_main(runtime, lambda: _write_original(folder, sources, pixels, run.slots, per_class),
                 f"write the counterfactuals into {folder}")
     result = {"counterfactual_confidence": float(np.mean(list(per_class["confidence"].values()))),

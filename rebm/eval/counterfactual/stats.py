@@ -52,7 +52,7 @@ def class_statistics(images: FixedImageSet, runtime: Runtime, features, batch_si
              for x, _ in progress(loader, runtime, images.name, total=len(loader))), runtime)
 
 
-def run_class_stats(cfg, runtime: Runtime, args) -> Dict[int, Any]:
+def run_class_stats_all_ranks(cfg, runtime: Runtime, args) -> Dict[int, Any]:
     """Writes args.class_stats.format(label=c) for every class c of args.split; {c: (path,
     images)}. Every rank must call this."""
     setup_logging(runtime)

@@ -33,9 +33,9 @@ from rebm.eval.counterfactual.attack import (
     CounterfactualSettings,
     stats_classes,
 )
-from rebm.eval.counterfactual.grid import evaluate_grid_counterfactuals, grid_num_images
+from rebm.eval.counterfactual.grid import evaluate_grid_counterfactuals_all_ranks, grid_num_images
 from rebm.eval.counterfactual.original import (
-    evaluate_original_counterfactuals,
+    evaluate_original_counterfactuals_all_ranks,
     random_targets,
     train_image_set,
 )
@@ -127,13 +127,13 @@ class Counterfactuals(Metric):
             sources = train_image_set(cfg, settings.num_images)
             targets = random_targets(sources.labels(np.arange(len(sources))), sources.indices,
                                      cfg.data.num_classes, cfg.rand_seed)
-            results = evaluate_original_counterfactuals(
+            results = evaluate_original_counterfactuals_all_ranks(
                 ctx.model, sources, targets, settings, ctx.runtime,
                 num_classes=cfg.data.num_classes, batch_size=ctx.batch_size, folder=folder,
                 num_workers=loader_workers(cfg, ctx.runtime))
         else:
             sources = indist_test_set(cfg, test_indices(cfg))
-            results = evaluate_grid_counterfactuals(
+            results = evaluate_grid_counterfactuals_all_ranks(
                 ctx.model, sources, settings, ctx.runtime, num_classes=cfg.data.num_classes,
                 batch_size=ctx.batch_size, folder=folder)
         fid_key = network_key(cfg.image_log, "counterfactual_fid")

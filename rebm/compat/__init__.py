@@ -7,9 +7,11 @@ and states keep working. Each module says which original behaviour it serves:
   `image_log.ood_data_dir`);
 - state_format: training states of the first layout (format 1, and stage 1's list-shaped metrics
   window) read into today's;
-- modeling: `rebm.training.modeling`'s get_model / get_optimizer / load_checkpoint with the
-  original's signatures, for scripts written against it.
+- and, outside the package, rebm/training/modeling.py: get_model / get_optimizer /
+  load_checkpoint with the original's signatures at the original's import path, for scripts
+  written against it (it calls the checkpoint loader, the models and the optimizers, so it sits in
+  the top layer, where the original's path puts it anyway).
 
-The package imports none of them: each sits in the layer of what it serves (pyproject.toml),
-config_fields, aliases and state_format below rebm.config, modeling above rebm.checkpoint.
+The package is one layer (pyproject.toml), below rebm.config and rebm.checkpoint, which apply
+its declarations; it imports nothing of rebm.
 """

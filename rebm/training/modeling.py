@@ -1,7 +1,10 @@
-"""The names DAT scripts import: `from rebm.training.modeling import get_model, load_checkpoint`
-(rebm/training/modeling.py re-exports this module under that path).
+"""The names DAT scripts import: `from rebm.training.modeling import get_model, get_optimizer,
+load_checkpoint`, at the original's import path.
 
 Serves: scripts written against the original DAT code (xuwangyin/DAT rebm/training/modeling.py).
+It belongs to the compatibility boundary (rebm/compat/__init__.py) but lives here, in the top
+layer, because it calls the checkpoint loader, the models, the wrappers and the optimizers, which
+sit above rebm/compat (whose modules are declarations that rebm.config and rebm.checkpoint read).
 The original's call forms (rebm/training/modeling.py of xuwangyin/DAT) work unchanged:
 
     model = get_model(model_config=cfg.model, device=device, num_classes=cfg.data.num_classes,
@@ -12,7 +15,6 @@ The original's call forms (rebm/training/modeling.py of xuwangyin/DAT) work unch
 These are the original's signatures only, for scripts written against it; rebm's own code
 builds models through the registry (`rebm.models.model_from_config`) and the engine
 (`rebm.engine.build.build_model_all_ranks(cfg, runtime) -> (wrapped, raw)`, `get_optimizer(cfg, params)`).
-In the layers (pyproject.toml) it sits above rebm.checkpoint, whose loader it calls.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ import torch
 
 from rebm.config import ConfigError, load_config, to_dict, training_diff
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS, dataset_reads_files
-from rebm.config.optimizers import OPTIMIZERS, build_optimizer, optimizer_section
-from rebm.registry import Registry
+from rebm.config.optimizers import OPTIMIZERS, optimizer_section
 from rebm.config.schedule import check_stage_schedule, stage_lr_schedule
 from rebm.data import indist_source, outdist_source
+from rebm.engine.optimizers import build_optimizer
+from rebm.registry import Registry
 from tests.helpers import CONFIG, REPO, run_command
 
 STAGE1 = "experiments/quickstart/digits_stage1.yaml"

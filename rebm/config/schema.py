@@ -25,7 +25,7 @@ from rebm.config.evaluation import EvalConfig
 from rebm.config.frozen import Frozen
 
 # Choices (validated by hand: OmegaConf does not check typing.Literal). Datasets and optimizers
-# are registries (rebm/config/datasets.py, rebm/config/optimizers), models too (rebm.models).
+# are registries (rebm/config/datasets.py, rebm/config/optimizers.py), models too (rebm.models).
 AUGMENTATIONS = (
     "original",
     "autoaugment_cutout",
@@ -126,7 +126,7 @@ class TrainConfig(LegacyTrainFields, Frozen):
     eval: EvalConfig = field(default_factory=EvalConfig)  # how models are evaluated (rebm/config/evaluation.py)
 
     # Optimisation
-    optimizer: str = "sgd"  # a name of rebm/config/optimizers: sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
+    optimizer: str = "sgd"  # a name of rebm/engine/optimizers.py: sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
     lr: float = 1e-3  # learning rate (stage 1: where its schedule starts)
     wd: float = 5e-4  # weight decay
     r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2

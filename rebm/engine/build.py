@@ -15,12 +15,13 @@ import torch.nn as nn
 
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
-from rebm.config.optimizers import build_optimizer, optimizer_section
+from rebm.config.optimizers import optimizer_section
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
 from rebm.distributed.runtime import Runtime
 from rebm.engine.compiling import CompileChoice, decide_compile
+from rebm.engine.optimizers import build_optimizer
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
@@ -83,5 +84,5 @@ def _shaping(cfg: TrainConfig, channels_last: bool) -> dict:
 
 
 def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:
-    """The optimizer of the config's optimizer section (rebm/config/optimizers: the registry)."""
+    """The optimizer of the config's optimizer section (the builders: rebm/engine/optimizers.py)."""
     return build_optimizer(optimizer_section(cfg), params)

@@ -26,8 +26,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rebm.checkpoint.weights import load_checkpoint as load_weights
-from rebm.config.optimizers import OptimizerSection, build_optimizer
+from rebm.config.optimizers import OptimizerSection
 from rebm.distributed.parallel import strip_parallel, unwrap
+from rebm.engine.optimizers import build_optimizer
 from rebm.models import build_model, dataset_stats, family_options
 
 __all__ = ["get_model", "get_optimizer", "load_checkpoint", "strip_parallel", "unwrap"]

@@ -1,5 +1,13 @@
 """rebm's optimizers, those of the original DAT code (its rebm/training/modeling.py:
-get_optimizer): the hyper-parameters beyond lr and weight decay are fixed, as there."""
+get_optimizer): the hyper-parameters beyond lr and weight decay are fixed, as there.
+
+Each registers itself by name in `rebm.config.optimizers.OPTIMIZERS`, the registry that config
+validation checks `optimizer` against (it imports this module on its first lookup). Adding an
+optimizer is one decorated function here (docs/design.md, extension costs):
+
+    @OPTIMIZERS.register("lion")
+    def lion(params, section: OptimizerSection): return Lion(params, lr=section.lr, ...)
+"""
 
 from __future__ import annotations
 
@@ -27,3 +35,8 @@ def adam(params: Iterable, section: OptimizerSection) -> torch.optim.Optimizer:
 def adamw(params: Iterable, section: OptimizerSection) -> torch.optim.Optimizer:
     """AdamW, betas (0.9, 0.95)."""
     return torch.optim.AdamW(params, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.wd)
+
+
+def build_optimizer(section: OptimizerSection, params: Iterable) -> torch.optim.Optimizer:
+    """The optimizer `section.name` over `params` (ConfigError for an unknown name)."""
+    return OPTIMIZERS.get(section.name)(params, section)

@@ -9,8 +9,10 @@ import torch
 
 from rebm.config import BatchPlan, TrainConfig
 from rebm.data import MicroBatch
+from rebm.distributed.parallel import unwrap
 from rebm.distributed.precision import Precision
-from rebm.engine.step import step_context, update_all_ranks
+from rebm.engine.parts import Parts, Progress
+from rebm.engine.step import update_all_ranks
 from rebm.methods.base import StepResult
 from rebm.methods.dat import DAT
 
@@ -22,6 +24,7 @@ def dat_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     those follow an applied update in the Trainer)."""
     method = DAT(cfg)
     method.curriculum.T = outdist_steps
-    return update_all_ranks(step_context(model, precision), method, optimizer, precision,
-                            micro_batches, plan.accumulation_steps, log_now=log_now,
-                            max_grad_norm=cfg.max_grad_norm)
+    parts = Parts(model=model, raw_model=unwrap(model), optimizer=optimizer, scheduler=None,
+                  ema=None, precision=precision, method=method, progress=Progress(),
+                  max_grad_norm=cfg.max_grad_norm)
+    return update_all_ranks(parts, plan, micro_batches, log_now=log_now)

@@ -193,7 +193,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
     trainer = Trainer(cfg, runtime, DAT)
-    return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.step_context, trainer)
+    return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.parts.step_context, trainer)
 
 
 def single_process(args, overrides: Sequence[str] = ()) -> Bench:

@@ -80,8 +80,7 @@ def section_peer(args) -> dict:
             v = variants[name]
             batches = prefetched[rep]
             _, seconds = timed(functools.partial(
-                update_all_ranks, v.ctx, v.parts.method, v.parts.optimizer, v.parts.precision,
-                batches, v.plan.accumulation_steps), device)
+                update_all_ranks, v.parts, v.plan, batches), device)
             if rep >= n - args.reps:
                 times[name].append(seconds)
     flops = step_gflop(parts.raw_model, prefetched[0][0], T, K)

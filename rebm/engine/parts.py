@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -20,13 +21,13 @@ from rebm.checkpoint.state import (
 )
 from rebm.config import TrainConfig
 from rebm.distributed.compile_cache import CompileCache
-from rebm.distributed.parallel import has_sync_batchnorm
+from rebm.distributed.parallel import attack_view, has_sync_batchnorm, scoring_view
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import build_model_all_ranks, get_compile_cache, get_optimizer
 from rebm.engine.ema import build_ema
 from rebm.engine.metrics import MetricsWindow
-from rebm.methods.base import Method
+from rebm.methods.base import Method, StepContext
 
 LOGGER = logging.getLogger("rebm")
 
@@ -83,6 +84,14 @@ class Parts:
     identity: RunIdentity = field(default_factory=RunIdentity)
     live_batchnorm: bool = False  # model.use_batchnorm: BatchNorm normalises with batch stats
     compile_cache: Optional[CompileCache] = None  # model.compile: compiled code kept in run dir
+    max_grad_norm: Optional[float] = None  # each update clips its gradients to this norm
+
+    @cached_property
+    def step_context(self) -> StepContext:
+        """What a method's loss runs on (built once per run): the training wrapper, the
+        attacks' view of it, the view its no-grad scores use and the run's autocast."""
+        return StepContext(model=self.model, attacked=attack_view(self.model),
+                           autocast=self.precision.autocast, scorer=scoring_view(self.model))
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -136,4 +145,5 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                  ema=build_ema(raw_model, cfg), precision=Precision(cfg.amp, runtime.device),
                  method=method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
-                 compile_cache=get_compile_cache(cfg, runtime, last_step))
+                 compile_cache=get_compile_cache(cfg, runtime, last_step),
+                 max_grad_norm=cfg.max_grad_norm)

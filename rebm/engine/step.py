@@ -6,35 +6,32 @@ the gradients once per step); optional gradient clipping (`max_grad_norm`); the 
 through the precision object, which skips a non-finite update. `Trainer.train_step_all_ranks`
 calls this and then, if and only if the update was applied, moves the scheduler, EMA, counter and
 the method's `after_step_all_ranks`. Methods never call backward or an optimizer step.
+
+The update takes the run's parts (method, optimizer, precision, the step context and the
+clipping bound: rebm.engine.parts.Parts), the batch plan and the step's own inputs.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
-import torch
-
+from rebm.config import BatchPlan
 from rebm.data import MicroBatch
-from rebm.distributed.parallel import attack_view, micro_step_sync, scoring_view
-from rebm.distributed.precision import Precision
-from rebm.methods.base import Method, StepContext, StepResult
+from rebm.distributed.parallel import micro_step_sync
+from rebm.engine.parts import Parts
+from rebm.methods.base import StepResult
 
 
-def step_context(model: torch.nn.Module, precision: Precision) -> StepContext:
-    """What a method's loss runs on: the training wrapper, the attacks' view of it, the view
-    its no-grad scores use and the run's autocast."""
-    return StepContext(model=model, attacked=attack_view(model), autocast=precision.autocast,
-                       scorer=scoring_view(model))
-
-
-def update_all_ranks(ctx: StepContext, method: Method, optimizer: torch.optim.Optimizer,
-                     precision: Precision, micro_batches: List[MicroBatch],
-                     accumulation_steps: int, *, log_now: bool = False,
-                     max_grad_norm: Optional[float] = None) -> StepResult:
-    """One optimizer update over this rank's micro-batches; returns the method's result with
-    `applied` (finite gradients, the same on every rank after DDP's all-reduce) and, when
-    clipping, `grad_norm` (before clipping). Every rank calls this: the last micro-batch's
-    backward all-reduces the gradients under DDP."""
+def update_all_ranks(parts: Parts, plan: BatchPlan, micro_batches: List[MicroBatch],
+                     log_now: bool = False) -> StepResult:
+    """One optimizer update over this rank's micro-batches (`plan.accumulation_steps` of them);
+    returns the method's result with `applied` (finite gradients, the same on every rank after
+    DDP's all-reduce) and, when clipping (`parts.max_grad_norm`), `grad_norm` (before clipping).
+    `log_now`: the step's metrics are logged (the method computes its log-only values). Every
+    rank calls this: the last micro-batch's backward all-reduces the gradients under DDP."""
+    ctx, method, optimizer, precision = (parts.step_context, parts.method, parts.optimizer,
+                                         parts.precision)
+    accumulation_steps, max_grad_norm = plan.accumulation_steps, parts.max_grad_norm
     optimizer.zero_grad(set_to_none=True)
     outputs = []
     device = ctx.device

@@ -54,7 +54,7 @@ from rebm.engine.saving import (
     patient_collectives,
     save_training_state_all_ranks,
 )
-from rebm.engine.step import step_context, update_all_ranks
+from rebm.engine.step import update_all_ranks
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
@@ -134,7 +134,6 @@ class Trainer:
                                last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
-        self.step_context = step_context(self.parts.model, self.parts.precision)
         LOGGER.info("%s | data: %s | training to step %s", method.describe(),
                     self.data.describe(), self.last_step)
 
@@ -222,9 +221,7 @@ class Trainer:
             self.started = None
         parts, progress = self.parts, self.progress
         learning_rate = parts.optimizer.param_groups[0]["lr"]  # the LR this step uses
-        result = update_all_ranks(self.step_context, parts.method, parts.optimizer,
-                                  parts.precision, micro_batches, self.plan.accumulation_steps,
-                                  log_now=log_now, max_grad_norm=self.cfg.max_grad_norm)
+        result = update_all_ranks(parts, self.plan, micro_batches, log_now=log_now)
         if result.applied:
             if parts.scheduler is not None:
                 parts.scheduler.step()

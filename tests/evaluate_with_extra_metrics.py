@@ -32,7 +32,7 @@ class Misclassified(Metric):
     def update(self, batch: TestBatch) -> None:
         self.count += (batch.logits().argmax(1) != batch.y).sum()
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         return {"misclassified": int(all_reduce_sum(self.ctx.runtime, self.count).item())}
 
 
@@ -52,7 +52,7 @@ class MeanConfidence(Metric):
                                                                  dtype=torch.float64,
                                                                  device=confidence.device)])
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         total, n = all_reduce_sum(self.ctx.runtime, self.sums).tolist()
         return {"mean_confidence": total / n}
 

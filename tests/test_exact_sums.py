@@ -94,7 +94,8 @@ def test_fid_moments_do_not_depend_on_the_order_of_the_chunks():
         forward.add(chunk)
     for chunk in reversed(chunks):
         backward.add(chunk)
-    (mu, sigma), (mu2, sigma2) = forward.statistics(Runtime()), backward.statistics(Runtime())
+    mu, sigma = forward.statistics_all_ranks(Runtime())
+    mu2, sigma2 = backward.statistics_all_ranks(Runtime())
     assert np.array_equal(mu, mu2) and np.array_equal(sigma, sigma2)
     mu_np, sigma_np = feature_statistics(features.numpy())
     assert np.allclose(mu, mu_np, rtol=1e-13) and np.allclose(sigma, sigma_np, rtol=1e-10,
@@ -113,7 +114,7 @@ def _sums_worker(out_dir: str) -> None:
         for row in values[start:start + 20]:
             sums.add(row)
         moments.add(values[start:start + 20, :4].abs())
-    mu, sigma = moments.statistics(runtime)
+    mu, sigma = moments.statistics_all_ranks(runtime)
     torch.save({"total": sums.total_all_ranks(runtime), "mu": mu, "sigma": sigma},
                os.path.join(out_dir, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)

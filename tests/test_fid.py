@@ -101,7 +101,7 @@ def _fid_of(images, stats_path, batch_size: int = 100) -> float:
     sums = fid.MomentSums()
     for chunk in images.split(batch_size):
         scorer.add(sums, chunk)
-    return scorer.score(sums)
+    return scorer.score_all_ranks(sums)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_frechet_distance_is_pytorch_fids_and_matches_the_closed_form(monkeypatc
 def test_sharded_moments_equal_numpy_statistics():
     rng = np.random.default_rng(1)
     feats = torch.from_numpy(rng.normal(2.0, 0.5, size=(37, 5)))
-    mu, sigma = fid.moments_statistics(feats.split(8), Runtime())
+    mu, sigma = fid.moments_statistics_all_ranks(feats.split(8), Runtime())
     ref_mu, ref_sigma = fid.feature_statistics(feats.numpy())
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
@@ -159,7 +159,7 @@ def stats_file(setup):
 def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file,
                                                                          standin):
     from rebm.data import load_indist
-    from rebm.eval.fid_stats import dataset_statistics
+    from rebm.eval.fid_stats import dataset_statistics_all_ranks
 
     cfg = _cfg(setup)
     with np.load(stats_file) as stats:  # what pytorch-fid reads
@@ -168,8 +168,8 @@ def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, s
     ref_mu, ref_sigma = fid.feature_statistics(standin_features(images).numpy())
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
-    one_mu, one_sigma, n, _ = dataset_statistics(cfg, Runtime(), "train", num_images=40,
-                                              batch_size=7)
+    one_mu, one_sigma, n, _ = dataset_statistics_all_ranks(cfg, Runtime(), "train",
+                                                           num_images=40, batch_size=7)
     assert n == 40
     np.testing.assert_allclose(one_mu, mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(one_sigma, sigma, rtol=0, atol=1e-12)
@@ -417,9 +417,9 @@ def test_real_inception_weights_when_present():
     features = fid.feature_extractor("cpu", ImageLogConfig())
     sums = fid.MomentSums()
     fid.FIDScorer(features, (np.zeros(2048), np.eye(2048)), Runtime(), 4).add(sums, images)
-    mu, sigma = sums.statistics(Runtime())
+    mu, sigma = sums.statistics_all_ranks(Runtime())
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048)
     assert fid.frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-3)
     other = fid.MomentSums()
     fid.FIDScorer(features, (mu, sigma), Runtime(), 4).add(other, torch.rand(8, 3, 32, 32))
-    assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4).score(other) > 1.0
+    assert fid.FIDScorer(features, (mu, sigma), Runtime(), 4).score_all_ranks(other) > 1.0

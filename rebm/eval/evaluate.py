@@ -51,14 +51,14 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
 
     with stop_on_signal(runtime, STOP_NOTICE) as runtime:
         try:
-            return evaluate(cfg, runtime, args)
+            return evaluate_all_ranks(cfg, runtime, args)
         except Preempted:
             exit_stopped(runtime, "the evaluation did not finish, so no eval.json was written; "
                          "run the same command to evaluate again")
             raise  # not reached: exit_stopped exits
 
 
-def evaluate(cfg, runtime, args) -> Dict[str, Any]:
+def evaluate_all_ranks(cfg, runtime, args) -> Dict[str, Any]:
     from rebm.checkpoint.paths import with_model_file
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main

@@ -38,8 +38,8 @@ from rebm.distributed.parallel import unwrap
 from rebm.eval.metric import SAMPLES, TEST_SET, EvalContext, EvalError, Metric
 from rebm.eval.metrics.accuracy import eval_mode
 from rebm.eval.registry import metric_classes
-from rebm.eval.sampling.samples import run_sample_pass, seed_source
-from rebm.eval.test_set import TestData, run_test_pass
+from rebm.eval.sampling.samples import run_sample_pass_all_ranks, seed_source
+from rebm.eval.test_set import TestData, run_test_pass_all_ranks
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
@@ -128,10 +128,10 @@ class Evaluator:
                                           if n in names})
         with eval_mode(model):
             for group in self._test_groups(names):
-                self._test_pass(model, step, group, evaluation)
+                self._test_pass_all_ranks(model, step, group, evaluation)
             samples = self._of(SAMPLES, names)
             if samples and self.configs[samples[0].name].image_log.num_samples > 0:
-                self._sample_pass(model, step, samples, evaluation)
+                self._sample_pass_all_ranks(model, step, samples, evaluation)
         return evaluation
 
     def _context(self, model: nn.Module, cls: Type[Metric], step: Optional[int]) -> EvalContext:
@@ -146,26 +146,27 @@ class Evaluator:
             groups.setdefault(id(self.configs[cls.name]), []).append(cls)
         return list(groups.values())
 
-    def _test_pass(self, model: nn.Module, step: Optional[int], classes: List[Type[Metric]],
-                   evaluation: Evaluation) -> None:
+    def _test_pass_all_ranks(self, model: nn.Module, step: Optional[int],
+                             classes: List[Type[Metric]], evaluation: Evaluation) -> None:
         cfg = self.configs[classes[0].name]
         if id(cfg) not in self.test_data:
             self.test_data[id(cfg)] = TestData(cfg, self.runtime, self.batch_size)
         metrics = [cls(self._context(model, cls, step)) for cls in classes]
         for metric in metrics:
             metric.start_all_ranks()
-        n_test, results = run_test_pass(self.test_data[id(cfg)], model, self.runtime, metrics)
+        n_test, results = run_test_pass_all_ranks(self.test_data[id(cfg)], model, self.runtime,
+                                                  metrics)
         self._record(evaluation, metrics, results, {"n_test": n_test})
 
-    def _sample_pass(self, model: nn.Module, step: Optional[int], classes: List[Type[Metric]],
-                     evaluation: Evaluation) -> None:
+    def _sample_pass_all_ranks(self, model: nn.Module, step: Optional[int],
+                               classes: List[Type[Metric]], evaluation: Evaluation) -> None:
         """One generation pass with the config of the first sample metric (the metrics of one
         call draw the same samples; each still reads its own config)."""
         ctx = self._context(model, classes[0], step)
         metrics = [cls(self._context(model, cls, step)) for cls in classes]
         for metric in metrics:
             metric.start_all_ranks()
-        results = run_sample_pass(ctx, seed_source(ctx.cfg, self.resources), metrics)
+        results = run_sample_pass_all_ranks(ctx, seed_source(ctx.cfg, self.resources), metrics)
         self._record(evaluation, metrics, results)
 
     @staticmethod

@@ -41,7 +41,7 @@ from rebm.distributed.collectives import on_main
 from rebm.eval.features.fid import (
     FIDError,
     feature_extractor,
-    moments_statistics,
+    moments_statistics_all_ranks,
     write_statistics,
 )
 from rebm.eval.features.network import STANDIN, feature_network
@@ -78,9 +78,9 @@ def statistics_images(cfg, split: str, recipe: str):
     return ImageDataset(source, transform), recipe_text(recipe, size, source.full_images)
 
 
-def dataset_statistics(cfg, runtime: Runtime, split: str = "train",
-                       num_images: Optional[int] = None, batch_size: Optional[int] = None,
-                       recipe: Optional[str] = None):
+def dataset_statistics_all_ranks(cfg, runtime: Runtime, split: str = "train",
+                                 num_images: Optional[int] = None, batch_size: Optional[int] = None,
+                                 recipe: Optional[str] = None):
     """(mu, sigma, n, recipe text) of the features of the first `num_images` images of the
     in-distribution `split` read by `recipe` (default: `default_recipe`), the same on every
     rank. Chunks of `batch_size` images are spread over the ranks (chunk k on rank k % W).
@@ -99,7 +99,7 @@ def dataset_statistics(cfg, runtime: Runtime, split: str = "train",
     # Every chunk but the last one overall is full, so the loader's batches are the chunks.
     batches = (features(x.to(runtime.device)) for x, _ in loader)
     with torch.no_grad():
-        mu, sigma = moments_statistics(batches, runtime)
+        mu, sigma = moments_statistics_all_ranks(batches, runtime)
     return mu, sigma, n, recipe
 
 
@@ -108,8 +108,8 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     out = args.out if args.out.endswith(".npz") else args.out + ".npz"
     network = feature_network(cfg.image_log)
     feature_extractor(runtime.device, cfg.image_log)  # fail first
-    mu, sigma, n, recipe = dataset_statistics(cfg, runtime, args.split, args.num_images,
-                                              recipe=args.recipe)
+    mu, sigma, n, recipe = dataset_statistics_all_ranks(cfg, runtime, args.split, args.num_images,
+                                                        recipe=args.recipe)
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
                "dims": int(mu.shape[0]), "features": network.describe(), "recipe": recipe,
                "world_size": runtime.world_size}

@@ -15,9 +15,9 @@ Adding a metric is one module plus one registration:
      reuses (a feature network, reference statistics); `problems(cfg)`: what this machine lacks;
    - `__init__(ctx)` (cheap: no collective, no generation), `start_all_ranks()` (optional:
      collective preparation, e.g. reference features), `update(batch_or_chunk)`: keep only what
-     the value needs (counts, feature sums, feature rows), never the images;
-   - `finish()`: combine the ranks (every rank calls it; collectives go here) and return the
-     same {key: value} dict on every rank;
+     the value needs (counts, feature sums, feature rows), never the images; no collective;
+   - `finish_all_ranks()`: combine the ranks (every rank calls it; collectives go here) and
+     return the same {key: value} dict on every rank;
    - `describe(results, settings)`: the console table's rows for it; `outputs()`: the files
      it wrote;
    - `summary` (optional): its values in the one-line summary of the training log and of
@@ -193,13 +193,13 @@ class Metric:
 
     def outputs(self) -> Dict[str, str]:
         """The files this evaluation wrote, {what: path} (the same on every rank), after
-        `finish`: e.g. the sample grid."""
+        `finish_all_ranks`: e.g. the sample grid."""
         return {}
 
     def update(self, item) -> None:
         """Take one TestBatch (TEST_SET) or SampleChunk (SAMPLES) of this rank."""
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         """Every rank: combine the ranks, return {key: value} (the same on every rank)."""
         return {}
 

@@ -118,8 +118,8 @@ class TestData:
         self.loader = build_eval_data(cfg, runtime, batch_size, indices=mine, source=source)
 
 
-def run_test_pass(data: TestData, model, runtime: Runtime, metrics: List[Metric]
-                  ) -> Tuple[int, List[Dict[str, Any]]]:
+def run_test_pass_all_ranks(data: TestData, model, runtime: Runtime, metrics: List[Metric]
+                            ) -> Tuple[int, List[Dict[str, Any]]]:
     """Feed every batch of this rank's test chunks to every metric, then finish them: (images
     evaluated over all ranks, each metric's results). Stops at a stop point when a stop is
     asked for (rebm.distributed.signals). Every rank calls this."""
@@ -135,4 +135,4 @@ def run_test_pass(data: TestData, model, runtime: Runtime, metrics: List[Metric]
             metric.update(batch)
         count += int(y.shape[0])
     n_test = int(all_reduce_sum(runtime, torch.tensor([count], dtype=torch.int64))[0])
-    return n_test, [metric.finish() for metric in metrics]
+    return n_test, [metric.finish_all_ranks() for metric in metrics]

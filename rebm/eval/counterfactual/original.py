@@ -144,7 +144,7 @@ class _OriginalRun:
         sums, self.sums = self.sums, MomentSums()
         if c not in self.fid_classes or self.counts[c] < 2:
             return
-        mu, sigma = sums.statistics(self.runtime)
+        mu, sigma = sums.statistics_all_ranks(self.runtime)
         template = self.settings.fid_stats
         fid = decide_on_main(self.runtime, lambda: class_fid(c, mu, sigma, template,
                                                            feature_network(self.settings.image_log)),

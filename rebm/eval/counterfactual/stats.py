@@ -22,7 +22,7 @@ from rebm.eval.counterfactual.attack import COUNTERFACTUAL_PIXELS
 from rebm.eval.features.fid import (
     FIDError,
     feature_extractor,
-    moments_statistics,
+    moments_statistics_all_ranks,
     to_8bit,
     write_statistics,
 )
@@ -41,13 +41,13 @@ def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
                          cfg.data.image_size)
 
 
-def class_statistics(images: FixedImageSet, runtime: Runtime, features, batch_size: int
-                     ) -> tuple:
+def class_statistics_all_ranks(images: FixedImageSet, runtime: Runtime, features, batch_size: int
+                               ) -> tuple:
     """(mu, sigma) of the features of every image of the set (8-bit images read as pytorch-fid
     reads their files, k / 255), from running sums over all ranks. Every rank must call this."""
     loader = chunk_loader(images.images, len(images), batch_size, runtime)
     with torch.no_grad():
-        return moments_statistics(
+        return moments_statistics_all_ranks(
             (features(to_8bit(x.to(runtime.device), COUNTERFACTUAL_PIXELS))
              for x, _ in progress(loader, runtime, images.name, total=len(loader))), runtime)
 
@@ -68,7 +68,7 @@ def run_class_stats_all_ranks(cfg, runtime: Runtime, args) -> Dict[int, Any]:
         if len(images) < 2:
             raise FIDError(f"class {label} has {len(images)} {args.split} images; FID "
                            "statistics need at least 2")
-        mu, sigma = class_statistics(images, runtime, features, args.batch_size)
+        mu, sigma = class_statistics_all_ranks(images, runtime, features, args.batch_size)
         path, made = args.class_stats.format(label=label), recipe.format(label=label)
         on_main(runtime, lambda p=path, m=mu, s=sigma, r=made:
                 write_statistics(p, m, s, network.describe(), r), f"write {path}")

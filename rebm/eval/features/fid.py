@@ -142,7 +142,7 @@ class MomentSums:
     matrices are added exactly (rebm/eval/exact_sums.py), so the totals do not depend on the
     order of the batches or on which rank added which. Fed the same batches (evaluation chunks,
     the same on any world size), mu and sigma are the same bits on any number of processes.
-    `statistics` combines the ranks."""
+    `statistics_all_ranks` combines the ranks."""
 
     def __init__(self) -> None:
         self.moments = ExactSums()
@@ -152,7 +152,7 @@ class MomentSums:
         rows = torch.cat([feats.new_ones(feats.shape[0], 1), feats], dim=1)
         self.moments.add(rows.T @ rows)
 
-    def statistics(self, runtime: Runtime) -> Tuple[np.ndarray, np.ndarray]:
+    def statistics_all_ranks(self, runtime: Runtime) -> Tuple[np.ndarray, np.ndarray]:
         """(mu, sigma) of all ranks' rows together (unbiased covariance). Every rank must call
         this, also one that added nothing; ValueError with fewer than 2 rows in all, or with
         moments beyond the exact sums' range (features of about 7e3 at 50,000 images)."""
@@ -167,14 +167,14 @@ class MomentSums:
         return mu, (sigma + sigma.T) / 2
 
 
-def moments_statistics(feature_batches: Iterable[Tensor], runtime: Runtime
-                       ) -> Tuple[np.ndarray, np.ndarray]:
+def moments_statistics_all_ranks(feature_batches: Iterable[Tensor], runtime: Runtime
+                                 ) -> Tuple[np.ndarray, np.ndarray]:
     """(mu, sigma) of all ranks' feature batches together (MomentSums). Every rank must call
     this, with any number of batches (also none)."""
     sums = MomentSums()
     for feats in feature_batches:
         sums.add(feats)
-    return sums.statistics(runtime)
+    return sums.statistics_all_ranks(runtime)
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,12 +360,12 @@ class FIDScorer:
         with torch.no_grad():
             sums.add(self.features(pixels.to(self.runtime.device).float().div(255)))
 
-    def score(self, sums: MomentSums) -> Optional[float]:
+    def score_all_ranks(self, sums: MomentSums) -> Optional[float]:
         """FID of the images in every rank's `sums`, or None with one warning when there are
         fewer than 2 or the statistics do not match the reference (same answer on every rank).
         Every rank must call this."""
         try:
-            mu, sigma = sums.statistics(self.runtime)
+            mu, sigma = sums.statistics_all_ranks(self.runtime)
         except ValueError as err:
             _warn_once(f"FID skipped: {err}")
             return None

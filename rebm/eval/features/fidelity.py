@@ -152,7 +152,7 @@ class FeatureRows:
         self.rows.append(rows.detach().cpu())
         self.indices.append(indices.cpu())
 
-    def gather(self, runtime: Runtime, total: int) -> Tensor:
+    def gather_all_ranks(self, runtime: Runtime, total: int) -> Tensor:
         """All ranks' rows (total, D) in index order, in the features' dtype, on the CPU. Every
         rank calls this (also one without rows: D and the dtype come from the others)."""
         mine = torch.cat(self.rows) if self.rows else None

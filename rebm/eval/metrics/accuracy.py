@@ -82,7 +82,7 @@ class CorrectCount(Metric):
         self.counts[0] += self.correct(batch).sum()
         self.counts[1] += batch.y.shape[0]
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         correct, n = all_reduce_sum(self.ctx.runtime, self.counts).tolist()
         return {self.key: ratio(correct, n)}
 

@@ -109,7 +109,7 @@ class Calibration(Metric):
     def update(self, batch: TestBatch) -> None:
         self.sums.add(calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS))
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         total = self.sums.total_all_ranks(self.ctx.runtime)
         sums = torch.zeros(3, N_BINS, dtype=torch.float64) if total is None else total.cpu()
         ece = ece_from_bins(sums)

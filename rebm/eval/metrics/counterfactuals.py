@@ -119,7 +119,7 @@ class Counterfactuals(Metric):
                          f"CONFIG --class-stats '{template}'")
         return found
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         ctx, cfg = self.ctx, self.ctx.cfg
         folder = os.path.join(ctx.run_dir, "counterfactuals") if ctx.run_dir else None
         settings = counterfactual_settings(cfg)

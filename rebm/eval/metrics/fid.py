@@ -3,9 +3,9 @@ rebm/eval/features/fid.py and rebm/eval/sampling/sweep.py).
 
 Each generated chunk's features (pytorch-fid's Inception pool3 of the 8-bit samples, or the
 REBM_FID_FEATURES stand-in) go into exact sums (`MomentSums`, rebm/eval/exact_sums.py);
-`finish` adds up the ranks' and computes the Fréchet distance to `image_log.data_dir`: the same
-value on any number of processes, bit for bit, as long as the evaluation batch (the chunk) is
-the same. With `image_log.adaptive_steps` the step sweep runs
+`finish_all_ranks` adds up the ranks' and computes the Fréchet distance to `image_log.data_dir`:
+the same value on any number of processes, bit for bit, as long as the evaluation batch (the
+chunk) is the same. With `image_log.adaptive_steps` the step sweep runs
 before the generation pass (`generation_steps_all_ranks`: its own generation passes, same
 chunks) and fixes the main pass's step count. A missing weights or statistics file stops the
 evaluation before any work (`problems`); the network and the statistics are loaded once per
@@ -21,7 +21,7 @@ from rebm.eval.features.fid import MomentSums, fid_scorer, reference_problems, w
 from rebm.eval.features.network import network_description, network_key, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.sampling.samples import describe_samples, sample_files, sample_settings, seed_source
-from rebm.eval.sampling.sweep import sweep_candidates, sweep_steps
+from rebm.eval.sampling.sweep import sweep_candidates, sweep_steps_all_ranks
 
 
 class FID(Metric):
@@ -69,18 +69,18 @@ class FID(Metric):
         """With image_log.adaptive_steps, the step sweep (its own generation passes)."""
         if self.ctx.cfg.image_log.adaptive_steps:
             seeds = seed_source(self.ctx.cfg, self.ctx.resources)
-            self.best, self.sweep = sweep_steps(self.ctx, seeds, self.scorer)
+            self.best, self.sweep = sweep_steps_all_ranks(self.ctx, seeds, self.scorer)
         return self.best
 
     def update(self, chunk: SampleChunk) -> None:
         self.scorer.add_pixels(self.sums, chunk.pixels())
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         results: Dict[str, Any] = {}
         if self.best is not None:
             results[f"{self.key}_best_steps"] = self.best
             results.update({f"{self.key}_sweep/{s}": v for s, v in self.sweep.items()})
-        value = self.scorer.score(self.sums)
+        value = self.scorer.score_all_ranks(self.sums)
         if value is not None:
             results[self.key] = value
         return results

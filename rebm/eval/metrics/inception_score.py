@@ -179,7 +179,7 @@ class InceptionScore(Metric):
     def update(self, chunk: SampleChunk) -> None:
         self.statistics.add(chunk.indices, self._logits(chunk))
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         scores, counts = self.statistics.scores_all_ranks(self.ctx.runtime)
         if self.pil:  # torchmetrics: the mean and the unbiased std of torch.chunk's pieces
             scores = scores[counts > 0]

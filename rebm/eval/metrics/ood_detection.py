@@ -1,9 +1,9 @@
 """OOD-detection AUROC against `data.outdist_dataset` (registered metric "ood"), on the test pass.
 
 In-distribution scores come from the shared test pass (the clean logits of each batch); the
-out-distribution's first `n_test` images are scored in `finish` (rebm/eval/metrics/ood_sets.py: the loader,
-the scores, the padded gather). The score is logsumexp of the logits for energy models
-(`logsumexp: true`), else the max softmax.
+out-distribution's first `n_test` images are scored in `finish_all_ranks`
+(rebm/eval/metrics/ood_sets.py: the loader, the scores, the padded gather). The score is
+logsumexp of the logits for energy models (`logsumexp: true`), else the max softmax.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
-from rebm.eval.metrics.ood_sets import build_ood_data, gather_scores, ood_score
+from rebm.eval.metrics.ood_sets import build_ood_data, gather_scores_all_ranks, ood_score
 from rebm.eval.test_set import describe_test_set, test_set_settings
 
 PROCEDURAL_OUTDISTS = ("noise", "uniform-noise", "lowfreq-noise")  # rebm.data.pipeline.outdist_source
@@ -57,7 +57,7 @@ class OODDetection(Metric):
         device = self.ctx.runtime.device
         return torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64, device=device)
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         ctx, rt = self.ctx, self.ctx.runtime
         positives = self._local(self.scores)
         n_test = int(all_reduce_sum(rt, torch.tensor([positives.shape[0]]))[0])
@@ -68,7 +68,8 @@ class OODDetection(Metric):
             for index, batch in enumerate(progress(loader, rt, "OOD scores", total=len(loader))):
                 stops.check_all_ranks(index)
                 negatives.append(ood_score(ctx.model(batch[0].to(rt.device)), self.score).double())
-        pos, neg = gather_scores(rt, positives), gather_scores(rt, self._local(negatives))
+        pos = gather_scores_all_ranks(rt, positives)
+        neg = gather_scores_all_ranks(rt, self._local(negatives))
         return {"ood_auroc": float(binary_auc(pos, neg)), "n_ood": int(neg.shape[0])}
 
     @classmethod

@@ -142,8 +142,9 @@ def chunk_loader(read: Callable[[np.ndarray], Tensor], n: int, batch_size: int,
                       persistent_workers=False)
 
 
-def chunk_scores(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime, score: str,
-                 attack: Optional[OODAttack] = None, label: str = "OOD scores") -> Tensor:
+def chunk_scores_all_ranks(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime,
+                           score: str, attack: Optional[OODAttack] = None,
+                           label: str = "OOD scores") -> Tensor:
     """(n,) float64 scores by position, on every rank (all-gathered). With `attack`, each
     batch is first moved by PGD to raise the score. Every rank must call this."""
     values, positions = [], []
@@ -171,7 +172,7 @@ def detection_metrics(in_scores: Tensor, ood_scores: Tensor, prefix: str) -> Dic
 
 @dataclass(frozen=True)
 class OODSettings:
-    """What `evaluate_ood_sets` computes (the `eval.ood_*` config fields)."""
+    """What `evaluate_ood_sets_all_ranks` computes (the `eval.ood_*` config fields)."""
 
     datasets: Sequence[str]
     num_samples: int = 1024
@@ -194,9 +195,9 @@ def ood_settings(cfg) -> OODSettings:
                        ev.ood_adversarial, attack, dict(ev.ood_roots))
 
 
-def evaluate_ood_sets(model: nn.Module, in_scores: Tensor, settings: OODSettings,
-                      runtime: Runtime, *, image_size: int, seed: int, batch_size: int,
-                      num_workers: int = 0) -> Dict[str, float]:
+def evaluate_ood_sets_all_ranks(model: nn.Module, in_scores: Tensor, settings: OODSettings,
+                                runtime: Runtime, *, image_size: int, seed: int, batch_size: int,
+                                num_workers: int = 0) -> Dict[str, float]:
     """{"ood/<set>/auroc", "ood/<set>/fpr95", and with settings.adversarial "ood/<set>/adv_auroc",
     "ood/<set>/adv_fpr95"} for every set of settings.datasets, plus their means over the sets
     ("ood/mean/..."). `in_scores`: the in-distribution test scores (all ranks'); the OOD sets
@@ -209,12 +210,12 @@ def evaluate_ood_sets(model: nn.Module, in_scores: Tensor, settings: OODSettings
         for spec in settings.datasets:
             ood = load_ood_set(spec, image_size, seed, settings.num_samples, settings.roots)
             loader = chunk_loader(ood.images, len(ood), batch_size, runtime, num_workers)
-            clean = chunk_scores(model, loader, len(ood), runtime, score,
-                                 label=f"OOD: {ood.name}")
+            clean = chunk_scores_all_ranks(model, loader, len(ood), runtime, score,
+                                           label=f"OOD: {ood.name}")
             metrics.update(detection_metrics(in_scores, clean, f"ood/{ood.name}/"))
             if settings.adversarial:
-                adv = chunk_scores(model, loader, len(ood), runtime, score, attack,
-                                   label=f"OOD: {ood.name} (attacked)")
+                adv = chunk_scores_all_ranks(model, loader, len(ood), runtime, score, attack,
+                                             label=f"OOD: {ood.name} (attacked)")
                 metrics.update(detection_metrics(in_scores, adv, f"ood/{ood.name}/adv_"))
     return {**metrics, **_means(metrics)}
 
@@ -230,7 +231,7 @@ def _means(metrics: Dict[str, float]) -> Dict[str, float]:
 # --------------------------------------------------------------------------------------------
 # The out-distribution of metric "ood" (rebm/eval/metrics/ood_detection.py)
 # --------------------------------------------------------------------------------------------
-def gather_scores(runtime: Runtime, local: Tensor) -> Tensor:
+def gather_scores_all_ranks(runtime: Runtime, local: Tensor) -> Tensor:
     """All ranks' scores on every rank (padded all-gather; order irrelevant for AUROC)."""
     count = torch.tensor([local.shape[0]], device=local.device)
     longest = int(all_reduce_max(runtime, count))
@@ -325,14 +326,14 @@ class OODSets(Metric):
     def update(self, batch: TestBatch) -> None:
         self.scores.append(ood_score(batch.logits(), self.ood.score))
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         ctx, rt = self.ctx, self.ctx.runtime
         local = (torch.cat(self.scores) if self.scores
                  else torch.zeros(0, dtype=torch.float64, device=rt.device))
-        return evaluate_ood_sets(ctx.model, gather_scores(rt, local), self.ood, rt,
-                                 image_size=ood_image_size(ctx.cfg), seed=ctx.cfg.rand_seed,
-                                 batch_size=ctx.batch_size,
-                                 num_workers=loader_workers(ctx.cfg, rt))
+        return evaluate_ood_sets_all_ranks(ctx.model, gather_scores_all_ranks(rt, local), self.ood,
+                                           rt, image_size=ood_image_size(ctx.cfg),
+                                           seed=ctx.cfg.rand_seed, batch_size=ctx.batch_size,
+                                           num_workers=loader_workers(ctx.cfg, rt))
 
     @classmethod
     def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]

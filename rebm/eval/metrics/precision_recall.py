@@ -173,7 +173,7 @@ class _Reference:
         return to_pixels(images, self.pixels)
 
 
-def real_features(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
+def real_features_all_ranks(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
     """Features of the reference images (position order), on every rank: chunk k on rank
     k % W."""
     rt = ctx.runtime
@@ -185,7 +185,7 @@ def real_features(ctx: EvalContext, extractor, layer: str) -> torch.Tensor:
         stops.check_all_ranks(index)
         features = extract(extractor, reference.images(chunk).to(rt.device))[layer]
         rows.add(torch.arange(chunk.start, chunk.stop), features)
-    return rows.gather(rt, reference.n)
+    return rows.gather_all_ranks(rt, reference.n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,19 +246,19 @@ class PrecisionRecall(Metric):
         cfg = self.ctx.cfg
         key = json.dumps(["precision_recall real features", self.settings(cfg),
                           cfg.image_log.inception_weights], sort_keys=True, default=str)
-        self.real = self.ctx.shared(key, lambda: real_features(self.ctx, self.extractor,
-                                                               self.layer))
+        self.real = self.ctx.shared(key, lambda: real_features_all_ranks(
+            self.ctx, self.extractor, self.layer))
 
     def update(self, chunk: SampleChunk) -> None:
         self.rows.add(chunk.indices, chunk_features(chunk, self.extractor)[self.layer])
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         total, n_real = self.ctx.cfg.image_log.num_samples, int(self.real.shape[0])
         if min(total, n_real) <= NEIGHBORHOOD:
             raise EvalError(f"precision/recall needs more than k = {NEIGHBORHOOD} samples and real "
                             f"images (got {total} and {n_real}); raise image_log.num_samples or "
                             "eval.pr_num_real")
-        generated = self.rows.gather(self.ctx.runtime, total)[text_order(total)]
+        generated = self.rows.gather_all_ranks(self.ctx.runtime, total)[text_order(total)]
         precision, recall = precision_recall_all_ranks(self.ctx.runtime, generated, self.real,
                                                        NEIGHBORHOOD)
         log = self.ctx.cfg.image_log

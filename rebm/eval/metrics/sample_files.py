@@ -104,7 +104,7 @@ class SampleGrid(SampleFileMetric):
             self.kept[kind].append(images[take].detach().float().cpu())
         self.places.extend(self.position[int(chunk.indices[j])] for j in rows)
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         ctx = self.ctx
         if ctx.run_dir is None or not self.position:
             return {}
@@ -160,10 +160,10 @@ class KeepSamples(SampleFileMetric):
             return
         try:
             write_pngs(chunk.pixels(), chunk.indices, self.folder)
-        except OSError as err:  # raised on every rank in finish, not here (no rank left waiting)
+        except OSError as err:  # raised on every rank in finish_all_ranks (no rank left waiting)
             self.error = err
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         if self.folder is None:
             return {}
 
@@ -225,11 +225,16 @@ class SamplesNpz(SampleFileMetric):
             return
         self.npy = self.path + ".arr_0.npy"
         size = ctx.cfg.data.image_size
-        shape = (ctx.cfg.image_log.num_samples, size, size, 3)
+        self.shape = (ctx.cfg.image_log.num_samples, size, size, 3)
         self.row_bytes = size * size * 3
-        # rank 0 creates the file before any rank writes (the broadcast orders them)
-        self.offset = decide_on_main(ctx.runtime, lambda: _create_npy(self.npy, shape),
-                                     f"create {self.npy}")
+        self.offset = 0
+
+    def start_all_ranks(self) -> None:
+        """Rank 0 creates the file before any rank writes (the broadcast orders them)."""
+        if self.path is not None:
+            self.offset = decide_on_main(self.ctx.runtime,
+                                         lambda: _create_npy(self.npy, self.shape),
+                                         f"create {self.npy}")
 
     def update(self, chunk: SampleChunk) -> None:
         if self.path is None or self.error is not None:
@@ -240,10 +245,10 @@ class SamplesNpz(SampleFileMetric):
             with open(self.npy, "r+b") as fh:
                 fh.seek(self.offset + start * self.row_bytes)
                 fh.write(rows.tobytes())
-        except OSError as err:  # raised on every rank in finish
+        except OSError as err:  # raised on every rank in finish_all_ranks
             self.error = err
 
-    def finish(self) -> Dict[str, Any]:
+    def finish_all_ranks(self) -> Dict[str, Any]:
         if self.path is None:
             return {}
 

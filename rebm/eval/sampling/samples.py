@@ -38,13 +38,13 @@ def seed_source(cfg, resources: Dict[str, Any]):
     return resources[key]
 
 
-def stream_samples(ctx: EvalContext, seeds, sinks: Sequence[Any], num_samples: int,
-                   num_steps: Optional[int] = None, what: str = "samples") -> None:
+def stream_samples_all_ranks(ctx: EvalContext, seeds, sinks: Sequence[Any], num_samples: int,
+                             num_steps: Optional[int] = None, what: str = "samples") -> None:
     """Generate samples 0..num_samples-1 from `seeds` chunk by chunk (this rank's chunks) and
     feed each chunk to every sink (anything with `update(SampleChunk)`). `num_steps`: PGD
     steps (default image_log.num_steps). Its only collectives are the stop points (a stop asked
-    for ends it: rebm.distributed.signals); the sinks' `finish` combines the ranks. Every rank
-    calls this."""
+    for ends it: rebm.distributed.signals); the sinks' `finish_all_ranks` combines the ranks.
+    Every rank calls this."""
     rt = ctx.runtime
     generate = SampleGenerator(ctx.model, ctx.cfg, rt, seeds, num_steps)
     chunks = eval_chunks(num_samples, ctx.batch_size, rt.rank, rt.world_size)
@@ -57,15 +57,16 @@ def stream_samples(ctx: EvalContext, seeds, sinks: Sequence[Any], num_samples: i
         del samples  # the chunk's images go before the next chunk is generated
 
 
-def run_sample_pass(ctx: EvalContext, seeds, metrics: List[Metric]) -> List[Dict[str, Any]]:
+def run_sample_pass_all_ranks(ctx: EvalContext, seeds, metrics: List[Metric]
+                              ) -> List[Dict[str, Any]]:
     """The generation pass for the sample metrics, then each metric's results (every rank calls
     this). A metric may fix the number of PGD steps first (FID's adaptive sweep)."""
     chosen = [s for s in (m.generation_steps_all_ranks() for m in metrics) if s is not None]
     if len(set(chosen)) > 1:
         raise EvalError(f"sample metrics chose different step counts {sorted(set(chosen))}")
-    stream_samples(ctx, seeds, metrics, ctx.cfg.image_log.num_samples,
-                   chosen[0] if chosen else None)
-    return [metric.finish() for metric in metrics]
+    stream_samples_all_ranks(ctx, seeds, metrics, ctx.cfg.image_log.num_samples,
+                             chosen[0] if chosen else None)
+    return [metric.finish_all_ranks() for metric in metrics]
 
 
 def sample_settings(cfg) -> Dict[str, Any]:

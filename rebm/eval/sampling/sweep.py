@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 from rebm.distributed import broadcast_object
 from rebm.eval.features.fid import FIDScorer, MomentSums
 from rebm.eval.metric import EvalContext
-from rebm.eval.sampling.samples import stream_samples
+from rebm.eval.sampling.samples import stream_samples_all_ranks
 
 LOGGER = logging.getLogger("rebm")
 
@@ -42,7 +42,8 @@ class _FeatureSums:
         self.scorer.add_pixels(self.sums, chunk.pixels())
 
 
-def sweep_steps(ctx: EvalContext, seeds, scorer: FIDScorer) -> Tuple[int, Dict[int, float]]:
+def sweep_steps_all_ranks(ctx: EvalContext, seeds, scorer: FIDScorer
+                          ) -> Tuple[int, Dict[int, float]]:
     """(best step count, {step count: FID of its sweep samples}). A candidate whose FID cannot
     be computed counts as +inf; when none can, the configured num_steps stays. Every rank must
     call this."""
@@ -52,9 +53,9 @@ def sweep_steps(ctx: EvalContext, seeds, scorer: FIDScorer) -> Tuple[int, Dict[i
     fids: Dict[int, float] = {}
     for steps in candidates:
         sink = _FeatureSums(scorer)
-        stream_samples(ctx, seeds, [sink], log.sweep_num_samples, steps,
-                       what=f"sweep {steps} steps")
-        value = scorer.score(sink.sums)
+        stream_samples_all_ranks(ctx, seeds, [sink], log.sweep_num_samples, steps,
+                                 what=f"sweep {steps} steps")
+        value = scorer.score_all_ranks(sink.sums)
         fids[steps] = math.inf if value is None else value
         LOGGER.info("FID step sweep: %d steps -> FID %.4f", steps, fids[steps])
     finite = {s: v for s, v in fids.items() if math.isfinite(v)}

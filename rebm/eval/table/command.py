@@ -128,9 +128,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not os.path.isdir(args.checkpoints):
             raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "
                              "the folder the rows' checkpoint paths are relative to")
-    from rebm.eval.table.runner import run
+    from rebm.eval.table.runner import launch_tables
 
-    return run(specs, args)
+    return launch_tables(specs, args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The table runner's work: `TableRun` evaluates the selected rows and metrics of one table on
 every rank (each metric cached as soon as it is computed, rebm/eval/table/cache.py), through one
-Evaluator per row and model (rebm/eval/evaluator.py); `run` launches the tables' processes
-through the entry points' launch (rebm.cli.launch). The command: rebm/eval/table/command.py."""
+Evaluator per row and model (rebm/eval/evaluator.py); `launch_tables` launches the tables'
+processes through the entry points' launch (rebm.cli.launch), each running `run`. The command:
+rebm/eval/table/command.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -74,7 +76,7 @@ class TableRun:
                                      self.spec.batch_size, self.hashes)
                 for cls in metric_classes(metrics)}
 
-    def run(self) -> Dict[str, Any]:
+    def run_all_ranks(self) -> Dict[str, Any]:
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
             problems = self.evaluator(row, self.selected.metrics).problems()
             if problems:
@@ -83,7 +85,7 @@ class TableRun:
         for number, row in enumerate(self.selected.rows, start=1):
             stop_point_all_ranks(self.runtime)
             self.current, self.stored = f"[{number}/{total}] {row.name}", []
-            self.run_row(row, self.current)
+            self.run_row_all_ranks(row, self.current)
             self.finished.append(row.name)
         self.current = None
         values, missing = decide_on_main(self.runtime, self.collect, "read the table cache")
@@ -105,7 +107,7 @@ class TableRun:
                 return f" (relative data paths: {looked_in(missing[0][2])})"
         return ""
 
-    def run_row(self, row, label: str) -> None:
+    def run_row_all_ranks(self, row, label: str) -> None:
         def look() -> Optional[Tuple[Dict[str, Any], Dict[str, str], str]]:
             sha256 = self.checkpoint_sha256(row)
             if sha256 is None:
@@ -140,7 +142,7 @@ class TableRun:
                         len(self.selected.metrics) - len(order), len(self.selected.metrics),
                         f"; computing {', '.join(order)}" if order else "")
         for names in plan:
-            self.run_metrics(row, names, cache, keys, label)
+            self.run_metrics_all_ranks(row, names, cache, keys, label)
 
     def pending(self, cache, cached: List[str], label: str) -> List[str]:
         """The selected metrics to compute: every one under --force; else those not cached
@@ -175,8 +177,8 @@ class TableRun:
         return Evaluator(configs[names[0]], self.runtime, names, batch_size=self.spec.batch_size,
                          run_dir=os.path.join(self.out, row.name), configs=configs)
 
-    def run_metrics(self, row, names: List[str], cache, keys: Dict[str, str], label: str
-                    ) -> None:
+    def run_metrics_all_ranks(self, row, names: List[str], cache, keys: Dict[str, str],
+                              label: str) -> None:
         """Compute and store `names` (metrics of one model) of the row: the test-set metrics
         one by one, the sample metrics in one generation pass per set of samples they draw."""
         model = load_eval_model(self.configs[row.name][names[0]], self.runtime)
@@ -187,7 +189,8 @@ class TableRun:
             stop_point_all_ranks(self.runtime)
             start = time.monotonic()
             results = evaluator.evaluate_all_ranks(model, metrics=[cls.name]).by_metric
-            self.store(cache, row, cls.name, keys[cls.name], results[cls.name], start, label)
+            self.store_all_ranks(cache, row, cls.name, keys[cls.name], results[cls.name], start,
+                                 label)
         samples = [c.name for c in evaluator.classes if c.source == SAMPLES]
         if samples:
             stop_point_all_ranks(self.runtime)
@@ -195,7 +198,8 @@ class TableRun:
             for group in self.sample_passes(row, samples):
                 found = evaluator.evaluate_all_ranks(model, metrics=group).by_metric
                 for name in group:
-                    self.store(cache, row, name, keys[name], found.get(name, {}), start, label)
+                    self.store_all_ranks(cache, row, name, keys[name], found.get(name, {}), start,
+                                         label)
 
     def sample_passes(self, row, names: List[str]) -> List[List[str]]:
         """The row's sample metrics by the samples their configs draw (metric_overrides may
@@ -208,8 +212,8 @@ class TableRun:
             passes.setdefault(drawn, []).append(name)
         return list(passes.values())
 
-    def store(self, cache, row, metric: str, key: str, results, start: float, label: str
-              ) -> None:
+    def store_all_ranks(self, cache, row, metric: str, key: str, results, start: float,
+                        label: str) -> None:
         seconds = time.monotonic() - start
         cls = metric_classes([metric])[0]
         entry = {"key": key, "results": results, "seconds": round(seconds, 3),
@@ -287,14 +291,14 @@ STOP_NOTICE = ("stopping at the next batch; every metric computed so far stays c
                "(interrupt again to stop at once)")
 
 
-def run_tables(specs, args, runtime) -> None:
+def run_tables_all_ranks(specs, args, runtime) -> None:
     """Every rank: the tables one after another. A Ctrl-C or SIGTERM stops every rank at the
     next batch or metric, with one line naming what is finished."""
     skipped: List[str] = []
     for spec in specs:
         table = TableRun(spec, args, runtime, out_dir(spec, args, len(specs)))
         try:
-            table.run()
+            table.run_all_ranks()
         except Preempted:
             exit_stopped(runtime, table.stop_outcome())
         skipped += table.skipped
@@ -310,12 +314,15 @@ def log_dir(specs, args) -> str:
     return args.out or os.path.join("runs", "tables")
 
 
-def run(specs, args) -> int:
-    """Every process of the tables (under torchrun, every rank), through the entry points'
-    launch (rebm.cli.launch): logs, the stop on a signal, the tables."""
-    def body(_cfg, runtime, _args) -> None:
-        setup_logging(runtime, log_dir(specs, args))
-        with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
-            run_tables(specs, args, stoppable)
+def run(specs, _cfg, runtime, args) -> None:
+    """Every process of the tables (under torchrun, every rank): the entry's body, which
+    `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
+    setup_logging(runtime, log_dir(specs, args))
+    with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
+        run_tables_all_ranks(specs, args, stoppable)
 
-    return launch(body, None, args)
+
+def launch_tables(specs, args) -> int:
+    """The tables' processes, through the entry points' launch (rebm.cli.launch): `run` on
+    each."""
+    return launch(functools.partial(run, specs), None, args)

@@ -54,11 +54,34 @@ def test_the_registries_load_real_data():
     ("data.outdist_dataset=tinyimage", "did you mean 'tinyimages'?"),
     ("optimizer=adamm", "'optimizer: adamm' is not a valid choice; use one of sgd, adam, adamw; "
      "did you mean 'adam'?"),
+    ("model.model_type=WideResNet28x1O", "'model.model_type: WideResNet28x1O' is not a valid "
+     "choice; use one of "),
+    ("model.model_type=WideResNet28x1O", "; did you mean 'WideResNet28x10'?"),
 ])
 def test_an_unknown_choice_names_the_key_and_the_closest_name(override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(CONFIG, [override])
     assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_models_datasets_optimizers_and_metrics_share_one_registry_class():
+    """One mechanism (rebm/registry.py, the bottom layer): lazy loading of a package's modules
+    for the models, datasets and optimizers, an explicit list for the metrics (their order is the
+    order they run and are reported in), a record per entry, one-line errors for a typo."""
+    from rebm.eval.metric import EvalError
+    from rebm.eval.registry import METRICS, metric_classes
+    from rebm.models.registry import MODELS
+
+    registries = (MODELS, INDIST_DATASETS, OUTDIST_DATASETS, OPTIMIZERS, METRICS)
+    assert all(isinstance(r, Registry) for r in registries)
+    assert [r.package for r in registries[:4]] == ["rebm.models", "rebm.data.sets",
+                                                   "rebm.data.sets", "rebm.engine.optimizers"]
+    assert METRICS.package is None and METRICS.names()[:2] == ("accuracy", "robust_accuracy")
+    assert MODELS.get("convnext_tiny").options == ("use_convstem", "use_layernorm")
+    assert [m.name for m in metric_classes(["fid", "accuracy"])] == ["accuracy", "fid"]
+    with pytest.raises(EvalError, match=r"^unknown metric 'fdi'; the metrics are accuracy, .* "
+                                        r"Did you mean 'fid'\?$"):
+        metric_classes(["accuracy", "fdi"])
 
 
 def test_check_asks_the_registry_whether_a_dataset_reads_files():

@@ -11,16 +11,23 @@ step k does not depend on max_steps).
 `slow` (left out by `make test-fast`): tests that start training runs or several processes, or
 compute for several seconds, each marked `@pytest.mark.slow` where it is defined (or a whole
 file by `pytestmark`); tests/test_suite_tiers.py checks that every test starting a training run
-is marked."""
+is marked.
+
+The `_all_ranks` rule's run-time check (tests/collective_guard.py) is on in every process the
+suite starts: a collective reached from a function that neither ends in `_all_ranks` nor is exempt
+fails the test that was running, with the function and the stack."""
 
 from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 from filelock import FileLock
 
+from tests import collective_guard
 from tests.helpers import CONFIG, FAST, STRAIGHT_STEPS, run_train
 
 # The files that take longest (CPU-seconds, or seconds of waiting), longest first. pytest-xdist
@@ -32,6 +39,30 @@ LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_int
                  "tests/test_console_messages.py", "tests/test_shipped_configs.py",
                  "tests/test_run_dir.py", "tests/test_eval_metrics.py",
                  "tests/test_speed_defaults.py"]
+
+
+def pytest_configure(config):
+    """The collective guard for this pytest process and every process it starts (before the
+    first of them: the fork server inherits this environment)."""
+    os.environ[collective_guard.ENV] = tempfile.mkdtemp(prefix="rebm-collective-guard-")
+    collective_guard.environment(os.environ)
+    collective_guard.install_when_imported()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.pop(collective_guard.ENV, ""), ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def collectives_in_plain_sight():
+    """Fail the test when a process it started (or it) reached a collective outside an
+    `_all_ranks` function (docs/design.md §3)."""
+    yield
+    found = collective_guard.violations()
+    if found:
+        lines = [f"{line} [{found.count(line)} process(es)]" for line in dict.fromkeys(found)]
+        pytest.fail("a collective outside an _all_ranks function (docs/design.md §3, "
+                    "\"Collectives in plain sight\"):\n" + "\n".join(lines), pytrace=False)
 
 
 def pytest_collection_modifyitems(items):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rebm.config import TrainConfig
+from tests import collective_guard
 from tests.processes import popen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def base_env(threads: int = 1, extra: Optional[Dict[str, str]] = None) -> Dict[s
                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     env.update(extra or {})
-    return env
+    return collective_guard.environment(env)
 
 
 def finish(proc, timeout: float) -> tuple:

@@ -12,9 +12,9 @@
 - the commands: evaluate.py, fid_stats.py, counterfactuals.py; auc.py, the ROC-AUC that DAT's
   curriculum uses too.
 
-Every function that takes a `runtime` is called by *every* rank: each rank works on its shard
-(chunks of one evaluation batch, chunk k on rank k % W — no padding duplicates) and the results
-are combined by collectives, so the numbers equal those of a single process. Models passed in
+Each rank works on its shard (chunks of one evaluation batch, chunk k on rank k % W — no padding
+duplicates) and the results are combined by collectives, so the numbers equal those of a single
+process; which functions every rank must call is docs/design.md §3's rule (`_all_ranks`). Models passed in
 are the unwrapped modules. Submodules are imported on use, so `import rebm.eval` stays light.
 """
 

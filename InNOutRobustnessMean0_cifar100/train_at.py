@@ -15,27 +15,24 @@ resumes from the newest (as in stage 2). The learning rate follows `lr_schedule`
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import List, Optional
 
 from rebm import cli
 from rebm.config import ConfigError
-from rebm.config.schedule import STAGE_SCHEDULES, check_stage_schedule, stage_lr_schedule
+from rebm.methods.stages import STAGE1
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATASETS = {"cifar100": 100, "cifar10": 10}
-STAGE = 1
-SCHEDULES = STAGE_SCHEDULES[STAGE]  # the values of lr_schedule (and --schedule) stage 1 offers
+SCHEDULES = STAGE1.schedules  # the values of lr_schedule (and --schedule) stage 1 offers
 
 
 def run(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
     from rebm.methods.at import AdversarialTraining
 
-    schedule = stage_lr_schedule(cfg, STAGE)
-    return train(cfg, runtime, functools.partial(AdversarialTraining, schedule=schedule))
+    return train(cfg, runtime, AdversarialTraining)
 
 
 def loss_streams(cfg) -> int:
@@ -46,10 +43,10 @@ def loss_streams(cfg) -> int:
 
 
 def check_stage1(args, cfg) -> None:
-    """Stage 1's own config rules: live BatchNorm, and a schedule stage 1 offers."""
-    if not cfg.model.use_batchnorm:
-        raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
-    check_stage_schedule(cfg, STAGE, args.config or "config")
+    """The method's config rules (stage 1's: live BatchNorm, a schedule it offers)."""
+    from rebm.methods.at import AdversarialTraining
+
+    AdversarialTraining.check_config(cfg, args.config or "config")
 
 
 def build_parser():

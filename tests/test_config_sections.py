@@ -12,9 +12,10 @@ import torch
 from rebm.config import ConfigError, load_config, to_dict, training_diff
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS, dataset_reads_files
 from rebm.config.optimizers import OPTIMIZERS, optimizer_section
-from rebm.config.schedule import check_stage_schedule, stage_lr_schedule
 from rebm.data import indist_source, outdist_source
 from rebm.engine.optimizers import build_optimizer
+from rebm.methods.stages import STAGE1 as STAGE_1
+from rebm.methods.stages import STAGE2 as STAGE_2
 from rebm.registry import Registry
 from tests.helpers import CONFIG, REPO, run_command
 
@@ -135,9 +136,9 @@ def test_the_optimizers_are_the_originals():
 
 def test_the_schedule_is_a_config_key_with_a_default_per_stage():
     stage1, stage2 = load_config(STAGE1), load_config(CONFIG)
-    assert stage1.lr_schedule is None and stage_lr_schedule(stage1, 1) == "cosine"
-    assert stage_lr_schedule(stage2, 2) == "constant"
-    assert stage_lr_schedule(load_config(STAGE1, ["lr_schedule=constant"]), 1) == "constant"
+    assert stage1.lr_schedule is None and STAGE_1.lr_schedule(stage1) == "cosine"
+    assert STAGE_2.lr_schedule(stage2) == "constant"
+    assert STAGE_1.lr_schedule(load_config(STAGE1, ["lr_schedule=constant"])) == "constant"
     with pytest.raises(ConfigError, match="'lr_schedule: linear' is not a valid choice"):
         load_config(STAGE1, ["lr_schedule=linear"])
     # a resume that changes the schedule is refused like any other training key
@@ -148,10 +149,10 @@ def test_the_schedule_is_a_config_key_with_a_default_per_stage():
 def test_fixed_lr_is_a_stage_2_rule():
     unfixed = load_config(CONFIG, ["fixed_lr=false"])  # loads: the stage is not known yet
     with pytest.raises(ConfigError, match="'fixed_lr: false' is not supported in stage 2"):
-        check_stage_schedule(unfixed, 2)
-    check_stage_schedule(load_config(STAGE1, ["fixed_lr=false"]), 1)  # stage 1 does not read it
+        STAGE_2.check(unfixed)
+    STAGE_1.check(load_config(STAGE1, ["fixed_lr=false"]))  # stage 1 does not read it
     with pytest.raises(ConfigError, match="'lr_schedule: cosine' is not offered in stage 2"):
-        check_stage_schedule(load_config(CONFIG, ["lr_schedule=cosine"]), 2)
+        STAGE_2.check(load_config(CONFIG, ["lr_schedule=cosine"]))
 
 
 @pytest.mark.parametrize("args, expected", [

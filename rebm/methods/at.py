@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from rebm.attacks.pgd import pgd_from_config
-from rebm.config import ConfigError
+from rebm.config import ConfigError, TrainConfig
 from rebm.data import CLASSIFIER, MicroBatch
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
+from rebm.methods.stages import STAGE1
 
 LOGGER = logging.getLogger("rebm")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = STAGE1.schedules
 
 
 def lr_factor(schedule: str, last_step: int) -> Callable[[int], float]:
@@ -32,14 +33,18 @@ def lr_factor(schedule: str, last_step: int) -> Callable[[int], float]:
 
 class AdversarialTraining(Method):
     name = "adversarial training"
-    stage = 1
+    stage = STAGE1.number
     streams = (CLASSIFIER,)  # the loss pass holds this one micro-batch
     log_final_step = True
 
-    def __init__(self, cfg, schedule: str = "cosine"):
+    def __init__(self, cfg):
         super().__init__(cfg)
-        self.schedule = schedule
+        self.schedule = STAGE1.lr_schedule(cfg)
         self.last_step: Optional[int] = None
+
+    @classmethod
+    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
+        STAGE1.check(cfg, source)  # live BatchNorm, a schedule stage 1 offers
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: float):
         if math.isinf(last_step):

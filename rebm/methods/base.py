@@ -98,8 +98,9 @@ class Method:
         self.cfg = cfg
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig) -> None:
-        """The method's own config rules (a ConfigError naming the key); `--check` runs them."""
+    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
+        """The method's own config rules, its stage's included (a ConfigError naming the key and
+        `source`, the config file); its entry point and `--check` run them first."""
 
     @classmethod
     def loss_streams(cls, cfg: TrainConfig) -> int:

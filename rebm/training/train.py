@@ -29,15 +29,13 @@ def loss_streams(cfg) -> int:
 
 
 def check_dat(args, cfg) -> None:
-    """DAT's own config rules (and stage 2's schedule: a constant rate); under `--check`, also
+    """DAT's own config rules (stage 2's included: a constant rate); under `--check`, also
     what its evaluations lack on this machine (the Evaluator's problems: FID's files, ...), as
     warnings (training would stop at start), and how many training images there are against
     batch_size."""
-    from rebm.config.schedule import check_stage_schedule
     from rebm.methods.dat import DAT
 
-    check_stage_schedule(cfg, DAT.stage, args.config or "config")  # a constant rate
-    DAT.check_config(cfg)
+    DAT.check_config(cfg, args.config or "config")
     if args.check:
         from rebm.config import plan_batches
         from rebm.distributed import Runtime

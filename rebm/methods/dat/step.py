@@ -24,7 +24,6 @@ import torch
 from rebm.attacks.fused import pgd_attack_streams
 from rebm.attacks.pgd import pgd_from_config, stream_from_config
 from rebm.config import TrainConfig
-from rebm.config.schedule import check_stage_schedule
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
@@ -33,6 +32,7 @@ from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
 from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
+from rebm.methods.stages import STAGE2
 
 
 def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def dat_attacks(model: torch.nn.Module, cfg: TrainConfig, outdist_steps: int, ba
 
 class DAT(Method):
     name = "DAT"
-    stage = 2
+    stage = STAGE2.number
     # the loss pass holds in-dist, negatives (from out-dist) and adversarial classifier batch
     streams = (INDIST, CLASSIFIER, OUTDIST)
     eval_samples = True
@@ -90,9 +90,9 @@ class DAT(Method):
         self.track_r1 = cfg.track_r1 and not cfg.r1reg > 0  # measured, not trained
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig) -> None:
+    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
         check_loss_weights(cfg)
-        check_stage_schedule(cfg, cls.stage)  # a constant rate, on every path into DAT
+        STAGE2.check(cfg, source)  # a constant rate, on every path into DAT
 
     @classmethod
     def loss_streams(cls, cfg: TrainConfig) -> int:

@@ -30,23 +30,21 @@ SCHEDULES = STAGE1.schedules  # the values of lr_schedule (and --schedule) stage
 
 def run(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
+
+    return train(cfg, runtime, method())
+
+
+def method():
+    """This entry's method, stage 1's adversarial training (imported when called: `--help`
+    imports no torch)."""
     from rebm.methods.at import AdversarialTraining
 
-    return train(cfg, runtime, AdversarialTraining)
-
-
-def loss_streams(cfg) -> int:
-    """Micro-batches the stage-1 loss pass holds (`--check`'s memory plan)."""
-    from rebm.methods.at import AdversarialTraining
-
-    return AdversarialTraining.loss_streams(cfg)
+    return AdversarialTraining
 
 
 def check_stage1(args, cfg) -> None:
     """The method's config rules (stage 1's: live BatchNorm, a schedule it offers)."""
-    from rebm.methods.at import AdversarialTraining
-
-    AdversarialTraining.check_config(cfg, args.config or "config")
+    method().check_config(cfg, args.config or "config")
 
 
 def build_parser():
@@ -99,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with cli.user_errors_exit():
         argv = with_default_config(sys.argv[1:] if argv is None else argv)
     return cli.run_entry(build_parser(), argv, run, prepare=check_stage1,
-                         loss_streams=loss_streams)
+                         method=method)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,9 @@ GPU_MEM_KEY = "gpu_mem_gib"
 
 
 LossStreams = Callable[[TrainConfig], int]
+# A training entry's method class, imported when called (after the arguments parsed: `--help`
+# imports no torch)
+MethodLoader = Callable[[], Any]
 
 
 def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
@@ -234,20 +237,22 @@ Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
 
 def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
               prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None,
-              loss_streams: Optional[LossStreams] = None) -> int:
+              method: Optional[MethodLoader] = None) -> int:
     """The shared body of the entry points: parse, load and validate the config (`prepare` adds
     the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
     process, or in `args.nproc` spawned ones when the parser has `--nproc`. A training entry
-    gives its method's `loss_streams`: `--check` prints that method's memory plan, and a config
-    without `run_dir` gets the deterministic default. A user-fixable error anywhere is one line
+    names its method (`method`, a loader): it is a training run, so `--check` prints that method's
+    memory plan (its `loss_streams`) and a config without `run_dir` gets the deterministic
+    default. A user-fixable error anywhere is one line
     and exit code 2."""
     with user_errors_exit(), collector_paused():  # loading the config imports torch already
-        args, cfg = parse_and_load(parser, argv, with_default_run_dir=loss_streams is not None)
+        args, cfg = parse_and_load(parser, argv, with_default_run_dir=method is not None)
         check_environment()
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
-            return check_config(cfg, args.gpu_mem_gib, loss_streams, args.all)
+            streams = method().loss_streams if method is not None else None
+            return check_config(cfg, args.gpu_mem_gib, streams, args.all)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:

@@ -21,11 +21,11 @@ def run(cfg, runtime, _args) -> dict:
     return train(cfg, runtime, DAT)
 
 
-def loss_streams(cfg) -> int:
-    """Micro-batches DAT's loss pass holds (`--check`'s memory plan)."""
+def method():
+    """This entry's method, DAT (imported when called: `--help` imports no torch)."""
     from rebm.methods.dat import DAT
 
-    return DAT.loss_streams(cfg)
+    return DAT
 
 
 def check_dat(args, cfg) -> None:
@@ -75,7 +75,7 @@ def training_images_line(cfg) -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    return cli.run_entry(parser, argv, run, prepare=check_dat, loss_streams=loss_streams)
+    return cli.run_entry(parser, argv, run, prepare=check_dat, method=method)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def test_loss_weight_rules_are_the_methods():
         DAT.check_config(cfg)
     with pytest.raises(ConfigError, match="clf_adv_weight"):
         DAT(cfg)
-    AdversarialTraining.check_config(cfg)  # stage 1 has no energy loss to weight
+    # stage 1 has no energy loss to weight (its own rule: live BatchNorm)
+    AdversarialTraining.check_config(load_config(CONFIG, ["clf_adv_weight=-1",
+                                                          "model.use_batchnorm=true"]))
 
 
 @pytest.mark.slow

@@ -23,6 +23,18 @@ from rebm.compat.config_fields import (
 )
 from rebm.config.evaluation import EvalConfig
 from rebm.config.frozen import Frozen
+from rebm.config.sections import (
+    DistributedSection,
+    EmaSection,
+    EvaluationSection,
+    InputSection,
+    IntervalSection,
+    LoggingSection,
+    MethodSection,
+    RunSection,
+    ScheduleSection,
+    gather,
+)
 
 # Choices (validated by hand: OmegaConf does not check typing.Literal). Datasets and optimizers
 # are registries (rebm/config/datasets.py, rebm/config/optimizers.py), models too (rebm.models).
@@ -197,4 +209,41 @@ class TrainConfig(LegacyTrainFields, Frozen):
     find_unused_parameters: bool = False  # DDP option, for models with unused parameters
     ddp_timeout_s: float = 1800.0  # collective timeout during start-up (data, compile)
     ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
+
+    # The sections of the top-level keys (rebm/config/sections.py): what components take.
+    @property
+    def inputs(self) -> InputSection:
+        return gather(InputSection, self)
+
+    @property
+    def schedule(self) -> ScheduleSection:
+        return gather(ScheduleSection, self)
+
+    @property
+    def intervals(self) -> IntervalSection:
+        return gather(IntervalSection, self)
+
+    @property
+    def method(self) -> MethodSection:
+        return gather(MethodSection, self)
+
+    @property
+    def ema(self) -> EmaSection:
+        return gather(EmaSection, self)
+
+    @property
+    def evaluation(self) -> EvaluationSection:
+        return gather(EvaluationSection, self)
+
+    @property
+    def run(self) -> RunSection:
+        return gather(RunSection, self)
+
+    @property
+    def logging(self) -> LoggingSection:
+        return gather(LoggingSection, self)
+
+    @property
+    def distributed(self) -> DistributedSection:
+        return gather(DistributedSection, self)
 

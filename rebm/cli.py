@@ -5,6 +5,7 @@ ones), and turning the user-fixable errors into one line and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -24,6 +25,7 @@ from rebm.config import (
     to_yaml,
 )
 from rebm.config.schema import SEED_NOISES
+from rebm.config.sections import DistributedSection
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -232,7 +234,8 @@ def check_environment() -> None:
                           "it to online, offline or disabled, or unset it")
 
 
-Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]
+Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]  # an entry's run(cfg, runtime, args)
+Worker = Callable[[Any, argparse.Namespace], Any]  # what each process runs: (runtime, args)
 
 
 def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
@@ -259,22 +262,22 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
                 raise ConfigError("--nproc starts its own processes: do not combine it with "
                                   "torchrun")
             plan_batches(cfg, nproc)  # fail here, once, not in N children
-    return launch(body, cfg, args, nproc)
+    return launch(functools.partial(body, cfg), args, nproc, cfg.distributed)
 
 
-def launch(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace,
-           nproc: int = 1) -> int:
-    """Run `body(cfg, runtime, args)` in this process (plain, or a rank of torchrun) or in
-    `nproc` spawned ones, each through `run_worker`; 0, or the exit of a failed child. `cfg`
-    None (the table runner, whose rows each have their own config): the process group's
-    defaults."""
+def launch(work: Worker, args: argparse.Namespace, nproc: int = 1,
+           distributed: Optional[DistributedSection] = None) -> int:
+    """Run `work(runtime, args)` in this process (plain, or a rank of torchrun) or in `nproc`
+    spawned ones, each through `run_worker`; 0, or the exit of a failed child. The process group
+    follows `distributed` (the config's section); None (the table runner, whose rows each have
+    their own config): its defaults."""
     import_libraries()  # once the arguments are good
     from torch.multiprocessing import ProcessExitedException
 
     from rebm.distributed.launch import spawn
 
     try:
-        spawn(run_worker, nproc, body, cfg, args)
+        spawn(run_worker, nproc, work, args, distributed)
     except ProcessExitedException as err:  # a child's one-line error was printed already
         raise SystemExit(err.exit_code or 1) from None
     return 0
@@ -306,26 +309,29 @@ def import_libraries() -> None:
         import torchvision  # noqa: F401
 
 
-def run_worker(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace) -> None:
+def run_worker(work: Worker, args: argparse.Namespace,
+               distributed: Optional[DistributedSection]) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
     `record` writes a failing worker's error where the agent reports it; every error, one-line
     or not, also goes to this rank's log file."""
     import_libraries()  # a spawned rank starts here (torch.multiprocessing imported torch)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_worker)(body, cfg, args)
+    record(_worker)(work, args, distributed)
 
 
-def _worker(body: Body, cfg: Optional[TrainConfig], args: argparse.Namespace) -> None:
+def _worker(work: Worker, args: argparse.Namespace,
+            distributed: Optional[DistributedSection]) -> None:
     from rebm.distributed.logs import log_to_file
     from rebm.distributed.runtime import setup_distributed, teardown
 
     with user_errors_exit():
-        runtime = (setup_distributed() if cfg is None else
-                   setup_distributed(use_ddp=cfg.use_ddp, backend=cfg.ddp_backend,
-                                     device=cfg.device, timeout_s=cfg.ddp_timeout_s))
+        runtime = (setup_distributed() if distributed is None else
+                   setup_distributed(use_ddp=distributed.use_ddp, backend=distributed.ddp_backend,
+                                     device=distributed.device,
+                                     timeout_s=distributed.ddp_timeout_s))
         try:
-            body(cfg, runtime, args)
+            work(runtime, args)
         except UserError as err:
             log_to_file(f"error: {one_line(err)}")
             raise

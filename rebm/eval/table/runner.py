@@ -314,7 +314,7 @@ def log_dir(specs, args) -> str:
     return args.out or os.path.join("runs", "tables")
 
 
-def run(specs, _cfg, runtime, args) -> None:
+def run(specs, runtime, args) -> None:
     """Every process of the tables (under torchrun, every rank): the entry's body, which
     `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
     setup_logging(runtime, log_dir(specs, args))
@@ -325,4 +325,4 @@ def run(specs, _cfg, runtime, args) -> None:
 def launch_tables(specs, args) -> int:
     """The tables' processes, through the entry points' launch (rebm.cli.launch): `run` on
     each."""
-    return launch(functools.partial(run, specs), None, args)
+    return launch(functools.partial(run, specs), args)

@@ -27,17 +27,17 @@ class Frozen:
         object.__setattr__(self, name, value)
 
 
-def freeze(cfg: T, explicit: Optional[Sequence[str]] = None) -> T:
-    """Freeze a config and its sections in place; returns it. `explicit`: the dotted keys the
-    file and the command line set."""
+def freeze(section: T, explicit: Optional[Sequence[str]] = None) -> T:
+    """Freeze a config section (the whole config too) and the sections in it, in place; returns
+    it. `explicit`: the dotted keys the file and the command line set."""
     if explicit is not None:
-        object.__setattr__(cfg, "_explicit_keys", tuple(sorted(set(explicit))))
-    for f in fields(cfg):  # type: ignore[arg-type]
-        value = getattr(cfg, f.name)
+        object.__setattr__(section, "_explicit_keys", tuple(sorted(set(explicit))))
+    for f in fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
         if is_dataclass(value):
             freeze(value)
-    object.__setattr__(cfg, "_frozen", True)
-    return cfg
+    object.__setattr__(section, "_frozen", True)
+    return section
 
 
 def explicit_keys(cfg: Any) -> Tuple[str, ...]:

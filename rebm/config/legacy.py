@@ -33,10 +33,11 @@ def legacy_keys(cfg_cls: type, prefix: str = "") -> Set[str]:
     return keys
 
 
-def check_refused(cfg: Any, source: str, prefix: str = "") -> None:
-    """ConfigError for a refused field set to a value whose effect rebm does not offer."""
-    for f in legacy_fields(type(cfg)):
-        value = getattr(cfg, f.name)
+def check_refused(section: Any, source: str, prefix: str = "") -> None:
+    """ConfigError for a refused field of `section` (the whole config, recursively) set to a value
+    whose effect rebm does not offer."""
+    for f in legacy_fields(type(section)):
+        value = getattr(section, f.name)
         accepted = f.metadata.get("accepted")
         if accepted is not None and value not in accepted:
             allowed = " or ".join("null" if a is None else repr(a) for a in accepted)
@@ -44,10 +45,10 @@ def check_refused(cfg: Any, source: str, prefix: str = "") -> None:
                 f"{source}: '{prefix}{f.name}: {value}' is not supported (in the original DAT "
                 f"code: "
                 f"{f.metadata['why']}); remove the key or set it to {allowed}")
-    for f in fields(cfg):
-        section = getattr(cfg, f.name)
-        if is_dataclass(section):
-            check_refused(section, source, prefix + f.name + ".")
+    for f in fields(section):
+        inner = getattr(section, f.name)
+        if is_dataclass(inner):
+            check_refused(inner, source, prefix + f.name + ".")
 
 
 def ignored_fields_set(cfg: Any) -> List[str]:

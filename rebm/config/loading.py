@@ -240,7 +240,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     for key in ("num_classes", "image_size"):
         if getattr(cfg.data, key) < 1:
             raise ConfigError(f"{source}: 'data.{key}' must be >= 1, got {getattr(cfg.data, key)}")
-    check_lr_schedule_value(cfg, source)  # fixed_lr: a stage-2 rule (rebm/methods/stages.py)
+    check_lr_schedule_value(cfg.lr_schedule, source)  # fixed_lr: a stage-2 rule (rebm/methods/stages.py)
     if cfg.data.num_workers < 0:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
 def _validate_family_options(cfg: TrainConfig, source: str) -> None:

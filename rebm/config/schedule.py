@@ -8,15 +8,15 @@ original schema loads as before.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 from rebm.config.errors import ConfigError
 
 LR_SCHEDULES = ("cosine", "constant")
 
 
-def check_lr_schedule_value(cfg: Any, source: str) -> None:
+def check_lr_schedule_value(lr_schedule: Optional[str], source: str) -> None:
     """At load (no stage known yet): `lr_schedule` is null or a schedule rebm has."""
-    if cfg.lr_schedule is not None and cfg.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"{source}: 'lr_schedule: {cfg.lr_schedule}' is not a valid choice; "
+    if lr_schedule is not None and lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"{source}: 'lr_schedule: {lr_schedule}' is not a valid choice; "
                           f"use one of {', '.join(LR_SCHEDULES)} (or null: the stage's default)")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from rebm.checkpoint.run_directory import RunDirLock
 from rebm.config import default_run_dir, load_config
-from rebm.engine.rundir import RunDirLock
 from tests.helpers import (
     CONFIG,
     FAST,
@@ -95,7 +95,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_p
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from rebm.engine.rundir import RunDirLock; "
+        [sys.executable, "-c", "import sys, time; from rebm.checkpoint.run_directory import RunDirLock; "
          f"lock = RunDirLock({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

@@ -112,7 +112,7 @@ def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatc
         tracker.save_grid_all_ranks(result.previews["train_adv"], f"bench_{rep:03d}.png",
                                     parts.progress.step)
     with watch("checkpoint"):
-        save_training_state_all_ranks(parts, bench.cfg, runtime)
+        save_training_state_all_ranks(parts, bench.cfg, runtime, bench.trainer.checkpoints)
 
 
 def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:

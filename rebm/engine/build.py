@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
 from rebm.config.optimizers import optimizer_section
@@ -69,9 +70,9 @@ def get_compile_cache(cfg: TrainConfig, runtime: Runtime, planned_steps: float
     if not compile_choice(cfg, runtime, planned_steps).enabled:
         return None
     channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
-    cache, phrase = open_cache(cfg.run_dir, cache_key(runtime.device,
-                                                      _shaping(cfg, channels_last)),
-                               writer=runtime.is_main)
+    key = cache_key(runtime.device, _shaping(cfg, channels_last))
+    path = RunDirectory(cfg.run_dir).compile_cache(key) if cfg.run_dir else None
+    cache, phrase = open_cache(path, writer=runtime.is_main)
     LOGGER.info("torch.compile: %s", phrase)
     return cache
 

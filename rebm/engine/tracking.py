@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config import TrainConfig, to_dict, to_yaml
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
@@ -42,20 +43,6 @@ def wandb_mode(cfg: TrainConfig) -> str:
     return "online" if has_key else "offline"
 
 
-# What a finished run's folder may hold, in the order the closing line lists them; a file is
-# listed only when the run wrote it (stage 1 draws no samples, only DAT keeps best models).
-RUN_FILES = (
-    ("model_final.pth", "evaluated weights"),
-    ("model_bestacc.pth", "best evaluated accuracy"),
-    ("model_bestfid.pth", "best FID"),
-    ("metrics.jsonl", ""),
-    ("samples/", ""),
-    ("checkpoints/", "training states; the same command continues the run"),
-    ("logs/", ""),
-    ("wandb/", ""),
-)
-
-
 def _record_step(line: str) -> float:
     """Step of a metrics.jsonl line; a line cut short by a crash counts as newer (dropped)."""
     try:
@@ -67,14 +54,14 @@ def _record_step(line: str) -> float:
 class Tracker:
     """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: str,
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, run: RunDirectory,
                  wandb_run_id: Optional[str] = None, last_step: float = math.inf):
         self.runtime = runtime
         self.last_step = last_step  # for the console summary's "step s/last"
-        self.run_dir = run_dir
+        self.run = run
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
-        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.metrics_path = run.metrics_file
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
         self._cfg = cfg
 
@@ -85,7 +72,7 @@ class Tracker:
         return self
 
     def _start(self, cfg: TrainConfig) -> None:
-        with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
+        with open(self.run.config_file, "w") as fh:
             fh.write(to_yaml(cfg))
         mode = wandb_mode(cfg)
         if mode != "disabled":
@@ -100,7 +87,7 @@ class Tracker:
         # The id is the run's identity in wandb: kept in every training state and in
         # <run_dir>/wandb_id (for a run that dies before its first state), so a resumed run
         # (any attempt, any world size) continues the same wandb run.
-        id_file = os.path.join(self.run_dir, "wandb_id")
+        id_file = self.run.wandb_id_file
         if not self.wandb_run_id and os.path.exists(id_file):
             with open(id_file) as fh:
                 self.wandb_run_id = fh.read().strip() or None
@@ -112,9 +99,9 @@ class Tracker:
         # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
         quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
-            project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
+            project=cfg.wandb_project, dir=cfg.wandb_dir or self.run.path, config=to_dict(cfg),
             tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
-            name=os.path.basename(os.path.normpath(self.run_dir)), settings=quiet,
+            name=os.path.basename(os.path.normpath(self.run.path)), settings=quiet,
         )
         folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
         if not self.wandb_run.offline:
@@ -189,7 +176,7 @@ class Tracker:
     def save_grid_all_ranks(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
                             ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
-        path = os.path.join(self.run_dir, "samples", name)
+        path = self.run.samples(name)
         on_main(self.runtime, lambda: self._save_grid(images, path, step, nrow), f"write {path}")
         return path
 
@@ -224,13 +211,6 @@ class Tracker:
         rows = [[k, jsonable(v)] for k, v in values.items() if isinstance(v, (int, float))]
         self.wandb_run.log({name: wandb.Table(columns=["metric", "value"], data=rows)},
                            step=step)
-
-    def describe_files(self) -> str:
-        """The run's files for people, as they are in the run directory now, e.g.
-        'model_final.pth (evaluated weights), metrics.jsonl, logs/'."""
-        found = [f"{name} ({meaning})" if meaning else name for name, meaning in RUN_FILES
-                 if os.path.exists(os.path.join(self.run_dir, name))]
-        return ", ".join(found) or "none yet"
 
     def close_all_ranks(self) -> None:
         on_main(self.runtime, self._close, "finish the wandb run")

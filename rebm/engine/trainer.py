@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+from rebm.checkpoint.manager import CheckpointManager
 from rebm.checkpoint.paths import check_starting_weights
-from rebm.checkpoint.state import agree_on_resume_all_ranks, check_stage
-from rebm.checkpoint.weights import save_model
+from rebm.checkpoint.run_directory import RunDirectory, resolve_run_dir_all_ranks
+from rebm.checkpoint.state import check_stage
 from rebm.config import (
     ConfigError,
     TrainConfig,
@@ -36,10 +36,8 @@ from rebm.data import build_train_data
 from rebm.distributed.collectives import (
     broadcast_buffers,
     consensus,
-    decide_on_main,
     name_stuck_ranks,
     on_every_rank,
-    on_main,
     set_collective_timeout,
 )
 from rebm.distributed.logs import setup_logging
@@ -47,10 +45,8 @@ from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
 from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory_mib, pop_data_counts
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
-from rebm.engine.rundir import resolve_run_dir_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
-    keep_best_all_ranks,
     patient_collectives,
     save_training_state_all_ranks,
 )
@@ -89,12 +85,13 @@ def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
     return min(limits) if limits else math.inf
 
 
-def resume_point_all_ranks(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
+def resume_point_all_ranks(cfg: TrainConfig, checkpoints: CheckpointManager, stage: int
+                           ) -> Optional[dict]:
     """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
     other stage, or when the run it belongs to trained with another config (unless
     resume=force)."""
-    state = agree_on_resume_all_ranks(runtime, cfg.run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume in ("auto", "force"))
+    state = checkpoints.resume_state_all_ranks(cfg.resume_from_state,
+                                               allow_auto=cfg.resume in ("auto", "force"))
     if state is not None:
         check_stage(state, stage)
     if state is None or cfg.resume == "force":
@@ -116,12 +113,15 @@ class Trainer:
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
+        self.run = RunDirectory(cfg.run_dir)  # every path in it; nothing else builds one
+        self.checkpoints = CheckpointManager(self.run, self.runtime, cfg.keep_last_states,
+                                             cfg.n_imgs_per_ckpt_save)
         method = make_method(cfg)
         self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
         self._start_logging_all_ranks(method)
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point_all_ranks(cfg, self.runtime, method.stage)
+        state = resume_point_all_ranks(cfg, self.checkpoints, method.stage)
         self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(cfg, self.data.steps_per_epoch)
@@ -130,7 +130,7 @@ class Trainer:
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
-        self.tracker = Tracker(cfg, self.runtime, cfg.run_dir, wandb_run_id=identity.wandb_run_id,
+        self.tracker = Tracker(cfg, self.runtime, self.run, wandb_run_id=identity.wandb_run_id,
                                last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
@@ -143,7 +143,8 @@ class Trainer:
 
     def _start_logging_all_ranks(self, method: Method) -> None:
         cfg, runtime, plan = self.cfg, self.runtime, self.plan
-        on_every_rank(runtime, lambda: setup_logging(runtime, cfg.run_dir), "create its log file")
+        on_every_rank(runtime, lambda: setup_logging(runtime, self.run.log_file(runtime.rank)),
+                      "create its log file")
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
                     "accumulation", method.name, cfg.run_dir, runtime.world_size, runtime.device,
                     plan.per_device_batch_size, plan.accumulation_steps)
@@ -188,8 +189,7 @@ class Trainer:
                             self.save_previews_all_ranks(result)
                         if plan.crossed(cfg.n_imgs_per_evaluation_log, progress.step):
                             self.evaluate_all_ranks()
-                        if (plan.crossed(cfg.n_imgs_per_ckpt_save, progress.step)
-                                and progress.step < self.last_step):
+                        if self.checkpoints.save_due(plan, progress.step, self.last_step):
                             self.save_all_ranks()
                         if decision["preempt"] and progress.step < self.last_step:
                             break  # at the last step: just finish
@@ -252,7 +252,7 @@ class Trainer:
         skipped = "" if result.applied else " (the update was not applied)"
         raise TrainingDiverged(
             f"non-finite loss or gradients at step {step} on at least one rank{skipped}; the "
-            f"newest state in {self.cfg.run_dir}/checkpoints is from before it (try a lower lr)")
+            f"newest state in {self.run.checkpoints} is from before it (try a lower lr)")
 
     def log_all_ranks(self, result: StepResult) -> None:
         """The window's global means and the ranks' peak memory (one all-reduce), this step's
@@ -290,12 +290,13 @@ class Trainer:
         if "sample_grid" in evaluation.files:  # the same on every rank
             self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
         if self.parts.method.keep_best:
-            keep_best_all_ranks(self.parts, self.cfg, self.runtime, results)
+            self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
+                                                 robust_eval=self.cfg.robust_eval)
         return results
 
     def save_all_ranks(self) -> None:
         """The training state of this step (rank 0 writes; every rank learns the outcome)."""
-        save_training_state_all_ranks(self.parts, self.cfg, self.runtime)
+        save_training_state_all_ranks(self.parts, self.cfg, self.runtime, self.checkpoints)
 
     def check_records_all_ranks(self) -> None:
         """Stop every rank if rank 0 could not write the last metrics log's record (the loop's
@@ -324,10 +325,8 @@ class Trainer:
         """The final evaluation (unless the last step just ran one), model_final.pth, the
         state."""
         self.check_records_all_ranks()
-        progress, runtime, run_dir = self.progress, self.runtime, self.tracker.run_dir
-        final_path = os.path.join(run_dir, "model_final.pth")
-        finished = decide_on_main(runtime, lambda: os.path.exists(final_path))
-        if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
+        progress = self.progress
+        if progress.steps_run == 0 and self.checkpoints.finished_all_ranks():  # a rerun: its final files exist already
             LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
                         "total_epochs to continue it)", progress.step)
             self.tracker.close_all_ranks()
@@ -335,14 +334,12 @@ class Trainer:
         results = progress.last_eval
         if self.cfg.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
             results = self.evaluate_all_ranks()
-        # model_final first: once the final state exists, a rerun has nothing left to do; a
-        # plain state dict: it loads as model.ckpt_path of the next stage
-        on_main(runtime, lambda: save_model(self.parts.eval_model, final_path),
-                f"write {final_path}")
+        # model_final first: once the final state exists, a rerun has nothing left to do
+        final_path = self.checkpoints.save_final_all_ranks(self.parts.eval_model)
         LOGGER.info("wrote %s", final_path)
         self.save_all_ranks()
         self.tracker.close_all_ranks()
         LOGGER.info("finished at step %d%s", progress.step,
                     f": {describe_evaluation(results)}" if results else "")
-        LOGGER.info("files in %s: %s", run_dir, self.tracker.describe_files())
+        LOGGER.info("files in %s: %s", self.run.path, self.run.describe_files())
         return {"step": progress.step}

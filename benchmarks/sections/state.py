@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from rebm.checkpoint.manager import CheckpointManager
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.state import read_state, training_state
+from rebm.config import to_dict
 from rebm.data import build_train_data
 from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.dat import DAT
@@ -30,8 +31,9 @@ RESUME_STEPS = (10, 10_000)
 
 def _save(bench: Bench, run_dir: str) -> None:
     """The training state of the current step into run_dir, written as the loop writes it."""
-    save_training_state_all_ranks(bench.parts, dataclasses.replace(bench.cfg, run_dir=run_dir),
-                        bench.runtime, _checkpoints(bench, run_dir))
+    save_training_state_all_ranks(bench.parts, _checkpoints(bench, run_dir),
+                                  to_dict(dataclasses.replace(bench.cfg, run_dir=run_dir)),
+                                  bench.cfg.distributed, bench.runtime)
 
 
 def _checkpoints(bench: Bench, run_dir: str) -> CheckpointManager:
@@ -98,7 +100,8 @@ def section_checkpoint(args) -> dict:
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
         _, t_assemble = timed(lambda: training_state(   # what the save assembles
-            parts.stateful(), parts.method.stage, parts.progress.step, cfg, runtime.world_size))
+            parts.stateful(), parts.method.stage, parts.progress.step, to_dict(cfg),
+            runtime.world_size))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
         _, t_read = timed(lambda: read_state(RunDirectory(run_dir).states()[0]))
         if rep >= args.warmup:

@@ -12,6 +12,8 @@ import os
 from rebm.checkpoint.run_directory import RunDirectory, sibling_runs
 from rebm.checkpoint.weights import CheckpointError
 from rebm.config import TrainConfig, freeze
+from rebm.config.schema import ModelConfig
+from rebm.config.sections import RunSection
 
 FINAL_MODEL = RunDirectory.FINAL_MODEL
 
@@ -39,15 +41,15 @@ def model_file(path: str, key: str = "model.ckpt_path") -> str:
     raise CheckpointError(f"{key} '{path}' does not exist{hint}")
 
 
-def check_starting_weights(cfg: TrainConfig) -> None:
+def check_starting_weights(model: ModelConfig, run: RunSection) -> None:
     """CheckpointError (one line, `model_file`'s) when a new run's `model.ckpt_path` does not
     exist. A run directory holding training states resumes from them and does not read the file
     (it may have moved since), so it is not checked then. Called before the run directory is
     created: a typo leaves nothing behind."""
-    path = cfg.model.ckpt_path
+    path = model.ckpt_path
     if not path or os.path.exists(path):
         return
-    if cfg.run_dir and os.path.isdir(cfg.run_dir) and RunDirectory(cfg.run_dir).states():
+    if run.run_dir and os.path.isdir(run.run_dir) and RunDirectory(run.run_dir).states():
         return
     model_file(path)
 

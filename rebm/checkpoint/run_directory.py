@@ -31,11 +31,11 @@ import re
 import secrets
 import socket
 import time
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from rebm.config import TrainConfig, replace, to_dict, training_diff
+from rebm.config import training_diff
 from rebm.distributed import Runtime, decide_on_main, setup_logging
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
@@ -279,38 +279,40 @@ class RunDirLock:
             self._file.close()
 
 
-def new_run_notice(cfg: TrainConfig) -> Optional[str]:
-    """For a new run directory beside runs of the same config (`<name>` and `<name>-<hash>`:
-    the command line changed training keys, so the default run_dir changed): one line naming
-    the nearest of them and the keys that differ. None when there is none."""
-    siblings = sibling_runs(cfg.run_dir)
+def new_run_notice(run_dir: str, config: Dict[str, Any]) -> Optional[str]:
+    """For a new run directory `run_dir` beside runs of the same config (`<name>` and
+    `<name>-<hash>`: the command line changed training keys, so the default run_dir changed):
+    one line naming the nearest of them and the keys that differ from `config` (the run's, as
+    to_dict gives it). None when there is none."""
+    siblings = sibling_runs(run_dir)
     if not siblings:
         return None
-    current = to_dict(cfg)
+    current = config
     diffs = {path: training_diff(RunDirectory(path).saved_config(), current) for path in siblings}
     nearest = min(siblings, key=lambda path: len(diffs[path]))
     others = f" (and {len(siblings) - 1} other run(s) of this config)" if len(siblings) > 1 else ""
     if diffs[nearest]:
-        return (f"new run in {cfg.run_dir}: the existing run {nearest}{others} differs in "
+        return (f"new run in {run_dir}: the existing run {nearest}{others} differs in "
                 f"{'; '.join(diffs[nearest])} (run_dir={nearest} resume=force would continue "
                 "that one instead)")
-    return (f"new run in {cfg.run_dir}: the existing run {nearest}{others} has the same "
+    return (f"new run in {run_dir}: the existing run {nearest}{others} has the same "
             f"training keys (run_dir={nearest} continues that one instead)")
 
 
-def resolve_run_dir_all_ranks(cfg: TrainConfig, runtime: Runtime
-                              ) -> Tuple[TrainConfig, Optional[RunDirLock]]:
-    """Rank 0 creates and locks the run directory, every rank gets its absolute path and checks
-    that it sees the same directory; returns the config with that `run_dir` and the lock (rank
-    0) or None. Every rank calls this."""
+def resolve_run_dir_all_ranks(run_dir: Optional[str], config: Dict[str, Any], runtime: Runtime
+                              ) -> Tuple[RunDirectory, Optional[RunDirLock]]:
+    """Rank 0 creates and locks the run directory `run_dir` (the config's key: runs/run when
+    unset), every rank gets its absolute path and checks that it sees the same directory;
+    returns that directory and the lock (rank 0) or None. `config` (the run's, as to_dict gives
+    it) is compared with the runs of the same config beside a new one. Every rank calls this."""
     held = []
     setup_logging(runtime)  # the console, for the lines below (the run's log file comes next)
 
     def choose() -> Tuple[str, str]:
-        chosen = os.path.abspath(cfg.run_dir or os.path.join("runs", "run"))
+        chosen = os.path.abspath(run_dir or os.path.join("runs", "run"))
         run = RunDirectory(chosen)
         notice = None if os.path.exists(run.config_file) else (
-            cfg.run_dir and new_run_notice(cfg))
+            run_dir and new_run_notice(run_dir, config))
         if notice:
             LOGGER.info("%s", notice)
         try:
@@ -328,5 +330,4 @@ def resolve_run_dir_all_ranks(cfg: TrainConfig, runtime: Runtime
     chosen, token = decide_on_main(runtime, choose, "create the run directory")
     on_every_rank(runtime, lambda: RunDirectory(chosen).check_shared(token, runtime),
                   "see the run directory")
-    cfg = replace(cfg, run_dir=chosen)
-    return cfg, (held[0] if held else None)
+    return RunDirectory(chosen), (held[0] if held else None)

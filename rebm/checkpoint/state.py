@@ -17,7 +17,6 @@ from typing import Any, Dict, Mapping, Protocol, Sequence, Tuple
 import torch
 
 from rebm.compat.state_format import FORMAT2, upgrade_format1
-from rebm.config import to_dict
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.errors import UserError
 
@@ -54,11 +53,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-def training_state(parts: Mapping[str, Stateful], stage: int, step: int, cfg,
-                   world_size: int) -> Dict[str, Any]:
-    """Every part's state_dict under its own key, plus the metadata of the state."""
+def training_state(parts: Mapping[str, Stateful], stage: int, step: int,
+                   config: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    """Every part's state_dict under its own key, plus the metadata of the state (`config`: the
+    run's config as to_dict gives it)."""
     state: Dict[str, Any] = {"format": STATE_FORMAT, "stage": stage, "step": step,
-                             "world_size": world_size, "config": to_dict(cfg)}
+                             "world_size": world_size, "config": config}
     for name, part in parts.items():
         state[name] = part.state_dict()
     return state

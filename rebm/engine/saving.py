@@ -5,11 +5,11 @@ Where states and models go: rebm.checkpoint (RunDirectory, CheckpointManager).""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Dict, Iterator
 
 from rebm.checkpoint.manager import CheckpointManager
 from rebm.checkpoint.state import check_weights_all_ranks, training_state
-from rebm.config import TrainConfig
+from rebm.config.sections import DistributedSection
 from rebm.distributed.collectives import set_collective_timeout
 from rebm.distributed.runtime import Runtime
 from rebm.engine.parts import Parts, Progress
@@ -24,12 +24,13 @@ class ReplicasDiffer(UserError, RuntimeError):
     """The ranks' weights are no longer bit-identical; all ranks stop before a save."""
 
 
-def save_training_state_all_ranks(parts: Parts, cfg: TrainConfig, runtime: Runtime,
-                                  checkpoints: CheckpointManager) -> None:
-    """Rank 0 writes the state of every part into the run's checkpoints/, every rank learns
-    whether that worked (`CheckpointManager.save_state_all_ranks`). A state is written only when
-    the weights are finite and every rank holds the same ones (one all-reduce checks both:
-    docs/design.md §7)."""
+def save_training_state_all_ranks(parts: Parts, checkpoints: CheckpointManager,
+                                  config: Dict[str, Any], distributed: DistributedSection,
+                                  runtime: Runtime) -> None:
+    """Rank 0 writes the state of every part (and `config`, the run's as to_dict gives it) into
+    the run's checkpoints/, every rank learns whether that worked
+    (`CheckpointManager.save_state_all_ranks`). A state is written only when the weights are
+    finite and every rank holds the same ones (one all-reduce checks both: docs/design.md §7)."""
     step = parts.progress.step
     finite, identical = check_weights_all_ranks(runtime, *parts.replicated)
     if not finite:
@@ -41,21 +42,21 @@ def save_training_state_all_ranks(parts: Parts, cfg: TrainConfig, runtime: Runti
             f"the ranks' weights differ at step {step}; not saving them (the newest state in "
             f"{checkpoints.run.checkpoints} is from before: the same command resumes from it)")
     parts.progress.window.gather_all_ranks(runtime)  # an all-reduce; rank 0 saves the sums
-    with patient_collectives(runtime, cfg, parts.progress):
+    with patient_collectives(runtime, distributed, parts.progress):
         checkpoints.save_state_all_ranks(lambda: training_state(
-            parts.stateful(), parts.method.stage, step, cfg, runtime.world_size))
+            parts.stateful(), parts.method.stage, step, config, runtime.world_size))
 
 
 @contextmanager
-def patient_collectives(runtime: Runtime, cfg: TrainConfig, progress: Progress
+def patient_collectives(runtime: Runtime, distributed: DistributedSection, progress: Progress
                         ) -> Iterator[None]:
     """The start-up collective timeout for a save or an evaluation (rank 0 writing ~0.5 GB, a
     50k-sample FID), the shorter step timeout again after it."""
     if progress.steps_run == 0:  # still the start-up timeout
         yield
         return
-    set_collective_timeout(runtime, max(cfg.ddp_timeout_s, cfg.ddp_step_timeout_s))
+    set_collective_timeout(runtime, max(distributed.ddp_timeout_s, distributed.ddp_step_timeout_s))
     try:
         yield
     finally:
-        set_collective_timeout(runtime, cfg.ddp_step_timeout_s)
+        set_collective_timeout(runtime, distributed.ddp_step_timeout_s)

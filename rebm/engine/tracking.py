@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from rebm.checkpoint.run_directory import RunDirectory
-from rebm.config import TrainConfig, to_dict, to_yaml
+from rebm.config.sections import LoggingSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
 from rebm.distributed.logs import progress_enabled
@@ -26,17 +26,17 @@ from rebm.eval.report import jsonable
 LOGGER = logging.getLogger("rebm")
 
 
-def wandb_mode(cfg: TrainConfig) -> str:
+def wandb_mode(logging: LoggingSection) -> str:
     """Precedence: the config's `wandb_disabled: true` / `wandb_mode: disabled` always win (an
     experiment that says no wandb gets none); otherwise the WANDB_MODE environment variable wins
     over `wandb_mode` (a job script decides for its machine); `auto` is online when an API key is
     configured (WANDB_API_KEY or ~/.netrc) and offline otherwise."""
-    if cfg.wandb_disabled or cfg.wandb_mode == "disabled":
+    if logging.wandb_disabled or logging.wandb_mode == "disabled":
         return "disabled"
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
-    if cfg.wandb_mode != "auto":
-        return cfg.wandb_mode
+    if logging.wandb_mode != "auto":
+        return logging.wandb_mode
     has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
         os.path.expanduser("~/.netrc")
     )
@@ -52,10 +52,13 @@ def _record_step(line: str) -> float:
 
 
 class Tracker:
-    """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
+    """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing.
+    `config_yaml` is the run's config as config.yaml holds it (to_yaml), `config` as wandb
+    stores it (to_dict)."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, run: RunDirectory,
-                 wandb_run_id: Optional[str] = None, last_step: float = math.inf):
+    def __init__(self, logging: LoggingSection, runtime: Runtime, run: RunDirectory,
+                 config_yaml: str, config: Dict[str, Any], wandb_run_id: Optional[str] = None,
+                 last_step: float = math.inf):
         self.runtime = runtime
         self.last_step = last_step  # for the console summary's "step s/last"
         self.run = run
@@ -63,22 +66,24 @@ class Tracker:
         self.wandb_run_id = wandb_run_id
         self.metrics_path = run.metrics_file
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
-        self._cfg = cfg
+        self.logging = logging
+        self.config_yaml = config_yaml
+        self.config = config
 
     def start_all_ranks(self) -> "Tracker":
         """Rank 0 writes config.yaml and starts wandb; every rank calls this once, after the
         constructor (which runs no collective)."""
-        on_main(self.runtime, lambda: self._start(self._cfg), "write config.yaml or start wandb")
+        on_main(self.runtime, self._start, "write config.yaml or start wandb")
         return self
 
-    def _start(self, cfg: TrainConfig) -> None:
+    def _start(self) -> None:
         with open(self.run.config_file, "w") as fh:
-            fh.write(to_yaml(cfg))
-        mode = wandb_mode(cfg)
+            fh.write(self.config_yaml)
+        mode = wandb_mode(self.logging)
         if mode != "disabled":
-            self._init_wandb(cfg, mode)
+            self._init_wandb(mode)
 
-    def _init_wandb(self, cfg: TrainConfig, mode: str) -> None:
+    def _init_wandb(self, mode: str) -> None:
         try:
             import wandb
         except ImportError:
@@ -99,9 +104,9 @@ class Tracker:
         # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
         quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
-            project=cfg.wandb_project, dir=cfg.wandb_dir or self.run.path, config=to_dict(cfg),
-            tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
-            name=os.path.basename(os.path.normpath(self.run.path)), settings=quiet,
+            project=self.logging.wandb_project, dir=self.logging.wandb_dir or self.run.path,
+            config=self.config, tags=list(self.logging.tags), mode=mode, id=self.wandb_run_id,
+            resume="allow", name=os.path.basename(os.path.normpath(self.run.path)), settings=quiet,
         )
         folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
         if not self.wandb_run.offline:

@@ -22,6 +22,7 @@ from rebm.config import (
     load_config,
     plan_batches,
     replace,
+    to_dict,
     to_yaml,
 )
 from rebm.config.schema import SEED_NOISES
@@ -358,6 +359,6 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
         raise ConfigError("--all only goes with --check (it prints the whole config)")
     cfg = load_config(args.config, args.overrides)
     if with_default_run_dir and cfg.run_dir is None:
-        run_dir = default_run_dir(args.config, args.overrides, cfg)
+        run_dir = default_run_dir(args.config, args.overrides, to_dict(cfg))
         cfg = replace(cfg, run_dir=run_dir)
     return args, cfg

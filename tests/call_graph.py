@@ -1,7 +1,7 @@
 """The call graph of rebm's code, read with `ast`, for the `_all_ranks` rule (docs/design.md §3,
 "Collectives in plain sight"; tests/test_all_ranks_rule.py checks it).
 
-A node is a function or method by its qualified name (`rebm.engine.rundir.resolve_run_dir`,
+A node is a function or method by its qualified name (`rebm.checkpoint.run_directory.resolve_run_dir`,
 `rebm.eval.evaluator.Evaluator.evaluate_all_ranks`, a nested def as `outer.inner`). Its edges are
 the calls the code names: a bare name (a def of an enclosing function, of the module, or an
 import), `module.func` and `module.Class(...)`, `Class.method`, `self.method` / `cls.method` /

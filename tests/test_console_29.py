@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rebm.config import default_run_dir, load_config
+from rebm.config import default_run_dir, load_config, to_dict
 from tests.helpers import CONFIG, FAST, REPO, base_env, finish, run_separately, wait_for_records
 from tests.processes import popen
 
@@ -23,7 +23,7 @@ def test_the_resume_hint_of_a_default_run_dir_is_the_plain_command(tmp_path):
     run_dir the user chose is named: tests/test_resume.py)."""
     config = str(REPO / CONFIG)
     args = [*FAST, "max_steps=400", "n_imgs_per_ckpt_save=100000"]
-    run_dir = tmp_path / default_run_dir(config, args, load_config(config, args))
+    run_dir = tmp_path / default_run_dir(config, args, to_dict(load_config(config, args)))
     proc = popen([sys.executable, "-m", "rebm.training.train", config, *args], base_env(1),
                  tmp_path)
     wait_for_records(run_dir, 1, proc)

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
+from rebm.checkpoint.run_directory import RunDirectory, RunDirError
 from rebm.distributed.launch import free_port
 from rebm.distributed.logs import LogFileError, setup_logging
 from rebm.distributed.runtime import Runtime
-from rebm.engine.rundir import RunDirError, check_shared, remove_stale_temp_files
 from tests.helpers import (
     CONFIG,
     FAST,
@@ -162,20 +162,20 @@ def test_a_checkpoint_missing_on_one_rank_ends_every_rank_with_one_line(tmp_path
 
 def test_run_dir_checks(tmp_path):
     (tmp_path / ".shared_check").write_text("token-of-rank-0\n")
-    check_shared(str(tmp_path), "token-of-rank-0", Runtime())
+    RunDirectory(str(tmp_path)).check_shared("token-of-rank-0", Runtime())
     with pytest.raises(RunDirError, match="filesystem shared by all nodes"):
-        check_shared(str(tmp_path), "another-token", Runtime(rank=1, world_size=2))
+        RunDirectory(str(tmp_path)).check_shared("another-token", Runtime(rank=1, world_size=2))
 
     (tmp_path / "checkpoints").mkdir()
     stale = [tmp_path / "checkpoints" / ".state_000000004.pt.x1y2.tmp",
              tmp_path / "metrics.jsonl.tmp", tmp_path / ".model_final.pth.ab.tmp"]
     for path in stale:
         path.write_bytes(b"partial")
-    remove_stale_temp_files(str(tmp_path))
+    RunDirectory(str(tmp_path)).remove_stale_temp_files()
     assert not any(path.exists() for path in stale)
 
 
 def test_a_log_file_that_cannot_be_created_is_one_line(tmp_path):
     (tmp_path / "logs").write_text("a file where the logs folder goes")  # fails for root too
     with pytest.raises(LogFileError, match="cannot write the log file"):
-        setup_logging(Runtime(), str(tmp_path))
+        setup_logging(Runtime(), RunDirectory(str(tmp_path)).log_file(0))

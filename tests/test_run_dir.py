@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rebm.config import default_run_dir, load_config
-from rebm.engine.rundir import RunDirLock
+from rebm.checkpoint.run_directory import RunDirLock
+from rebm.config import default_run_dir, load_config, to_dict
 from tests.helpers import (
     CONFIG,
     FAST,
@@ -64,10 +64,10 @@ def test_default_run_dir_is_the_config_name_and_survives_length_overrides():
     assert default_run_dir("x/dat.yaml", ["max_steps=10", "total_epochs=3"]) == "runs/x/dat"
     assert default_run_dir("x/dat.yaml", ["model.trust_checkpoint=true"]) == "runs/x/dat"
     config = str(REPO / CONFIG)
-    other = default_run_dir(config, ["lr=0.01"], load_config(config, ["lr=0.01"]))
+    other = default_run_dir(config, ["lr=0.01"], to_dict(load_config(config, ["lr=0.01"])))
     assert other.startswith("runs/quickstart/digits-")
-    assert other == default_run_dir(config, ["lr=1e-2"], load_config(config, ["lr=1e-2"]))
-    assert other != default_run_dir(config, ["lr=0.02"], load_config(config, ["lr=0.02"]))
+    assert other == default_run_dir(config, ["lr=1e-2"], to_dict(load_config(config, ["lr=1e-2"])))
+    assert other != default_run_dir(config, ["lr=0.02"], to_dict(load_config(config, ["lr=0.02"])))
     result = run_command([sys.executable, "-m", "rebm.training.train", CONFIG, "max_steps=7",
                           "--check"], timeout=120).assert_ok()
     assert "run_dir: runs/quickstart/digits\n" in result.output
@@ -95,7 +95,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_the_first_is_untouched(tmp_p
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from rebm.engine.rundir import RunDirLock; "
+        [sys.executable, "-c", "import sys, time; from rebm.checkpoint.run_directory import RunDirLock; "
          f"lock = RunDirLock({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -119,12 +119,12 @@ def test_wandb_mode_precedence(monkeypatch):
 
     config = str(REPO / CONFIG)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert wandb_mode(load_config(config, ["wandb_disabled=true"])) == "disabled"
-    assert wandb_mode(load_config(config, ["wandb_mode=disabled"])) == "disabled"
+    assert wandb_mode(load_config(config, ["wandb_disabled=true"]).logging) == "disabled"
+    assert wandb_mode(load_config(config, ["wandb_mode=disabled"]).logging) == "disabled"
     online = ["wandb_disabled=false", "wandb_mode=online"]  # the quickstart config disables it
-    assert wandb_mode(load_config(config, online)) == "offline"
+    assert wandb_mode(load_config(config, online).logging) == "offline"
     monkeypatch.delenv("WANDB_MODE")
-    assert wandb_mode(load_config(config, online)) == "online"
+    assert wandb_mode(load_config(config, online).logging) == "online"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config import ConfigError, load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
@@ -107,8 +108,10 @@ CACHE_PROBE = """
 import sys, torch
 from torch._dynamo.utils import counters
 from rebm.distributed import compile_cache
+from rebm.checkpoint.run_directory import RunDirectory
 cache, phrase = compile_cache.open_cache(
-    sys.argv[1], compile_cache.cache_key(torch.device('cpu'), {}), True)
+    RunDirectory(sys.argv[1]).compile_cache(compile_cache.cache_key(torch.device('cpu'), {})),
+    True)
 print(phrase)
 model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                           torch.nn.Linear(16, 2)))
@@ -144,10 +147,10 @@ def test_compile_cache_survives_a_restart_on_a_fresh_node(tmp_path):
 def test_an_unreadable_cache_file_is_replaced(tmp_path):
     key = compile_cache.cache_key(CPU, {"model": "x"})
     assert key != compile_cache.cache_key(CPU, {"model": "y"})
-    path = tmp_path / compile_cache.CACHE_DIRNAME / f"{key}.bin"
+    path = tmp_path / RunDirectory.COMPILE_CACHE / f"{key}.bin"
     path.parent.mkdir()
     path.write_bytes(b"not a cache")
-    assert "unreadable" in compile_cache.open_cache(str(tmp_path), key, writer=True)[1]
+    assert "unreadable" in compile_cache.open_cache(str(path), writer=True)[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ def test_replicas_identical_across_ranks(runs):
 
 def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
     from rebm import distributed as rd
-    from rebm.config import load_config
+    from rebm.checkpoint.manager import CheckpointManager
+    from rebm.checkpoint.run_directory import RunDirectory
+    from rebm.config import load_config, to_dict
     from rebm.engine.parts import build_parts_all_ranks
     from rebm.engine.saving import ReplicasDiffer, save_training_state_all_ranks
     from rebm.methods.dat import DAT
@@ -83,15 +85,17 @@ def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
     runtime = rd.setup_distributed()
     cfg = load_config(CONFIG, [f"run_dir={run_dir}", "wandb_disabled=true"])
     parts = build_parts_all_ranks(cfg, runtime, DAT(cfg), 10)
+    checkpoints = CheckpointManager(RunDirectory(run_dir), runtime, cfg.keep_last_states)
     parts.progress.step = 1
-    save_training_state_all_ranks(parts, cfg, runtime)  # identical replicas: written
+    config = to_dict(cfg)
+    save_training_state_all_ranks(parts, checkpoints, config, cfg.distributed, runtime)  # written
     if runtime.rank == perturb_rank:  # one ulp of one EMA weight
         weight = next(parts.ema.ema_model.parameters()).data
         first = (0,) * weight.dim()
         weight[first] = torch.nextafter(weight[first], torch.tensor(float("inf")))
     parts.progress.step = 2
     try:
-        save_training_state_all_ranks(parts, cfg, runtime)
+        save_training_state_all_ranks(parts, checkpoints, config, cfg.distributed, runtime)
         outcome = "saved"
     except ReplicasDiffer as err:
         outcome = str(err)
@@ -158,12 +162,14 @@ def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
 
 
 def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
-    from rebm.config import load_config
+    from rebm.checkpoint.run_directory import RunDirectory
+    from rebm.config import load_config, to_dict, to_yaml
     from rebm.distributed import Runtime
     from rebm.engine.tracking import Tracker
 
     cfg = load_config(CONFIG, ["wandb_disabled=true"])
-    tracker = Tracker(cfg, Runtime(), str(tmp_path)).start_all_ranks()
+    tracker = Tracker(cfg.logging, Runtime(), RunDirectory(str(tmp_path)), to_yaml(cfg),
+                      to_dict(cfg)).start_all_ranks()
     for step in (1, 2, 3):
         tracker.log_all_ranks(step, 32 * step, 0, {"x": 1.0})
     with open(tmp_path / "metrics.jsonl", "a") as fh:

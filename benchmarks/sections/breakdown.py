@@ -13,7 +13,6 @@ from rebm import distributed as rd
 from rebm.attacks.pgd import pgd_from_config
 from rebm.distributed.parallel import micro_step_sync
 from rebm.engine.metrics import MetricsWindow, peak_memory_mib
-from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.base import MicroOutput, StepResult, mean_terms
 from rebm.methods.dat import dat_loss
 from sections.common import (
@@ -112,7 +111,7 @@ def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatc
         tracker.save_grid_all_ranks(result.previews["train_adv"], f"bench_{rep:03d}.png",
                                     parts.progress.step)
     with watch("checkpoint"):
-        save_training_state_all_ranks(parts, bench.cfg, runtime)
+        bench.trainer.save_all_ranks()  # the loop's own save
 
 
 def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:

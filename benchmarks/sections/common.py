@@ -23,9 +23,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from rebm import distributed as rd  # noqa: E402
+from rebm.checkpoint.run_directory import RunDirectory  # noqa: E402
 from rebm.config import BatchPlan, TrainConfig, load_config  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
-from rebm.distributed.compile_cache import CACHE_DIRNAME  # noqa: E402
 from rebm.engine import trainer as trainer_module  # noqa: E402
 from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
 from rebm.engine.trainer import Trainer  # noqa: E402
@@ -187,7 +187,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
     if runtime.is_main:  # everything but the compile cache, which a restart is meant to find
         os.makedirs(cfg.run_dir, exist_ok=True)
         for name in os.listdir(cfg.run_dir):
-            if name != CACHE_DIRNAME:
+            if name != RunDirectory.COMPILE_CACHE:
                 path = os.path.join(cfg.run_dir, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)

@@ -10,12 +10,10 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from rebm.checkpoint.state import (
-    agree_on_resume_all_ranks,
-    list_states,
-    read_state,
-    training_state,
-)
+from rebm.checkpoint.manager import CheckpointManager
+from rebm.checkpoint.run_directory import RunDirectory
+from rebm.checkpoint.state import read_state, training_state
+from rebm.config import to_dict
 from rebm.data import build_train_data
 from rebm.engine.saving import save_training_state_all_ranks
 from rebm.methods.dat import DAT
@@ -33,8 +31,13 @@ RESUME_STEPS = (10, 10_000)
 
 def _save(bench: Bench, run_dir: str) -> None:
     """The training state of the current step into run_dir, written as the loop writes it."""
-    save_training_state_all_ranks(bench.parts, dataclasses.replace(bench.cfg, run_dir=run_dir),
-                        bench.runtime)
+    save_training_state_all_ranks(bench.parts, _checkpoints(bench, run_dir),
+                                  to_dict(dataclasses.replace(bench.cfg, run_dir=run_dir)),
+                                  bench.cfg.distributed, bench.runtime)
+
+
+def _checkpoints(bench: Bench, run_dir: str) -> CheckpointManager:
+    return CheckpointManager(RunDirectory(run_dir), bench.runtime, bench.cfg.keep_last_states)
 
 
 def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, float]:
@@ -44,7 +47,7 @@ def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, flo
     _, t_read = timed(lambda: read_state(path))
     fresh = build(cfg, runtime, load_pretrained=False)
     _, t_restore = timed(lambda: fresh.load_state_all_ranks(
-        agree_on_resume_all_ranks(runtime, run_dir, None, allow_auto=True), runtime))
+        _checkpoints(bench, run_dir).resume_state_all_ranks(None, allow_auto=True), runtime))
     assert fresh.progress.step == k
 
     def first_batch():
@@ -63,7 +66,7 @@ def section_resume(args) -> dict:
         run_dir = os.path.join(args.workdir, f"resume_{args.config}_{k}")
         bench.parts.progress.step = k
         _save(bench, run_dir)
-        paths[k] = (run_dir, list_states(run_dir)[0])
+        paths[k] = (run_dir, RunDirectory(run_dir).states()[0])
     times: Dict[int, Dict[str, List[float]]] = {k: {} for k in RESUME_STEPS}
     for rep in range(args.warmup + args.reps):
         for k in (RESUME_STEPS if rep % 2 == 0 else RESUME_STEPS[::-1]):
@@ -97,14 +100,15 @@ def section_checkpoint(args) -> dict:
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
         _, t_assemble = timed(lambda: training_state(   # what the save assembles
-            parts.stateful(), parts.method.stage, parts.progress.step, cfg, runtime.world_size))
+            parts.stateful(), parts.method.stage, parts.progress.step, to_dict(cfg),
+            runtime.world_size))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
-        _, t_read = timed(lambda: read_state(list_states(run_dir)[0]))
+        _, t_read = timed(lambda: read_state(RunDirectory(run_dir).states()[0]))
         if rep >= args.warmup:
             assemble.append(t_assemble)
             blocked.append(t_blocked)
             reads.append(t_read)
-    size = os.path.getsize(list_states(run_dir)[0])
+    size = os.path.getsize(RunDirectory(run_dir).states()[0])
     write_s = median(blocked)
     return section_result(
         "checkpoint", args, bench, state_mib=size / 2**20, dir=args.workdir,

@@ -7,39 +7,15 @@ path a README or a script spells out is often one such sibling away."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
-import re
-from typing import List
 
-from rebm.checkpoint.state import list_states
+from rebm.checkpoint.run_directory import RunDirectory, sibling_runs
 from rebm.checkpoint.weights import CheckpointError
 from rebm.config import TrainConfig, freeze
+from rebm.config.schema import ModelConfig
+from rebm.config.sections import RunSection
 
-FINAL_MODEL = "model_final.pth"
-RUN_CONFIG = "config.yaml"  # every training run writes it first (rebm.engine.tracking)
-_HASHED = re.compile(r"^(?P<name>.+)-[0-9a-f]{8}$")
-
-
-def config_run_name(run_dir: str) -> str:
-    """The run directory's name without its `-<hash>` of training overrides."""
-    name = os.path.basename(os.path.normpath(run_dir))
-    hashed = _HASHED.match(name)
-    return hashed.group("name") if hashed else name
-
-
-def sibling_runs(run_dir: str) -> List[str]:
-    """The other runs of the same config beside `run_dir` (`<name>` and `<name>-<hash>` folders
-    holding a config.yaml), sorted, spelled like `run_dir`."""
-    parent = os.path.dirname(os.path.normpath(run_dir))
-    name = config_run_name(run_dir)
-    candidates = [os.path.join(parent, name)]
-    candidates += glob.glob(os.path.join(parent, glob.escape(name) + "-*"))
-    same = os.path.abspath(run_dir)
-    return sorted(path for path in candidates
-                  if (path == os.path.join(parent, name) or _HASHED.match(os.path.basename(path)))
-                  and os.path.abspath(path) != same
-                  and os.path.isfile(os.path.join(path, RUN_CONFIG)))
+FINAL_MODEL = RunDirectory.FINAL_MODEL
 
 
 def model_file(path: str, key: str = "model.ckpt_path") -> str:
@@ -47,10 +23,10 @@ def model_file(path: str, key: str = "model.ckpt_path") -> str:
     directory's model_final.pth. CheckpointError in one line otherwise: an unfinished run names
     its newest training state, a missing path the runs of the same config beside it."""
     if os.path.isdir(path):
-        final = os.path.join(path, FINAL_MODEL)
+        final = RunDirectory(path).final_model
         if os.path.isfile(final):
             return final
-        states = list_states(path)
+        states = RunDirectory(path).states()
         hint = (f"; the run has not finished: pass {key}={states[0]} (its newest training "
                 "state), or finish the run with its own command" if states else
                 f"; pass {key}=FILE of the weights to use")
@@ -65,15 +41,15 @@ def model_file(path: str, key: str = "model.ckpt_path") -> str:
     raise CheckpointError(f"{key} '{path}' does not exist{hint}")
 
 
-def check_starting_weights(cfg: TrainConfig) -> None:
+def check_starting_weights(model: ModelConfig, run: RunSection) -> None:
     """CheckpointError (one line, `model_file`'s) when a new run's `model.ckpt_path` does not
     exist. A run directory holding training states resumes from them and does not read the file
     (it may have moved since), so it is not checked then. Called before the run directory is
     created: a typo leaves nothing behind."""
-    path = cfg.model.ckpt_path
+    path = model.ckpt_path
     if not path or os.path.exists(path):
         return
-    if cfg.run_dir and os.path.isdir(cfg.run_dir) and list_states(cfg.run_dir):
+    if run.run_dir and os.path.isdir(run.run_dir) and RunDirectory(run.run_dir).states():
         return
     model_file(path)
 

@@ -1,4 +1,5 @@
-"""Full training state: save atomically, keep the last few, find and load the newest valid one.
+"""A full training state: its layout, reading it, and loading its parts (where states are saved,
+how many are kept and which one a run resumes from: rebm.checkpoint.manager).
 
 A state is a dict of Stateful parts, each under its own key (model, optimizer, scheduler, ema,
 scaler, method, progress, rng, tracker), plus metadata (format, stage, step, world size, config).
@@ -10,23 +11,15 @@ rebm/compat/state_format.py)."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import logging
-import os
-import re
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Mapping, Protocol, Sequence, Tuple
 
 import torch
 
-from rebm.checkpoint.weights import atomic_torch_save
 from rebm.compat.state_format import FORMAT2, upgrade_format1
-from rebm.config import to_dict
-from rebm.distributed import Runtime, all_reduce_max, consensus, decide_on_main
+from rebm.distributed import Runtime, all_reduce_max
 from rebm.errors import UserError
 
-LOGGER = logging.getLogger("rebm")
-STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
 STATE_FORMAT = FORMAT2  # a newer layout adds its upgrade to rebm/compat/state_format.py
 METADATA = ("format", "stage", "step", "world_size", "config")
 OPTIONAL_PARTS = ("ema",)  # absent from a state: the EMA restarts from the loaded model
@@ -34,21 +27,6 @@ OPTIONAL_PARTS = ("ema",)  # absent from a state: the EMA restarts from the load
 
 class StateError(UserError, RuntimeError):
     """No usable training state, or one could not be written."""
-
-
-def checkpoint_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def state_path(run_dir: str, step: int) -> str:
-    return os.path.join(checkpoint_dir(run_dir), f"state_{step:09d}.pt")
-
-
-def list_states(run_dir: str) -> List[str]:
-    """Saved states of a run, newest first."""
-    paths = glob.glob(os.path.join(checkpoint_dir(run_dir), "state_*.pt"))
-    paths = [p for p in paths if STATE_PATTERN.search(p)]
-    return sorted(paths, key=_step_of, reverse=True)
 
 
 def read_state(path: str) -> Dict[str, Any]:
@@ -67,95 +45,6 @@ def read_state(path: str) -> Dict[str, Any]:
     return upgrade_state(state)
 
 
-def save_state(state: Dict[str, Any], run_dir: str, keep_last: int) -> str:
-    """Write atomically (temp file + os.replace), then prune all but the newest `keep_last`.
-    A failed write raises StateError and leaves earlier states untouched."""
-    path = state_path(run_dir, int(state["step"]))
-    try:
-        os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
-        atomic_torch_save(state, path)
-    except OSError as err:
-        previous = list_states(run_dir)
-        raise StateError(
-            f"cannot write training state '{path}' ({err.strerror or err}); free disk space or "
-            f"fix permissions of '{checkpoint_dir(run_dir)}'. Previous state "
-            f"{'%r is intact' % previous[0] if previous else 'none exists'}"
-        ) from None
-    for old in list_states(run_dir)[keep_last:]:
-        try:
-            os.remove(old)
-        except OSError:
-            pass
-    return path
-
-
-def save_state_all_ranks(runtime: Runtime, build_state: Callable[[], Dict[str, Any]],
-                         run_dir: str, keep_last: int) -> None:
-    """Rank 0 builds and writes the state; then every rank learns whether the write worked (a
-    consensus, so a full disk stops all ranks with the same clear error instead of a hang).
-    Every rank must call this."""
-    failure: Optional[str] = None
-    if runtime.is_main:
-        try:
-            save_state(build_state(), run_dir, keep_last)
-        except StateError as err:
-            failure = str(err)
-    if consensus(runtime, failed=failure is not None)["failed"]:
-        raise StateError(failure or "rank 0 could not write the training state (see its log)")
-
-
-def find_resumable(run_dir: Optional[str], explicit: Optional[str]) -> Optional[tuple]:
-    """(path, state) of the newest readable state: the explicit path if given, else the newest
-    in run_dir/checkpoints, skipping (with a warning) any that is unreadable."""
-    if explicit:
-        target = explicit
-        if os.path.isdir(explicit):
-            candidates = list_states(explicit) or list_states(os.path.dirname(explicit))
-            if not candidates:
-                raise StateError(f"resume_from_state '{explicit}' holds no state_*.pt files")
-            target = candidates[0]
-        return target, read_state(target)
-    if not run_dir:
-        return None
-    candidates = list_states(run_dir)
-    for path in candidates:
-        try:
-            return path, read_state(path)
-        except StateError as err:
-            LOGGER.warning("%s; trying the previous state", err)
-    if candidates:
-        raise StateError(
-            f"none of the {len(candidates)} training states in '{checkpoint_dir(run_dir)}' is "
-            "readable; delete them to start afresh, or pass resume_from_state=PATH"
-        )
-    return None
-
-
-def agree_on_resume_all_ranks(runtime: Runtime, run_dir: str, explicit: Optional[str],
-                              allow_auto: bool) -> Optional[Dict[str, Any]]:
-    """Rank 0 picks the state to resume from (or none); every rank then loads that same file.
-    Called by every rank: the decision is a broadcast, never rank 0 alone."""
-    def choose() -> Optional[str]:
-        found = find_resumable(run_dir if allow_auto else None, explicit)
-        if allow_auto and not explicit:
-            return found[0] if found else None  # the newest readable state: nothing is newer
-        # resume=never or an explicit state: the run must not start behind run_dir's states
-        # (saving would prune the new states, and a later auto-resume would jump to the old).
-        start = int(found[1]["step"]) if found else 0
-        newer = [p for p in list_states(run_dir) if _step_of(p) > start]
-        if newer:
-            raise StateError(
-                f"'{checkpoint_dir(run_dir)}' holds states of a later step than this run starts "
-                f"from (newest: {os.path.basename(newer[0])}); use a new run_dir, or move them "
-                "away")
-        return found[0] if found else None
-
-    chosen = decide_on_main(runtime, choose)
-    if chosen is None:
-        return None
-    return read_state(chosen) | {"_path": chosen}
-
-
 class Stateful(Protocol):
     """A part of a training state (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
 
@@ -164,11 +53,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-def training_state(parts: Mapping[str, Stateful], stage: int, step: int, cfg,
-                   world_size: int) -> Dict[str, Any]:
-    """Every part's state_dict under its own key, plus the metadata of the state."""
+def training_state(parts: Mapping[str, Stateful], stage: int, step: int,
+                   config: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    """Every part's state_dict under its own key, plus the metadata of the state (`config`: the
+    run's config as to_dict gives it)."""
     state: Dict[str, Any] = {"format": STATE_FORMAT, "stage": stage, "step": step,
-                             "world_size": world_size, "config": to_dict(cfg)}
+                             "world_size": world_size, "config": config}
     for name, part in parts.items():
         state[name] = part.state_dict()
     return state
@@ -200,10 +90,6 @@ def check_stage(state: Dict[str, Any], stage: int) -> None:
         raise StateError(
             f"'{state.get('_path', 'the training state')}' is a stage-{found} training state, "
             f"but this is a stage-{stage} run; give each stage its own run_dir")
-
-
-def _step_of(path: str) -> int:
-    return int(STATE_PATTERN.search(path).group(1))
 
 
 def _weights_digest(modules: Sequence[torch.nn.Module]) -> int:

@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from rebm.config.aliases import canonical_key
 from rebm.config.legacy import legacy_keys
-from rebm.config.loading import to_dict
 from rebm.config.schema import TrainConfig
 
 # Dotted keys (a section name covers the whole section) that do not change what a run trains.
@@ -57,10 +56,10 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
 
 
 def default_run_dir(config_path: Optional[str], overrides: Sequence[str],
-                    cfg: Optional[TrainConfig] = None) -> str:
+                    config: Optional[Dict[str, Any]] = None) -> str:
     """runs/<config folder>/<config file name>, plus a short hash of the training keys the
-    command line sets (their resolved values, so lr=0.01 and lr=1e-2 agree): `lr=0.01` is
-    another run, `max_steps=...` the same one."""
+    command line sets (their resolved values in `config`, the loaded config as to_dict gives
+    it, so lr=0.01 and lr=1e-2 agree): `lr=0.01` is another run, `max_steps=...` the same one."""
     if config_path:
         stem = os.path.splitext(os.path.basename(config_path))[0]
         folder = os.path.basename(os.path.dirname(os.path.abspath(config_path)))
@@ -71,7 +70,7 @@ def default_run_dir(config_path: Optional[str], overrides: Sequence[str],
     given = {canonical_key(key): value for key, value in (o.split("=", 1) for o in overrides)}
     keys = sorted(k for k in given if _is_training_key(k, legacy))
     if keys:
-        values = flatten(to_dict(cfg)) if cfg is not None else {}
+        values = flatten(config) if config is not None else {}
         text = "\n".join(f"{k}={values.get(k, given[k])!r}" for k in keys)
         name += "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return os.path.join("runs", name)

@@ -31,7 +31,6 @@ from typing import Optional, Tuple
 import torch
 
 LOGGER = logging.getLogger("rebm")
-CACHE_DIRNAME = "compile_cache"
 
 
 def compiled_graphs() -> int:
@@ -55,8 +54,8 @@ class CompileCache:
     """The compile cache of one run: `load()` before the first compile, `after_step()` after
     each training step (saves when something new was compiled; rank 0 only)."""
 
-    def __init__(self, run_dir: str, key: str, writer: bool):
-        self.path = os.path.join(run_dir, CACHE_DIRNAME, f"{key}.bin")
+    def __init__(self, path: str, writer: bool):
+        self.path = path  # <run_dir>/compile_cache/<key>.bin (RunDirectory.compile_cache)
         self.writer = writer
         self.loaded = 0  # artifacts loaded at start-up
         self.saved_graphs = compiled_graphs()
@@ -104,12 +103,11 @@ class CompileCache:
                            "compiles afresh", self.path, err.strerror or err)
 
 
-def open_cache(run_dir: Optional[str], key: str, writer: bool
-               ) -> Tuple[Optional[CompileCache], str]:
-    """The run's compile cache, loaded (call before the first compile; the training run owns
-    it and calls `after_step`), and a phrase for the start-up log line. Without a run directory
-    nothing is cached (None)."""
-    if not run_dir:
+def open_cache(path: Optional[str], writer: bool) -> Tuple[Optional[CompileCache], str]:
+    """The run's compile cache in the file `path`, loaded (call before the first compile; the
+    training run owns it and calls `after_step`), and a phrase for the start-up log line.
+    Without a run directory (no path) nothing is cached (None)."""
+    if not path:
         return None, "no cache (no run_dir)"
-    cache = CompileCache(run_dir, key, writer)
+    cache = CompileCache(path, writer)
     return cache, cache.load()

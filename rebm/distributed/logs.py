@@ -48,9 +48,10 @@ def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:
             handler.handle(record)
 
 
-def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Logger:
+def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.Logger:
     """Console: rank 0 at INFO, other ranks at WARNING, prefixed [rank r/W];
-    file: every rank at INFO to <run_dir>/logs/rank<r>.log."""
+    file: every rank at INFO to `log_file`, this rank's (a run's <run_dir>/logs/rank<r>.log:
+    RunDirectory.log_file)."""
     logger = LOGGER
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -61,11 +62,11 @@ def setup_logging(runtime: Runtime, run_dir: Optional[str] = None) -> logging.Lo
     console.setLevel(logging.INFO if runtime.is_main else logging.WARNING)
     console.setFormatter(_RankFormatter(runtime, with_time=True))
     logger.addHandler(console)
-    if run_dir is not None:
-        log_dir = os.path.join(run_dir, "logs")
+    if log_file is not None:
+        log_dir = os.path.dirname(log_file)
         try:
             os.makedirs(log_dir, exist_ok=True)
-            file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{runtime.rank}.log"))
+            file_handler = logging.FileHandler(log_file)
         except OSError as err:
             raise LogFileError(f"cannot write the log file in '{log_dir}' ({err.strerror or err});"
                                " choose a writable run_dir=PATH") from None

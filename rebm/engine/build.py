@@ -13,9 +13,12 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config import TrainConfig
 from rebm.config.optimizers import optimizer_section
+from rebm.config.schema import DataConfig, ModelConfig
+from rebm.config.sections import DistributedSection
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
@@ -27,9 +30,9 @@ from rebm.models import model_from_config
 LOGGER = logging.getLogger("rebm")
 
 
-def compile_choice(cfg: TrainConfig, runtime: Runtime, planned_steps: float) -> CompileChoice:
+def compile_choice(model: ModelConfig, runtime: Runtime, planned_steps: float) -> CompileChoice:
     """Whether a run of `planned_steps` optimizer steps compiles (model.compile, auto included)."""
-    return decide_compile(cfg.model.compile, runtime.device, planned_steps)
+    return decide_compile(model.compile, runtime.device, planned_steps)
 
 
 def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True,
@@ -53,7 +56,7 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)
-    compiling = compile_choice(cfg, runtime, planned_steps)
+    compiling = compile_choice(cfg.model, runtime, planned_steps)
     LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
                 "on" if channels_last else "off", cfg.model.channels_last, cfg.amp,
                 compiling.describe())
@@ -62,25 +65,26 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
                       find_unused_parameters=cfg.find_unused_parameters)
 
 
-def get_compile_cache(cfg: TrainConfig, runtime: Runtime, planned_steps: float
+def get_compile_cache(model: ModelConfig, data: DataConfig, distributed: DistributedSection,
+                      run_dir: Optional[str], runtime: Runtime, planned_steps: float
                       ) -> Optional[CompileCache]:
     """When the run compiles and has a run_dir, its compile cache, loaded before the first
     compile (which happens at the first forward); the training run owns it."""
-    if not compile_choice(cfg, runtime, planned_steps).enabled:
+    if not compile_choice(model, runtime, planned_steps).enabled:
         return None
-    channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
-    cache, phrase = open_cache(cfg.run_dir, cache_key(runtime.device,
-                                                      _shaping(cfg, channels_last)),
-                               writer=runtime.is_main)
+    channels_last = resolve_channels_last(model.channels_last, runtime.device, distributed.amp)
+    key = cache_key(runtime.device, _shaping(model, data, distributed.amp, channels_last))
+    path = RunDirectory(run_dir).compile_cache(key) if run_dir else None
+    cache, phrase = open_cache(path, writer=runtime.is_main)
     LOGGER.info("torch.compile: %s", phrase)
     return cache
 
 
-def _shaping(cfg: TrainConfig, channels_last: bool) -> dict:
+def _shaping(model: ModelConfig, data: DataConfig, amp: str, channels_last: bool) -> dict:
     """The config values the compiled code depends on (the compile cache's key)."""
-    return {"model": cfg.model.model_type, "classes": cfg.data.num_classes,
-            "image_size": cfg.data.image_size, "normalize": cfg.model.normalize_input,
-            "batchnorm": cfg.model.use_batchnorm, "amp": cfg.amp, "channels_last": channels_last}
+    return {"model": model.model_type, "classes": data.num_classes,
+            "image_size": data.image_size, "normalize": model.normalize_input,
+            "batchnorm": model.use_batchnorm, "amp": amp, "channels_last": channels_last}
 
 
 def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:

@@ -12,19 +12,19 @@ from typing import Optional
 import torch
 from ema_pytorch import EMA
 
-from rebm.config import TrainConfig
+from rebm.config.sections import EmaSection
 
 
-def build_ema(raw_model: torch.nn.Module, cfg: TrainConfig) -> Optional[EMA]:
-    if not cfg.use_ema:
+def build_ema(raw_model: torch.nn.Module, ema: EmaSection) -> Optional[EMA]:
+    if not ema.use_ema:
         return None
-    ema = EMA(
+    average = EMA(
         raw_model,
-        beta=cfg.ema_decay,
+        beta=ema.ema_decay,
         update_after_step=0,
         update_every=1,
         include_online_model=False,  # the state dict holds the average only
         allow_different_devices=True,
     )
-    ema.to(next(raw_model.parameters()).device)
-    return ema
+    average.to(next(raw_model.parameters()).device)
+    return average

@@ -142,8 +142,9 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
     optimizer = get_optimizer(cfg, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),
-                 ema=build_ema(raw_model, cfg), precision=Precision(cfg.amp, runtime.device),
+                 ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.amp, runtime.device),
                  method=method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
-                 compile_cache=get_compile_cache(cfg, runtime, last_step),
+                 compile_cache=get_compile_cache(cfg.model, cfg.data, cfg.distributed,
+                                                 cfg.run_dir, runtime, last_step),
                  max_grad_norm=cfg.max_grad_norm)

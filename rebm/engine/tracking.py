@@ -16,7 +16,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from rebm.config import TrainConfig, to_dict, to_yaml
+from rebm.checkpoint.run_directory import RunDirectory
+from rebm.config.sections import LoggingSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
 from rebm.distributed.logs import progress_enabled
@@ -25,35 +26,21 @@ from rebm.eval.report import jsonable
 LOGGER = logging.getLogger("rebm")
 
 
-def wandb_mode(cfg: TrainConfig) -> str:
+def wandb_mode(logging: LoggingSection) -> str:
     """Precedence: the config's `wandb_disabled: true` / `wandb_mode: disabled` always win (an
     experiment that says no wandb gets none); otherwise the WANDB_MODE environment variable wins
     over `wandb_mode` (a job script decides for its machine); `auto` is online when an API key is
     configured (WANDB_API_KEY or ~/.netrc) and offline otherwise."""
-    if cfg.wandb_disabled or cfg.wandb_mode == "disabled":
+    if logging.wandb_disabled or logging.wandb_mode == "disabled":
         return "disabled"
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
-    if cfg.wandb_mode != "auto":
-        return cfg.wandb_mode
+    if logging.wandb_mode != "auto":
+        return logging.wandb_mode
     has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
         os.path.expanduser("~/.netrc")
     )
     return "online" if has_key else "offline"
-
-
-# What a finished run's folder may hold, in the order the closing line lists them; a file is
-# listed only when the run wrote it (stage 1 draws no samples, only DAT keeps best models).
-RUN_FILES = (
-    ("model_final.pth", "evaluated weights"),
-    ("model_bestacc.pth", "best evaluated accuracy"),
-    ("model_bestfid.pth", "best FID"),
-    ("metrics.jsonl", ""),
-    ("samples/", ""),
-    ("checkpoints/", "training states; the same command continues the run"),
-    ("logs/", ""),
-    ("wandb/", ""),
-)
 
 
 def _record_step(line: str) -> float:
@@ -65,33 +52,38 @@ def _record_step(line: str) -> float:
 
 
 class Tracker:
-    """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing."""
+    """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing.
+    `config_yaml` is the run's config as config.yaml holds it (to_yaml), `config` as wandb
+    stores it (to_dict)."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: str,
-                 wandb_run_id: Optional[str] = None, last_step: float = math.inf):
+    def __init__(self, logging: LoggingSection, runtime: Runtime, run: RunDirectory,
+                 config_yaml: str, config: Dict[str, Any], wandb_run_id: Optional[str] = None,
+                 last_step: float = math.inf):
         self.runtime = runtime
         self.last_step = last_step  # for the console summary's "step s/last"
-        self.run_dir = run_dir
+        self.run = run
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
-        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.metrics_path = run.metrics_file
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
-        self._cfg = cfg
+        self.logging = logging
+        self.config_yaml = config_yaml
+        self.config = config
 
     def start_all_ranks(self) -> "Tracker":
         """Rank 0 writes config.yaml and starts wandb; every rank calls this once, after the
         constructor (which runs no collective)."""
-        on_main(self.runtime, lambda: self._start(self._cfg), "write config.yaml or start wandb")
+        on_main(self.runtime, self._start, "write config.yaml or start wandb")
         return self
 
-    def _start(self, cfg: TrainConfig) -> None:
-        with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
-            fh.write(to_yaml(cfg))
-        mode = wandb_mode(cfg)
+    def _start(self) -> None:
+        with open(self.run.config_file, "w") as fh:
+            fh.write(self.config_yaml)
+        mode = wandb_mode(self.logging)
         if mode != "disabled":
-            self._init_wandb(cfg, mode)
+            self._init_wandb(mode)
 
-    def _init_wandb(self, cfg: TrainConfig, mode: str) -> None:
+    def _init_wandb(self, mode: str) -> None:
         try:
             import wandb
         except ImportError:
@@ -100,7 +92,7 @@ class Tracker:
         # The id is the run's identity in wandb: kept in every training state and in
         # <run_dir>/wandb_id (for a run that dies before its first state), so a resumed run
         # (any attempt, any world size) continues the same wandb run.
-        id_file = os.path.join(self.run_dir, "wandb_id")
+        id_file = self.run.wandb_id_file
         if not self.wandb_run_id and os.path.exists(id_file):
             with open(id_file) as fh:
                 self.wandb_run_id = fh.read().strip() or None
@@ -112,9 +104,9 @@ class Tracker:
         # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
         quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
-            project=cfg.wandb_project, dir=cfg.wandb_dir or self.run_dir, config=to_dict(cfg),
-            tags=list(cfg.tags), mode=mode, id=self.wandb_run_id, resume="allow",
-            name=os.path.basename(os.path.normpath(self.run_dir)), settings=quiet,
+            project=self.logging.wandb_project, dir=self.logging.wandb_dir or self.run.path,
+            config=self.config, tags=list(self.logging.tags), mode=mode, id=self.wandb_run_id,
+            resume="allow", name=os.path.basename(os.path.normpath(self.run.path)), settings=quiet,
         )
         folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
         if not self.wandb_run.offline:
@@ -189,7 +181,7 @@ class Tracker:
     def save_grid_all_ranks(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
                             ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
-        path = os.path.join(self.run_dir, "samples", name)
+        path = self.run.samples(name)
         on_main(self.runtime, lambda: self._save_grid(images, path, step, nrow), f"write {path}")
         return path
 
@@ -224,13 +216,6 @@ class Tracker:
         rows = [[k, jsonable(v)] for k, v in values.items() if isinstance(v, (int, float))]
         self.wandb_run.log({name: wandb.Table(columns=["metric", "value"], data=rows)},
                            step=step)
-
-    def describe_files(self) -> str:
-        """The run's files for people, as they are in the run directory now, e.g.
-        'model_final.pth (evaluated weights), metrics.jsonl, logs/'."""
-        found = [f"{name} ({meaning})" if meaning else name for name, meaning in RUN_FILES
-                 if os.path.exists(os.path.join(self.run_dir, name))]
-        return ", ".join(found) or "none yet"
 
     def close_all_ranks(self) -> None:
         on_main(self.runtime, self._close, "finish the wandb run")

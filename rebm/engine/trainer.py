@@ -16,30 +16,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+from rebm.checkpoint.manager import CheckpointManager
 from rebm.checkpoint.paths import check_starting_weights
-from rebm.checkpoint.state import agree_on_resume_all_ranks, check_stage
-from rebm.checkpoint.weights import save_model
+from rebm.checkpoint.run_directory import RunDirectory, resolve_run_dir_all_ranks
+from rebm.checkpoint.state import check_stage
 from rebm.config import (
     ConfigError,
     TrainConfig,
     explicit_keys,
     ignored_fields_notice,
     plan_batches,
+    replace,
     to_dict,
+    to_yaml,
     training_diff,
 )
+from rebm.config.sections import RunSection, ScheduleSection
 from rebm.data import build_train_data
 from rebm.distributed.collectives import (
     broadcast_buffers,
     consensus,
-    decide_on_main,
     name_stuck_ranks,
     on_every_rank,
-    on_main,
     set_collective_timeout,
 )
 from rebm.distributed.logs import setup_logging
@@ -47,10 +48,8 @@ from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
 from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory_mib, pop_data_counts
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
-from rebm.engine.rundir import resolve_run_dir_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
-    keep_best_all_ranks,
     patient_collectives,
     save_training_state_all_ranks,
 )
@@ -70,8 +69,10 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dic
     0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
     # the inputs first: a wrong path stops the run before anything is written
-    on_every_rank(runtime, lambda: check_starting_weights(cfg), "find model.ckpt_path")
-    cfg, lock = resolve_run_dir_all_ranks(cfg, runtime)
+    on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
+                  "find model.ckpt_path")
+    run_dir, lock = resolve_run_dir_all_ranks(cfg.run_dir, to_dict(cfg), runtime)
+    cfg = replace(cfg, run_dir=run_dir.path)
     try:
         return Trainer(cfg, runtime, make_method, started).fit()
     finally:
@@ -79,27 +80,28 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dic
             lock.release()
 
 
-def planned_last_step(cfg: TrainConfig, steps_per_epoch: int) -> float:
+def planned_last_step(schedule: ScheduleSection, steps_per_epoch: int) -> float:
     """The step the run trains to: the first of max_steps and total_epochs (inf if neither)."""
     limits = []
-    if cfg.max_steps is not None:
-        limits.append(cfg.max_steps)
-    if cfg.total_epochs is not None:
-        limits.append(cfg.total_epochs * steps_per_epoch)
+    if schedule.max_steps is not None:
+        limits.append(schedule.max_steps)
+    if schedule.total_epochs is not None:
+        limits.append(schedule.total_epochs * steps_per_epoch)
     return min(limits) if limits else math.inf
 
 
-def resume_point_all_ranks(cfg: TrainConfig, runtime: Runtime, stage: int) -> Optional[dict]:
+def resume_point_all_ranks(run: RunSection, config: Dict[str, Any],
+                           checkpoints: CheckpointManager, stage: int) -> Optional[dict]:
     """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
-    other stage, or when the run it belongs to trained with another config (unless
-    resume=force)."""
-    state = agree_on_resume_all_ranks(runtime, cfg.run_dir, cfg.resume_from_state,
-                            allow_auto=cfg.resume in ("auto", "force"))
+    other stage, or when the run it belongs to trained with another config than `config` (the
+    run's, as to_dict gives it) unless resume=force."""
+    state = checkpoints.resume_state_all_ranks(run.resume_from_state,
+                                               allow_auto=run.resume in ("auto", "force"))
     if state is not None:
         check_stage(state, stage)
-    if state is None or cfg.resume == "force":
+    if state is None or run.resume == "force":
         return state
-    changed = training_diff(state.get("config", {}), to_dict(cfg))
+    changed = training_diff(state.get("config", {}), config)
     if changed:
         raise ConfigError(
             f"'{state['_path']}' was trained with another config ({'; '.join(changed)}); to "
@@ -108,29 +110,44 @@ def resume_point_all_ranks(cfg: TrainConfig, runtime: Runtime, stage: int) -> Op
 
 
 class Trainer:
-    """One training run in cfg.run_dir (already resolved and held by this job)."""
+    """One training run in cfg.run_dir (already resolved and held by this job). It builds its
+    parts from the config's sections and keeps the sections its loop reads."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory,
                  started: Optional[float] = None):
-        self.cfg = cfg
+        self.schedule, self.intervals = cfg.schedule, cfg.intervals
+        self.distributed, self.evaluation = cfg.distributed, cfg.evaluation
+        self.config = to_dict(cfg)  # what every state keeps and a resume compares
+        # a preempted run's hint names the run_dir the user chose, as the command set it
+        self.run_dir_chosen = "run_dir" in explicit_keys(cfg)
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
+        self.run_dir = RunDirectory(cfg.run_dir)  # every path in it; nothing else builds one
+        self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.keep_last_states,
+                                             cfg.n_imgs_per_ckpt_save)
         method = make_method(cfg)
         self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
-        self._start_logging_all_ranks(method)
+        self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
+        self.evaluator = Evaluator(cfg, self.runtime, standard_metrics(cfg, method.eval_samples),
+                                   batch_size=self.plan.eval_batch_size, run_dir=cfg.run_dir)
+        if cfg.n_imgs_per_evaluation_log:
+            # a missing FID, seed-image or other metric file (on any node) stops the run now,
+            # not after hours
+            self.evaluator.start_all_ranks()
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point_all_ranks(cfg, self.runtime, method.stage)
+        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage)
         self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
-        self.last_step = planned_last_step(cfg, self.data.steps_per_epoch)
+        self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)
         self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,
                                         load_pretrained=state is None)
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
-        self.tracker = Tracker(cfg, self.runtime, cfg.run_dir, wandb_run_id=identity.wandb_run_id,
+        self.tracker = Tracker(cfg.logging, self.runtime, self.run_dir, to_yaml(cfg), to_dict(cfg),
+                               wandb_run_id=identity.wandb_run_id,
                                last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
@@ -141,32 +158,28 @@ class Trainer:
     def progress(self) -> Progress:
         return self.parts.progress
 
-    def _start_logging_all_ranks(self, method: Method) -> None:
-        cfg, runtime, plan = self.cfg, self.runtime, self.plan
-        on_every_rank(runtime, lambda: setup_logging(runtime, cfg.run_dir), "create its log file")
+    def _start_logging_all_ranks(self, method: Method, notice: Optional[str]) -> None:
+        """Every rank's log file, then the run's first lines (and `notice`, if any)."""
+        runtime, plan = self.runtime, self.plan
+        on_every_rank(runtime, lambda: setup_logging(runtime, self.run_dir.log_file(runtime.rank)),
+                      "create its log file")
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
-                    "accumulation", method.name, cfg.run_dir, runtime.world_size, runtime.device,
-                    plan.per_device_batch_size, plan.accumulation_steps)
-        notice = ignored_fields_notice(cfg)
+                    "accumulation", method.name, self.run_dir.path, runtime.world_size,
+                    runtime.device, plan.per_device_batch_size, plan.accumulation_steps)
         if notice:
             LOGGER.info(notice)
-        self.evaluator = Evaluator(cfg, runtime, standard_metrics(cfg, method.eval_samples),
-                                   batch_size=plan.eval_batch_size, run_dir=cfg.run_dir)
-        if cfg.n_imgs_per_evaluation_log:
-            # a missing FID, seed-image or other metric file (on any node) stops the run now,
-            # not after hours
-            self.evaluator.start_all_ranks()
 
     def fit(self) -> Dict[str, Any]:
         """Train to the last step: step, agree on stopping, log, evaluate, save, at their
         intervals; then the final evaluation and files. A preemption saves and returns early."""
-        cfg, plan, progress = self.cfg, self.plan, self.progress
+        intervals, plan, progress = self.intervals, self.plan, self.progress
         with self.preemption:
             try:
                 if progress.eval_pending:  # an evaluation a preemption interrupted
                     self.evaluate_all_ranks()
                 batches = iter(self.data)
-                bar = progress_bar(self.runtime, progress.step, self.last_step, cfg.batch_size)
+                bar = progress_bar(self.runtime, progress.step, self.last_step,
+                                   self.schedule.batch_size)
                 progress.window.started = time.perf_counter()  # images/s counts training only
                 # a collective timeout in the loop names the rank(s) that did not arrive
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
@@ -184,12 +197,11 @@ class Trainer:
                                    epoch=self.epoch, **self.parts.method.progress())
                         if log_now:
                             self.log_all_ranks(result)
-                        if plan.crossed(cfg.n_imgs_per_image_log, progress.step):
+                        if plan.crossed(intervals.n_imgs_per_image_log, progress.step):
                             self.save_previews_all_ranks(result)
-                        if plan.crossed(cfg.n_imgs_per_evaluation_log, progress.step):
+                        if plan.crossed(intervals.n_imgs_per_evaluation_log, progress.step):
                             self.evaluate_all_ranks()
-                        if (plan.crossed(cfg.n_imgs_per_ckpt_save, progress.step)
-                                and progress.step < self.last_step):
+                        if self.checkpoints.save_due(plan, progress.step, self.last_step):
                             self.save_all_ranks()
                         if decision["preempt"] and progress.step < self.last_step:
                             break  # at the last step: just finish
@@ -207,7 +219,7 @@ class Trainer:
 
     def log_due(self, step: int) -> bool:
         """Training metrics are logged at optimizer step `step` (counted from 1)."""
-        return (self.plan.crossed(self.cfg.n_imgs_per_metrics_log, step)
+        return (self.plan.crossed(self.intervals.n_imgs_per_metrics_log, step)
                 or (self.parts.method.log_final_step and step == self.last_step))
 
     def train_step_all_ranks(self, micro_batches, log_now: bool) -> StepResult:
@@ -240,7 +252,7 @@ class Trainer:
         if parts.compile_cache is not None:
             parts.compile_cache.after_step()  # model.compile: keep new compiled code in run dir
         if progress.steps_run == 0:  # start-up is over: a missing rank surfaces fast
-            kept = set_collective_timeout(self.runtime, self.cfg.ddp_step_timeout_s)
+            kept = set_collective_timeout(self.runtime, self.distributed.ddp_step_timeout_s)
             if kept and self.runtime.is_main:  # the same on every rank: one line per job
                 LOGGER.warning(kept)
         progress.steps_run += 1
@@ -252,7 +264,7 @@ class Trainer:
         skipped = "" if result.applied else " (the update was not applied)"
         raise TrainingDiverged(
             f"non-finite loss or gradients at step {step} on at least one rank{skipped}; the "
-            f"newest state in {self.cfg.run_dir}/checkpoints is from before it (try a lower lr)")
+            f"newest state in {self.run_dir.checkpoints} is from before it (try a lower lr)")
 
     def log_all_ranks(self, result: StepResult) -> None:
         """The window's global means and the ranks' peak memory (one all-reduce), this step's
@@ -279,7 +291,7 @@ class Trainer:
         """Every rank evaluates its shard; rank 0 records and keeps the best models."""
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
-        with patient_collectives(self.runtime, self.cfg, progress):
+        with patient_collectives(self.runtime, self.distributed, progress):
             evaluation = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
         results = evaluation.values
         progress.last_eval, progress.last_eval_step = results, step
@@ -290,12 +302,14 @@ class Trainer:
         if "sample_grid" in evaluation.files:  # the same on every rank
             self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
         if self.parts.method.keep_best:
-            keep_best_all_ranks(self.parts, self.cfg, self.runtime, results)
+            self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
+                                                 robust_eval=self.evaluation.robust_eval)
         return results
 
     def save_all_ranks(self) -> None:
         """The training state of this step (rank 0 writes; every rank learns the outcome)."""
-        save_training_state_all_ranks(self.parts, self.cfg, self.runtime)
+        save_training_state_all_ranks(self.parts, self.checkpoints, self.config, self.distributed,
+                                      self.runtime)
 
     def check_records_all_ranks(self) -> None:
         """Stop every rank if rank 0 could not write the last metrics log's record (the loop's
@@ -311,8 +325,7 @@ class Trainer:
         pending = " (the interrupted evaluation runs first)" if self.progress.eval_pending else ""
         # The plain command finds its default run_dir again; a run_dir the user chose is named,
         # as the command that set it (file or command line) does.
-        where = (f" with run_dir={self.cfg.run_dir}" if "run_dir" in explicit_keys(self.cfg)
-                 else "")
+        where = f" with run_dir={self.run_dir.path}" if self.run_dir_chosen else ""
         LOGGER.log(logging.WARNING if self.runtime.is_main else logging.INFO,
                    "stopped by %s: state saved at step %d; run the same command%s to resume%s",
                    self.preemption.signal_name or "a signal on another rank", step, where,
@@ -324,25 +337,22 @@ class Trainer:
         """The final evaluation (unless the last step just ran one), model_final.pth, the
         state."""
         self.check_records_all_ranks()
-        progress, runtime, run_dir = self.progress, self.runtime, self.tracker.run_dir
-        final_path = os.path.join(run_dir, "model_final.pth")
-        finished = decide_on_main(runtime, lambda: os.path.exists(final_path))
+        progress = self.progress
+        finished = self.checkpoints.finished_all_ranks()
         if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
             LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
                         "total_epochs to continue it)", progress.step)
             self.tracker.close_all_ranks()
             return {"step": progress.step}
         results = progress.last_eval
-        if self.cfg.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
+        if self.intervals.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
             results = self.evaluate_all_ranks()
-        # model_final first: once the final state exists, a rerun has nothing left to do; a
-        # plain state dict: it loads as model.ckpt_path of the next stage
-        on_main(runtime, lambda: save_model(self.parts.eval_model, final_path),
-                f"write {final_path}")
+        # model_final first: once the final state exists, a rerun has nothing left to do
+        final_path = self.checkpoints.save_final_all_ranks(self.parts.eval_model)
         LOGGER.info("wrote %s", final_path)
         self.save_all_ranks()
         self.tracker.close_all_ranks()
         LOGGER.info("finished at step %d%s", progress.step,
                     f": {describe_evaluation(results)}" if results else "")
-        LOGGER.info("files in %s: %s", run_dir, self.tracker.describe_files())
+        LOGGER.info("files in %s: %s", self.run_dir.path, self.run_dir.describe_files())
         return {"step": progress.step}

@@ -1,0 +1,153 @@
+"""What a run saves into its run directory, and when (after torchtitan's CheckpointManager): the
+training states (written atomically at their interval, the newest few kept), the state a run
+resumes from, the best models and the final model. Rank 0 writes; a method ending in
+`_all_ranks` tells every rank the outcome, so a full disk stops all ranks with the same error
+instead of a hang. The file names are the RunDirectory's; a state's layout is
+rebm.checkpoint.state's."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from rebm.checkpoint.run_directory import RunDirectory, state_step
+from rebm.checkpoint.state import StateError, read_state
+from rebm.checkpoint.weights import atomic_torch_save, save_model
+from rebm.config.batch import BatchPlan
+from rebm.distributed import Runtime, consensus, decide_on_main
+from rebm.distributed.collectives import on_main
+
+LOGGER = logging.getLogger("rebm")
+
+
+class CheckpointManager:
+    """The training states and model files of the run in `run`: a state every `interval_imgs`
+    images (None: only at the end and on a preemption), the newest `keep_last` kept."""
+
+    def __init__(self, run: RunDirectory, runtime: Runtime, keep_last: int,
+                 interval_imgs: Optional[int] = None):
+        self.run = run
+        self.runtime = runtime
+        self.keep_last = keep_last
+        self.interval_imgs = interval_imgs
+
+    def save_due(self, plan: BatchPlan, step: int, last_step: float) -> bool:
+        """A state is saved after optimizer step `step` (the last step saves at the end)."""
+        return plan.crossed(self.interval_imgs, step) and step < last_step
+
+    def write_state(self, state: Dict[str, Any]) -> str:
+        """Write atomically (temp file + os.replace), then prune all but the newest `keep_last`.
+        A failed write raises StateError and leaves earlier states untouched."""
+        run = self.run
+        path = run.state_file(int(state["step"]))
+        try:
+            os.makedirs(run.checkpoints, exist_ok=True)
+            atomic_torch_save(state, path)
+        except OSError as err:
+            previous = run.states()
+            raise StateError(
+                f"cannot write training state '{path}' ({err.strerror or err}); free disk space "
+                f"or fix permissions of '{run.checkpoints}'. Previous state "
+                f"{'%r is intact' % previous[0] if previous else 'none exists'}"
+            ) from None
+        for old in run.states()[self.keep_last:]:
+            try:
+                os.remove(old)
+            except OSError:
+                pass
+        return path
+
+    def save_state_all_ranks(self, build_state: Callable[[], Dict[str, Any]]) -> None:
+        """Rank 0 builds and writes the state; then every rank learns whether the write worked
+        (a consensus). Every rank must call this."""
+        failure: Optional[str] = None
+        if self.runtime.is_main:
+            try:
+                self.write_state(build_state())
+            except StateError as err:
+                failure = str(err)
+        if consensus(self.runtime, failed=failure is not None)["failed"]:
+            raise StateError(failure or "rank 0 could not write the training state (see its log)")
+
+    def find_resumable(self, explicit: Optional[str], auto: bool = True) -> Optional[Tuple]:
+        """(path, state) of the newest readable state: the explicit path if given (a state
+        file, a run directory or its checkpoints/), else (when `auto`) the newest in the run's
+        checkpoints/, skipping (with a warning) any that is unreadable."""
+        if explicit:
+            target = explicit
+            if os.path.isdir(explicit):
+                candidates = (RunDirectory(explicit).states()
+                              or RunDirectory(os.path.dirname(explicit)).states())
+                if not candidates:
+                    raise StateError(f"resume_from_state '{explicit}' holds no state_*.pt files")
+                target = candidates[0]
+            return target, read_state(target)
+        if not auto:
+            return None
+        candidates = self.run.states()
+        for path in candidates:
+            try:
+                return path, read_state(path)
+            except StateError as err:
+                LOGGER.warning("%s; trying the previous state", err)
+        if candidates:
+            raise StateError(
+                f"none of the {len(candidates)} training states in '{self.run.checkpoints}' is "
+                "readable; delete them to start afresh, or pass resume_from_state=PATH"
+            )
+        return None
+
+    def resume_state_all_ranks(self, explicit: Optional[str], allow_auto: bool
+                               ) -> Optional[Dict[str, Any]]:
+        """Rank 0 picks the state to resume from (or none); every rank then loads that same
+        file (its path under "_path"). Called by every rank: the decision is a broadcast."""
+        def choose() -> Optional[str]:
+            found = self.find_resumable(explicit, auto=allow_auto)
+            if allow_auto and not explicit:
+                return found[0] if found else None  # the newest readable state: none is newer
+            # resume=never or an explicit state: the run must not start behind run_dir's states
+            # (saving would prune the new states, and a later auto-resume would jump to the old).
+            start = int(found[1]["step"]) if found else 0
+            newer = [p for p in self.run.states() if state_step(p) > start]
+            if newer:
+                raise StateError(
+                    f"'{self.run.checkpoints}' holds states of a later step than this run starts "
+                    f"from (newest: {os.path.basename(newer[0])}); use a new run_dir, or move "
+                    "them away")
+            return found[0] if found else None
+
+        chosen = decide_on_main(self.runtime, choose)
+        if chosen is None:
+            return None
+        return read_state(chosen) | {"_path": chosen}
+
+    def keep_best_all_ranks(self, model: torch.nn.Module, best: Dict[str, float],
+                            results: Dict[str, Any], robust_eval: bool) -> None:
+        """model_bestacc.pth (robust accuracy, clean without robust_eval) and model_bestfid.pth,
+        written by rank 0 when an evaluation beats the best so far (`best`, updated)."""
+        for metric, filename, higher_is_better in (
+            ("robust_test_acc" if robust_eval else "test_acc", RunDirectory.BEST_ACC_MODEL, True),
+            ("fid", RunDirectory.BEST_FID_MODEL, False),
+        ):
+            value = results.get(metric)
+            if value is None:
+                continue
+            previous = best.get(metric)
+            if previous is None or (value > previous if higher_is_better else value < previous):
+                best[metric] = value
+                path = self.run.file(filename)
+                on_main(self.runtime, lambda p=path: save_model(model, p), f"write {path}")
+
+    def finished_all_ranks(self) -> bool:
+        """The run has its model_final.pth (rank 0 looks; every rank learns it)."""
+        return decide_on_main(self.runtime, lambda: os.path.exists(self.run.final_model))
+
+    def save_final_all_ranks(self, model: torch.nn.Module) -> str:
+        """model_final.pth, a plain state dict (it loads as model.ckpt_path of the next stage),
+        written by rank 0."""
+        path = self.run.final_model
+        on_main(self.runtime, lambda: save_model(model, path), f"write {path}")
+        return path

@@ -1,0 +1,333 @@
+"""The run directory: the one owner of its path and of every file name in it.
+
+A run's folder (names unchanged since the first runs, so older run directories resume):
+
+    config.yaml               the run's config, written first (rebm.engine.tracking)
+    metrics.jsonl             one record per metrics log and evaluation
+    wandb_id                  the wandb run id, for a run that dies before its first state
+    checkpoints/state_<9-digit step>.pt   training states, the newest `keep_last_states` kept
+    model_final.pth           the evaluated weights at the end
+    model_bestacc.pth, model_bestfid.pth  the best evaluated models (DAT)
+    logs/rank<r>.log          every rank's log
+    samples/                  PNG grids and the samples of evaluations
+    compile_cache/<key>.bin   torch.compile's cache (model.compile)
+    reliability*.png, counterfactuals/, eval.json   evaluation's files
+    .lock, .shared_check      the job holding the directory; rank 0's token for the other ranks
+
+Rank 0 holds an exclusive lock (`.lock`, flock) for the whole run; the kernel releases it when
+the process ends, however it ends. A second job on the same run dir stops at start-up with one
+line naming the holder, before it writes anything. What is saved into it, and when, is
+rebm.checkpoint.manager's (CheckpointManager). Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import yaml
+
+from rebm.config import training_diff
+from rebm.distributed import Runtime, decide_on_main, setup_logging
+from rebm.distributed.collectives import on_every_rank
+from rebm.errors import UserError
+
+LOGGER = logging.getLogger("rebm")
+STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
+_HASHED = re.compile(r"^(?P<name>.+)-[0-9a-f]{8}$")
+
+
+class RunDirError(UserError, OSError):
+    """The run directory cannot be created, or another job holds it."""
+
+
+class RunDirectory:
+    """A run's folder: its path and the path of every file a run (or an evaluation of it)
+    writes there. Builds paths only; it creates nothing but what `remove_stale_temp_files` and
+    the lock touch."""
+
+    CONFIG = "config.yaml"  # every training run writes it first
+    METRICS = "metrics.jsonl"
+    WANDB_ID = "wandb_id"
+    CHECKPOINTS = "checkpoints"
+    FINAL_MODEL = "model_final.pth"
+    BEST_ACC_MODEL = "model_bestacc.pth"
+    BEST_FID_MODEL = "model_bestfid.pth"
+    LOGS = "logs"
+    SAMPLES = "samples"
+    COMPILE_CACHE = "compile_cache"
+    COUNTERFACTUALS = "counterfactuals"
+    EVAL_RESULTS = "eval.json"
+    LOCK = ".lock"
+    SHARED_CHECK = ".shared_check"  # rank 0's token: the other ranks must read it back
+
+    # What a finished run's folder may hold, in the order the closing line lists them; a file
+    # is listed only when the run wrote it (stage 1 draws no samples, only DAT keeps best models).
+    FILES_FOR_PEOPLE = (
+        (FINAL_MODEL, "evaluated weights"),
+        (BEST_ACC_MODEL, "best evaluated accuracy"),
+        (BEST_FID_MODEL, "best FID"),
+        (METRICS, ""),
+        (SAMPLES + "/", ""),
+        (CHECKPOINTS + "/", "training states; the same command continues the run"),
+        (LOGS + "/", ""),
+        ("wandb/", ""),
+    )
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"RunDirectory({self.path!r})"
+
+    def file(self, name: str) -> str:
+        """<run_dir>/<name>."""
+        return os.path.join(self.path, name)
+
+    @property
+    def config_file(self) -> str:
+        return self.file(self.CONFIG)
+
+    @property
+    def metrics_file(self) -> str:
+        return self.file(self.METRICS)
+
+    @property
+    def wandb_id_file(self) -> str:
+        return self.file(self.WANDB_ID)
+
+    @property
+    def final_model(self) -> str:
+        return self.file(self.FINAL_MODEL)
+
+    @property
+    def lock_file(self) -> str:
+        return self.file(self.LOCK)
+
+    @property
+    def shared_check_file(self) -> str:
+        return self.file(self.SHARED_CHECK)
+
+    @property
+    def checkpoints(self) -> str:
+        """The folder of the training states."""
+        return self.file(self.CHECKPOINTS)
+
+    def state_file(self, step: int) -> str:
+        return os.path.join(self.checkpoints, f"state_{step:09d}.pt")
+
+    def states(self) -> List[str]:
+        """Saved states of the run, newest first."""
+        paths = glob.glob(os.path.join(self.checkpoints, "state_*.pt"))
+        paths = [p for p in paths if STATE_PATTERN.search(p)]
+        return sorted(paths, key=state_step, reverse=True)
+
+    @property
+    def logs(self) -> str:
+        return self.file(self.LOGS)
+
+    def log_file(self, rank: int) -> str:
+        return os.path.join(self.logs, f"rank{rank}.log")
+
+    def samples(self, name: str) -> str:
+        """<run_dir>/samples/<name>."""
+        return os.path.join(self.file(self.SAMPLES), name)
+
+    def sample_grid(self, step: Optional[int] = None, kind: str = "gen") -> str:
+        """samples/<kind>_samples.png, <kind>_samples_step<8-digit step>.png in training: the
+        original's gen_samples_/seed_samples_ names without the hash of its sample folder (one
+        run's samples/ holds no other run's grids), with the step so that no evaluation of a
+        run overwrites another's."""
+        name = f"{kind}_samples" if step is None else f"{kind}_samples_step{step:08d}"
+        return self.samples(name + ".png")
+
+    def samples_folder(self, step: Optional[int]) -> str:
+        """samples/step_<8-digit step>, or samples/eval without a step (keep_samples)."""
+        return self.samples("eval" if step is None else f"step_{step:08d}")
+
+    def samples_npz(self, step: Optional[int]) -> str:
+        """samples/samples.npz, samples_step<8-digit step>.npz in training."""
+        return self.samples("samples.npz" if step is None else f"samples_step{step:08d}.npz")
+
+    def reliability_diagram(self, step: Optional[int]) -> str:
+        """reliability.png, reliability_step<8-digit step>.png in training."""
+        return self.file("reliability.png" if step is None else
+                         f"reliability_step{step:08d}.png")
+
+    @property
+    def counterfactuals(self) -> str:
+        return self.file(self.COUNTERFACTUALS)
+
+    @property
+    def eval_results(self) -> str:
+        """eval.json of `python -m rebm.eval`."""
+        return self.file(self.EVAL_RESULTS)
+
+    def compile_cache(self, key: str) -> str:
+        return os.path.join(self.file(self.COMPILE_CACHE), f"{key}.bin")
+
+    def describe_files(self) -> str:
+        """The run's files for people, as they are in the run directory now, e.g.
+        'model_final.pth (evaluated weights), metrics.jsonl, logs/'."""
+        found = [f"{name} ({meaning})" if meaning else name
+                 for name, meaning in self.FILES_FOR_PEOPLE if os.path.exists(self.file(name))]
+        return ", ".join(found) or "none yet"
+
+    def saved_config(self) -> dict:
+        """The run's config.yaml as a dict ({} when missing or unreadable)."""
+        try:
+            with open(self.config_file) as fh:
+                return yaml.safe_load(fh) or {}
+        except (OSError, yaml.YAMLError):
+            return {}
+
+    def remove_stale_temp_files(self) -> None:
+        """Temp files of writes a killed job never finished (`atomic_torch_save`, metrics
+        rewrite). Only the lock holder calls this, so no live writer owns them."""
+        for pattern in ("*.tmp", os.path.join(self.CHECKPOINTS, "*.tmp")):
+            for path in glob.glob(self.file(pattern)) + glob.glob(
+                    os.path.join(self.path, os.path.dirname(pattern), ".*.tmp")):
+                try:
+                    os.remove(path)
+                    LOGGER.info("removed %s, left by an interrupted write", path)
+                except OSError:
+                    pass
+
+    def check_shared(self, token: str, runtime: Runtime) -> None:
+        """Every rank must see the file rank 0 just wrote: run_dir has to be on a filesystem
+        all nodes share (states, model files and the resume decision live there)."""
+        try:
+            with open(self.shared_check_file) as fh:
+                seen = fh.read().strip()
+        except OSError:
+            seen = None
+        if seen != token:
+            raise RunDirError(
+                f"run_dir '{self.path}' as seen from rank {runtime.rank} on "
+                f"{socket.gethostname()} is not the directory rank 0 created: put run_dir on a "
+                "filesystem shared by all nodes")
+
+
+def state_step(path: str) -> int:
+    """The step of a state file, from its name."""
+    return int(STATE_PATTERN.search(path).group(1))
+
+
+def config_run_name(run_dir: str) -> str:
+    """The run directory's name without its `-<hash>` of training overrides."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    hashed = _HASHED.match(name)
+    return hashed.group("name") if hashed else name
+
+
+def sibling_runs(run_dir: str) -> List[str]:
+    """The other runs of the same config beside `run_dir` (`<name>` and `<name>-<hash>` folders
+    holding a config.yaml), sorted, spelled like `run_dir`."""
+    parent = os.path.dirname(os.path.normpath(run_dir))
+    name = config_run_name(run_dir)
+    candidates = [os.path.join(parent, name)]
+    candidates += glob.glob(os.path.join(parent, glob.escape(name) + "-*"))
+    same = os.path.abspath(run_dir)
+    return sorted(path for path in candidates
+                  if (path == os.path.join(parent, name) or _HASHED.match(os.path.basename(path)))
+                  and os.path.abspath(path) != same
+                  and os.path.isfile(RunDirectory(path).config_file))
+
+
+class RunDirLock:
+    """An exclusive flock on <run_dir>/.lock; the file says who holds it."""
+
+    def __init__(self, run_dir: str):
+        self.path = RunDirectory(run_dir).lock_file
+        try:
+            self._file = open(self.path, "a+")
+        except OSError as err:
+            raise RunDirError(f"cannot write '{self.path}' ({err.strerror}); choose a writable "
+                              "run_dir=PATH") from None
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # e.g. Lustre mounted without flock: run, but unguarded
+                LOGGER.warning("run_dir %s: this filesystem does not support file locks (%s); "
+                               "nothing stops a second job on the same run_dir", run_dir,
+                               err.strerror)
+                return
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise RunDirError(
+                f"run_dir '{run_dir}' is in use by {holder}; wait for that job to end, or "
+                "choose another run_dir=PATH") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+
+def new_run_notice(run_dir: str, config: Dict[str, Any]) -> Optional[str]:
+    """For a new run directory `run_dir` beside runs of the same config (`<name>` and
+    `<name>-<hash>`: the command line changed training keys, so the default run_dir changed):
+    one line naming the nearest of them and the keys that differ from `config` (the run's, as
+    to_dict gives it). None when there is none."""
+    siblings = sibling_runs(run_dir)
+    if not siblings:
+        return None
+    current = config
+    diffs = {path: training_diff(RunDirectory(path).saved_config(), current) for path in siblings}
+    nearest = min(siblings, key=lambda path: len(diffs[path]))
+    others = f" (and {len(siblings) - 1} other run(s) of this config)" if len(siblings) > 1 else ""
+    if diffs[nearest]:
+        return (f"new run in {run_dir}: the existing run {nearest}{others} differs in "
+                f"{'; '.join(diffs[nearest])} (run_dir={nearest} resume=force would continue "
+                "that one instead)")
+    return (f"new run in {run_dir}: the existing run {nearest}{others} has the same "
+            f"training keys (run_dir={nearest} continues that one instead)")
+
+
+def resolve_run_dir_all_ranks(run_dir: Optional[str], config: Dict[str, Any], runtime: Runtime
+                              ) -> Tuple[RunDirectory, Optional[RunDirLock]]:
+    """Rank 0 creates and locks the run directory `run_dir` (the config's key: runs/run when
+    unset), every rank gets its absolute path and checks that it sees the same directory;
+    returns that directory and the lock (rank 0) or None. `config` (the run's, as to_dict gives
+    it) is compared with the runs of the same config beside a new one. Every rank calls this."""
+    held = []
+    setup_logging(runtime)  # the console, for the lines below (the run's log file comes next)
+
+    def choose() -> Tuple[str, str]:
+        chosen = os.path.abspath(run_dir or os.path.join("runs", "run"))
+        run = RunDirectory(chosen)
+        notice = None if os.path.exists(run.config_file) else (
+            run_dir and new_run_notice(run_dir, config))
+        if notice:
+            LOGGER.info("%s", notice)
+        try:
+            os.makedirs(chosen, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot create run_dir '{chosen}' ({err.strerror}); choose a "
+                              "writable run_dir=PATH") from None
+        held.append(RunDirLock(chosen))
+        run.remove_stale_temp_files()
+        token = secrets.token_hex(8)
+        with open(run.shared_check_file, "w") as fh:
+            fh.write(token + "\n")
+        return chosen, token
+
+    chosen, token = decide_on_main(runtime, choose, "create the run directory")
+    on_every_rank(runtime, lambda: RunDirectory(chosen).check_shared(token, runtime),
+                  "see the run directory")
+    return RunDirectory(chosen), (held[0] if held else None)

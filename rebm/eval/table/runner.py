@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.cli import launch
 from rebm.distributed import setup_logging
 from rebm.distributed.collectives import decide_on_main, on_main
@@ -317,7 +318,7 @@ def log_dir(specs, args) -> str:
 def run(specs, runtime, args) -> None:
     """Every process of the tables (under torchrun, every rank): the entry's body, which
     `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
-    setup_logging(runtime, log_dir(specs, args))
+    setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank))
     with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
         run_tables_all_ranks(specs, args, stoppable)
 

@@ -32,7 +32,7 @@ def main(argv):
     torch.manual_seed(cfg.rand_seed)
     model = model_from_config(cfg)
     optimizer = get_optimizer(cfg, model.parameters())
-    train = load_indist(cfg, "train", augm="none")
+    train = load_indist(cfg.data, "train", augm="none")
     loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
                                          drop_last=True)
     model.train()

@@ -42,9 +42,9 @@ def test_the_dataset_registries_hold_the_datasets_and_their_defaults():
 
 def test_the_registries_load_real_data():
     cfg = load_config(CONFIG, ["data.outdist_dataset=lowfreq-noise"])
-    train = indist_source(cfg, "train")
+    train = indist_source(cfg.data, "train")
     assert len(train) == 1438 and train.name == "digits train"
-    noise = outdist_source(cfg, length=7)
+    noise = outdist_source(cfg.inputs, length=7)
     assert len(noise) == 7 and noise.name == "lowfreq-noise"
 
 

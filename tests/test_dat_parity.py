@@ -177,7 +177,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     torch.manual_seed(0)
     wrapped, raw = build_model_all_ranks(cfg, runtime)
     optimizer = rebm_get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),
                       log_now=log_now)
     params = [p.detach().clone() for p in raw.state_dict().values()]

@@ -92,7 +92,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     model = torch.compile(raw, backend="eager")
     optimizer = get_optimizer(cfg, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
-    batches = iter(build_train_data(cfg, runtime, plan, DAT.streams))
+    batches = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []
     for T, log_now in ((1, False), (1, True), (2, False), (3, True)):

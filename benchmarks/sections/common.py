@@ -247,7 +247,7 @@ def prefetch(bench: Bench, n: int) -> List[list]:
     """The micro-batches of steps 0..n-1, built up front and already on the device."""
     from rebm.data import build_train_data
 
-    data = build_train_data(bench.cfg, bench.runtime, bench.plan, DAT.streams)
+    data = build_train_data(bench.cfg.inputs, bench.runtime, bench.plan, DAT.streams)
     return [[mb.to(bench.runtime.device) for mb in data.step_batch(s)] for s in range(n)]
 
 

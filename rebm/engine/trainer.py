@@ -122,7 +122,7 @@ class Trainer:
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
         state = resume_point_all_ranks(cfg, self.runtime, method.stage)
-        self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
+        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(cfg, self.data.steps_per_epoch)
         self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,

@@ -60,7 +60,7 @@ def training_images_line(cfg) -> Optional[str]:
     from rebm.errors import UserError
 
     try:
-        n = len(indist_source(cfg, "train"))
+        n = len(indist_source(cfg.data, "train"))
     except UserError as err:
         if not os.path.exists(cfg.data.indist_ds_dir):
             return None

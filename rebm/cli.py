@@ -102,7 +102,7 @@ def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
     from rebm.models.memory import GIB, plan_memory, uninitialised_copy
 
     world_size, micro_batch = batches.world_size, batches.per_device_batch_size
-    model = uninitialised_copy(lambda: model_from_config(cfg))
+    model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
                        cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
                        eval_batch=batches.eval_batch_size)

@@ -24,6 +24,7 @@ from rebm.config import (
     to_yaml,
 )
 from rebm.config.schema import SEED_NOISES
+from rebm.config.sections import MethodSection
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -86,7 +87,7 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
 GPU_MEM_KEY = "gpu_mem_gib"
 
 
-LossStreams = Callable[[TrainConfig], int]
+LossStreams = Callable[[MethodSection], int]  # a method's `loss_streams`
 # A training entry's method class, imported when called (after the arguments parsed: `--help`
 # imports no torch)
 MethodLoader = Callable[[], Any]
@@ -145,7 +146,7 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
     else config_summary) and the memory plan (`gpu_mem_gib`: also the largest micro-batch that
     fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    streams = loss_streams(cfg) if loss_streams is not None else None
+    streams = loss_streams(cfg.method) if loss_streams is not None else None
     plan = (plan_batches(cfg, world_size) if streams is None
             else plan_batches(cfg, world_size, streams))
     for problem in environment_warnings(cfg):

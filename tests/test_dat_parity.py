@@ -191,7 +191,7 @@ def test_track_r1_logs_without_training_on_it():
     assert float(on.loss) == float(off.loss)  # the logged total is the trained loss
     assert float(off.losses["r1"]) == 0.0 and float(on.losses["r1"]) > 0.0
     # Logged as train_r1_loss: averaged over the log steps, other terms over every step
-    method = DAT(cfg)
+    method = DAT(cfg.method, cfg.model, cfg.schedule)
     quiet = dict(off.window)  # a step without a log: r1 contributes nothing
     totals = {k: on.window.get(k, 0.0) + quiet.get(k, 0.0) for k in {*on.window, *quiet}}
     logged = method.summarize(totals)

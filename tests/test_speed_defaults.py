@@ -19,6 +19,7 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.engine.compiling import REPAYING_STEPS, decide_compile
 from rebm.methods.dat.step import DAT
+from rebm.training.train import make_method
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update
 
@@ -186,7 +187,7 @@ def test_the_start_up_line_says_whether_auto_compiles_and_why(tmp_path, override
 
     cfg = load_config("experiments/quickstart/digits.yaml",
                       [*overrides, f"run_dir={tmp_path}", "wandb_mode=disabled"])
-    trainer = Trainer(cfg, Runtime(), DAT)
+    trainer = Trainer(cfg, Runtime(), make_method)
     steps = int(trainer.last_step)
     assert (steps >= REPAYING_STEPS) is compiled
     log = (tmp_path / "logs" / "rank0.log").read_text()

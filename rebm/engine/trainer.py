@@ -117,7 +117,7 @@ class Trainer:
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
         method = make_method(cfg)
-        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
+        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg.method))
         self._start_logging_all_ranks(method)
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.

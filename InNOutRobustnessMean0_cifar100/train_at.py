@@ -31,7 +31,12 @@ SCHEDULES = STAGE1.schedules  # the values of lr_schedule (and --schedule) stage
 def run(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
 
-    return train(cfg, runtime, method())
+    return train(cfg, runtime, make_method)
+
+
+def make_method(cfg):
+    """Stage 1's method on the config's sections it reads (the engine's method factory)."""
+    return method()(cfg.method, cfg.model, cfg.schedule)
 
 
 def method():
@@ -44,7 +49,7 @@ def method():
 
 def check_stage1(args, cfg) -> None:
     """The method's config rules (stage 1's: live BatchNorm, a schedule it offers)."""
-    method().check_config(cfg, args.config or "config")
+    method().check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
 
 
 def build_parser():

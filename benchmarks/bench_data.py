@@ -73,7 +73,7 @@ def make_cfg(root: str, batch_size: int, workers: int) -> TrainConfig:
 
 
 def bench_augmentation(root: str, reps: int, batch: int = 256) -> float:
-    images = load_indist(make_cfg(root, 128, 0), "train").source.data[:batch]
+    images = load_indist(make_cfg(root, 128, 0).data, "train").source.data[:batch]
     transform = build_augmentation("autoaugment_cutout", 32)
     rates = []
     for rep in range(reps):
@@ -86,7 +86,7 @@ def bench_augmentation(root: str, reps: int, batch: int = 256) -> float:
 
 def bench_loader(root: str, workers: int, reps: int, steps: int, batch_size: int) -> tuple:
     cfg = make_cfg(root, batch_size, workers)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     rates = []
     for _ in range(reps):
         loader = iter(data)
@@ -110,7 +110,7 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         cfg.data.outdist_std_dir = work_dir
         rss0 = rss_bytes()
         t0 = time.perf_counter()
-        source = outdist_source(cfg)
+        source = outdist_source(cfg.inputs)
         schedule = StreamSchedule(len(source), batch_size, cfg.rand_seed, "out")
         indices, _ = schedule.rank_indices(0, 0, 1, 0, batch_size)
         images = source.images(indices)
@@ -119,7 +119,8 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         assert images.shape == (batch_size, 3, 32, 32)
 
         t0 = time.perf_counter()
-        data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=123_456)
+        data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS,
+                                start_step=123_456)
         next(iter(data))
         t_all = time.perf_counter() - t0
         rss_all = rss_bytes() - rss0
@@ -214,7 +215,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
-    data = iter(build_train_data(cfg, runtime, plan, DAT.streams))
+    data = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]
     precision = Precision(cfg.amp, runtime.device)
     times = []

@@ -30,9 +30,9 @@ def main(argv):
     overrides = [a for a in argv if "=" in a]
     cfg = load_config(path, overrides)
     torch.manual_seed(cfg.rand_seed)
-    model = model_from_config(cfg)
+    model = model_from_config(cfg.model, cfg.data)
     optimizer = get_optimizer(cfg, model.parameters())
-    train = load_indist(cfg, "train", augm="none")
+    train = load_indist(cfg.data, "train", augm="none")
     loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
                                          drop_last=True)
     model.train()

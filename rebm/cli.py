@@ -26,7 +26,7 @@ from rebm.config import (
     to_yaml,
 )
 from rebm.config.schema import SEED_NOISES
-from rebm.config.sections import DistributedSection
+from rebm.config.sections import DistributedSection, MethodSection
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -89,7 +89,7 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
 GPU_MEM_KEY = "gpu_mem_gib"
 
 
-LossStreams = Callable[[TrainConfig], int]
+LossStreams = Callable[[MethodSection], int]  # a method's `loss_streams`
 # A training entry's method class, imported when called (after the arguments parsed: `--help`
 # imports no torch)
 MethodLoader = Callable[[], Any]
@@ -105,7 +105,7 @@ def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
     from rebm.models.memory import GIB, plan_memory, uninitialised_copy
 
     world_size, micro_batch = batches.world_size, batches.per_device_batch_size
-    model = uninitialised_copy(lambda: model_from_config(cfg))
+    model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
                        cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
                        eval_batch=batches.eval_batch_size)
@@ -148,7 +148,7 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
     else config_summary) and the memory plan (`gpu_mem_gib`: also the largest micro-batch that
     fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    streams = loss_streams(cfg) if loss_streams is not None else None
+    streams = loss_streams(cfg.method) if loss_streams is not None else None
     plan = (plan_batches(cfg, world_size) if streams is None
             else plan_batches(cfg, world_size, streams))
     for problem in environment_warnings(cfg):

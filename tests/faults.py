@@ -43,9 +43,9 @@ class FaultyDAT(DAT):
     that rank a finite loss and NaN gradients (the engine's backward of its losses), and whose `slow_at = (step, rank, seconds)` makes
     that step on that rank sleep first (a slow or stuck rank)."""
 
-    def __init__(self, cfg, nan_at: Optional[Tuple[float, ...]] = None,
+    def __init__(self, method, model, schedule, nan_at: Optional[Tuple[float, ...]] = None,
                  slow_at: Optional[Tuple[float, ...]] = None):
-        super().__init__(cfg)
+        super().__init__(method, model, schedule)
         self.nan_at, self.slow_at = nan_at, slow_at
         self.steps_in_this_process = 0
         self.rank = int(os.environ.get("RANK", "0"))

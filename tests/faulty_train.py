@@ -4,7 +4,6 @@ like `python -m rebm.training.train`)."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import List, Optional
 
@@ -16,9 +15,9 @@ def run(cfg, runtime, args) -> dict:
     from rebm.engine.trainer import train
     from tests.faults import FaultyDAT, parse_fault
 
-    return train(cfg, runtime, functools.partial(
-        FaultyDAT, nan_at=parse_fault(args.nan_grad_at, 2),
-        slow_at=parse_fault(args.slow_step_at, 3)))
+    nan_at, slow_at = parse_fault(args.nan_grad_at, 2), parse_fault(args.slow_step_at, 3)
+    return train(cfg, runtime, lambda config: FaultyDAT(
+        config.method, config.model, config.schedule, nan_at=nan_at, slow_at=slow_at))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

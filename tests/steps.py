@@ -22,7 +22,7 @@ def dat_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                plan: BatchPlan, precision: Precision, log_now: bool = False) -> StepResult:
     """The update of one DAT step with T = `outdist_steps` (no scheduler, EMA or curriculum:
     those follow an applied update in the Trainer)."""
-    method = DAT(cfg)
+    method = DAT(cfg.method, cfg.model, cfg.schedule)
     method.curriculum.T = outdist_steps
     parts = Parts(model=model, raw_model=unwrap(model), optimizer=optimizer, scheduler=None,
                   ema=None, precision=precision, method=method, progress=Progress(),

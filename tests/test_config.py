@@ -246,7 +246,7 @@ def _samples_from(overrides, tmp_path):
     cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"),
                       ["image_log.num_steps=2", *overrides])
     torch.manual_seed(0)
-    model = model_from_config(cfg).eval()
+    model = model_from_config(cfg.model, cfg.data).eval()
     images, labels = generate_samples(model, cfg, Runtime(), num_samples=12)
     return cfg, images, labels
 

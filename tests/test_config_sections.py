@@ -42,9 +42,9 @@ def test_the_dataset_registries_hold_the_datasets_and_their_defaults():
 
 def test_the_registries_load_real_data():
     cfg = load_config(CONFIG, ["data.outdist_dataset=lowfreq-noise"])
-    train = indist_source(cfg, "train")
+    train = indist_source(cfg.data, "train")
     assert len(train) == 1438 and train.name == "digits train"
-    noise = outdist_source(cfg, length=7)
+    noise = outdist_source(cfg.inputs, length=7)
     assert len(noise) == 7 and noise.name == "lowfreq-noise"
 
 
@@ -136,9 +136,10 @@ def test_the_optimizers_are_the_originals():
 
 def test_the_schedule_is_a_config_key_with_a_default_per_stage():
     stage1, stage2 = load_config(STAGE1), load_config(CONFIG)
-    assert stage1.lr_schedule is None and STAGE_1.lr_schedule(stage1) == "cosine"
-    assert STAGE_2.lr_schedule(stage2) == "constant"
-    assert STAGE_1.lr_schedule(load_config(STAGE1, ["lr_schedule=constant"])) == "constant"
+    assert stage1.lr_schedule is None and STAGE_1.lr_schedule(stage1.schedule) == "cosine"
+    assert STAGE_2.lr_schedule(stage2.schedule) == "constant"
+    constant = load_config(STAGE1, ["lr_schedule=constant"])
+    assert STAGE_1.lr_schedule(constant.schedule) == "constant"
     with pytest.raises(ConfigError, match="'lr_schedule: linear' is not a valid choice"):
         load_config(STAGE1, ["lr_schedule=linear"])
     # a resume that changes the schedule is refused like any other training key
@@ -149,10 +150,12 @@ def test_the_schedule_is_a_config_key_with_a_default_per_stage():
 def test_fixed_lr_is_a_stage_2_rule():
     unfixed = load_config(CONFIG, ["fixed_lr=false"])  # loads: the stage is not known yet
     with pytest.raises(ConfigError, match="'fixed_lr: false' is not supported in stage 2"):
-        STAGE_2.check(unfixed)
-    STAGE_1.check(load_config(STAGE1, ["fixed_lr=false"]))  # stage 1 does not read it
+        STAGE_2.check(unfixed.schedule, unfixed.model)
+    stage1 = load_config(STAGE1, ["fixed_lr=false"])
+    STAGE_1.check(stage1.schedule, stage1.model)  # stage 1 does not read it
+    cosine = load_config(CONFIG, ["lr_schedule=cosine"])
     with pytest.raises(ConfigError, match="'lr_schedule: cosine' is not offered in stage 2"):
-        STAGE_2.check(load_config(CONFIG, ["lr_schedule=cosine"]))
+        STAGE_2.check(cosine.schedule, cosine.model)
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -118,8 +118,8 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
                              "eval.counterfactual_num_targets=2", "eval.counterfactual_steps=2"])
     result["few"] = counterfactuals_of(model, few, runtime, 20, folder + "_few")
     with torch.no_grad():  # the clean target-class confidence, for comparison
-        x = indist_test_set(cfg).images(np.arange(7))
-        y = torch.tensor([int(v) for v in indist_test_set(cfg).labels(np.arange(7))])
+        x = indist_test_set(cfg.data).images(np.arange(7))
+        y = torch.tensor([int(v) for v in indist_test_set(cfg.data).labels(np.arange(7))])
         probs = model(x).double().softmax(1)
         result["clean"] = float(probs.gather(1, target_classes(y, 10)).mean())
     torch.save(result, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))

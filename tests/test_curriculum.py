@@ -53,13 +53,14 @@ def make_cfg(**kw):
 
 
 def test_from_config_window():
-    cur = Curriculum.from_config(make_cfg(start=1))
+    cur = Curriculum.from_config(make_cfg(start=1).method)
     assert cur.T == 1 and cur.window.maxlen == math.ceil(1000 / 128) == 8
-    assert Curriculum.from_config(make_cfg(batch_size=100)).window.maxlen == 10  # exact division
+    exact = Curriculum.from_config(make_cfg(batch_size=100).method)
+    assert exact.window.maxlen == 10  # exact division
 
 
 def test_advances_exactly_when_full_window_mean_crosses_threshold():
-    cur = Curriculum.from_config(make_cfg())
+    cur = Curriculum.from_config(make_cfg().method)
     # a high AUC advances only once the window is full, then the window restarts empty
     assert [cur.update(0.99, 128) for _ in range(8)] == [False] * 7 + [True]
     assert cur.T == 1 and len(cur.window) == 0 and cur.images_at_T == 0
@@ -80,7 +81,8 @@ def test_threshold_is_inclusive():
 
 
 def test_never_past_max_steps():
-    cur = Curriculum.from_config(make_cfg(start=1, max_steps=2, min_imgs=128))  # window of 1
+    # a window of 1
+    cur = Curriculum.from_config(make_cfg(start=1, max_steps=2, min_imgs=128).method)
     assert cur.update(1.0, 128) is True and cur.T == 2
     assert not any(cur.update(1.0, 128) for _ in range(20))
     assert cur.T == 2
@@ -91,7 +93,7 @@ def test_never_past_max_steps():
 
 
 def test_samples_per_attack_step_mode():
-    cur = Curriculum.from_config(make_cfg(samples=300, max_steps=2))
+    cur = Curriculum.from_config(make_cfg(samples=300, max_steps=2).method)
     # AUC is irrelevant: advance after 300 images at the current T (128-image steps: 3rd step)
     assert [cur.update(0.0, 128) for _ in range(3)] == [False, False, True]
     assert cur.T == 1 and cur.images_at_T == 0
@@ -102,16 +104,16 @@ def test_samples_per_attack_step_mode():
 def test_state_round_trip_resumes_exactly():
     rng = np.random.default_rng(0)
     aucs = rng.uniform(0.6, 1.0, 200).tolist()
-    ref = Curriculum.from_config(make_cfg(max_steps=10))
+    ref = Curriculum.from_config(make_cfg(max_steps=10).method)
     ref_out = [ref.update(a, 128) for a in aucs]
-    cur = Curriculum.from_config(make_cfg(max_steps=10))
+    cur = Curriculum.from_config(make_cfg(max_steps=10).method)
     out = [cur.update(a, 128) for a in aucs[:77]]
     state = cur.state_dict()
     assert len(state["window"]) > 0  # mid-window, the interesting case
     buf = io.BytesIO()
     torch.save(state, buf)  # as inside a training-state file
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    resumed = Curriculum.from_config(make_cfg(max_steps=10))
+    resumed = Curriculum.from_config(make_cfg(max_steps=10).method)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == cur.state_dict()
     out += [resumed.update(a, 128) for a in aucs[77:]]

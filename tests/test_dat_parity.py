@@ -177,7 +177,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     torch.manual_seed(0)
     wrapped, raw = build_model_all_ranks(cfg, runtime)
     optimizer = rebm_get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),
                       log_now=log_now)
     params = [p.detach().clone() for p in raw.state_dict().values()]
@@ -191,7 +191,7 @@ def test_track_r1_logs_without_training_on_it():
     assert float(on.loss) == float(off.loss)  # the logged total is the trained loss
     assert float(off.losses["r1"]) == 0.0 and float(on.losses["r1"]) > 0.0
     # Logged as train_r1_loss: averaged over the log steps, other terms over every step
-    method = DAT(cfg)
+    method = DAT(cfg.method, cfg.model, cfg.schedule)
     quiet = dict(off.window)  # a step without a log: r1 contributes nothing
     totals = {k: on.window.get(k, 0.0) + quiet.get(k, 0.0) for k in {*on.window, *quiet}}
     logged = method.summarize(totals)

@@ -61,7 +61,7 @@ def step_pairs(cfg: TrainConfig, step: int, rank: int = 0, world_size: int = 1,
     cfg.per_device_batch_size = per_device
     plan = plan_batches(cfg, world_size)
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-    micro_batches = build_train_data(cfg, runtime, plan, STREAMS).step_batch(step)
+    micro_batches = build_train_data(cfg.inputs, runtime, plan, STREAMS).step_batch(step)
     assert len(micro_batches) == plan.accumulation_steps
     pairs = {"in": [], "clf": [], "out": []}
     for mb in micro_batches:
@@ -86,16 +86,16 @@ def union_over_ranks(cfg, step, world_size, per_device=None) -> dict:
 def test_fake_cifar_is_read_by_torchvision_code(cifar_root, tmp_path):
     ds = _UncheckedCIFAR10(cifar_root, train=True, download=False)  # torchvision's own loader
     assert ds.data.shape == (N_TRAIN, 32, 32, 3) and len(ds.targets) == N_TRAIN
-    source = load_indist(make_cfg(cifar_root), "train").source
+    source = load_indist(make_cfg(cifar_root).data, "train").source
     assert torch.equal(source.data, torch.from_numpy(ds.data).permute(0, 3, 1, 2))
     assert source.labels(np.arange(N_TRAIN)).tolist() == ds.targets
 
     write_fake_cifar100(str(tmp_path), n_train=30, n_test=10)
     cfg = make_cfg(str(tmp_path), indist_dataset="cifar100-conditional", num_classes=100)
-    x, y = load_indist(cfg, "test")[3]
+    x, y = load_indist(cfg.data, "test")[3]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= y < 100
     with pytest.raises(DataError, match="data.num_classes"):
-        load_indist(make_cfg(str(tmp_path), indist_dataset="cifar100"), "test")
+        load_indist(make_cfg(str(tmp_path), indist_dataset="cifar100").data, "test")
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,9 +137,10 @@ def test_global_batch_is_identical_on_1_2_3_ranks(cifar_root):
 def test_worker_count_does_not_change_batches(cifar_root):
     cfg = make_cfg(cifar_root, num_workers=2)
     plan = plan_batches(cfg, 1)
-    with_workers = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=3)
+    with_workers = build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=3)
     assert with_workers._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
-    in_process = build_train_data(make_cfg(cifar_root), Runtime(), plan, STREAMS, start_step=3)
+    in_process = build_train_data(make_cfg(cifar_root).inputs, Runtime(), plan, STREAMS,
+                                  start_step=3)
     for a, b in zip(iter(with_workers), [in_process.step_batch(s) for s in (3, 4, 5)], strict=False):
         assert torch.equal(a[0]["clf"].images, b[0]["clf"].images) and torch.equal(a[0]["out"].indices, b[0]["out"].indices)
 
@@ -156,7 +157,8 @@ def _rank_main(local_rank: int, world_size: int, port: int, root: str, out_path:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(root)
-    mb, = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size), STREAMS).step_batch(step)
+    mb, = build_train_data(cfg.inputs, runtime, plan_batches(cfg, runtime.world_size),
+                           STREAMS).step_batch(step)
     mine = [(int(i), image_hash(x)) for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
     mine += [(int(i), image_hash(x)) for i, x in zip(mb["in"].indices, mb["in"].images, strict=True)]
     gathered = [None] * runtime.world_size
@@ -194,14 +196,14 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
     write_fake_cifar10(str(tmp_path), n_train=10, n_test=n_test)
     cfg = make_cfg(str(tmp_path))
     single = {}
-    for x, y, index in build_eval_data(cfg, Runtime(), batch_size=8):
+    for x, y, index in build_eval_data(cfg.data, Runtime(), batch_size=8):
         single.update({int(i): (image_hash(xi), int(yi)) for xi, yi, i in zip(x, y, index, strict=True)})
     assert sorted(single) == list(range(n_test))
     for world_size in (2, 3):
         seen = {}
         for rank in range(world_size):
             runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-            for x, y, index in build_eval_data(cfg, runtime, batch_size=8):
+            for x, y, index in build_eval_data(cfg.data, runtime, batch_size=8):
                 for xi, yi, i in zip(x, y, index, strict=True):
                     assert int(i) not in seen, "an index on two ranks (padding duplicate)"
                     seen[int(i)] = (image_hash(xi), int(yi))
@@ -213,7 +215,7 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
 # --------------------------------------------------------------------------------------------
 def _orders(cfg, steps) -> list:
     """Per step: {stream: dataset indices} of the single-process global batch."""
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     orders = []
     for step in steps:
         mb, = data.step_batch(step)
@@ -224,7 +226,7 @@ def _orders(cfg, steps) -> list:
 
 def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     assert data.steps_per_epoch == N_TRAIN // cfg.batch_size == 5
     assert data.epoch_of(4) == 0 and data.epoch_of(5) == 1
     orders = _orders(cfg, range(10))
@@ -240,7 +242,7 @@ def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
 
 def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     images = {}
     for step in range(10):  # two epochs: every index once per epoch
         mb, = data.step_batch(step)
@@ -258,9 +260,9 @@ def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
 def test_resume_yields_the_same_batches(cifar_root):
     cfg = make_cfg(cifar_root)
     plan = plan_batches(cfg, 1)
-    through = iter(build_train_data(cfg, Runtime(), plan, STREAMS))
+    through = iter(build_train_data(cfg.inputs, Runtime(), plan, STREAMS))
     batches = [next(through) for _ in range(9)]
-    resumed = iter(build_train_data(cfg, Runtime(), plan, STREAMS, start_step=6))
+    resumed = iter(build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=6))
     for expected in batches[6:]:
         got = next(resumed)
         for stream in ("in", "clf", "out"):
@@ -273,8 +275,8 @@ def test_loading_leaves_the_global_rng_alone(cifar_root):
     cfg = make_cfg(cifar_root, outdist_dataset="lowfreq-noise")
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    next(iter(build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=2)))
-    next(iter(build_eval_data(cfg, Runtime(), batch_size=8)))
+    next(iter(build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=2)))
+    next(iter(build_eval_data(cfg.data, Runtime(), batch_size=8)))
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -284,7 +286,7 @@ def test_resume_is_o1(cifar_root, monkeypatch):
     reads = []
 
     def timed_first_batch(start_step):
-        data = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=start_step)
+        data = build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=start_step)
         original = data._dataset.streams[0].source.images
         monkeypatch.setattr(data._dataset.streams[0].source, "images",
                             lambda idx: reads.append(len(idx)) or original(idx))
@@ -307,7 +309,7 @@ def test_resume_is_o1(cifar_root, monkeypatch):
 def test_augmentation_is_seeded_and_leaves_rng_alone(cifar_root):
     import random
 
-    images = load_indist(make_cfg(cifar_root), "train").source.data[:16]
+    images = load_indist(make_cfg(cifar_root).data, "train").source.data[:16]
     transform = build_augmentation("autoaugment_cutout", 32)
     seeds = list(range(100, 116))
     torch.manual_seed(0)
@@ -330,11 +332,11 @@ def test_augmentation_is_seeded_and_leaves_rng_alone(cifar_root):
 # --------------------------------------------------------------------------------------------
 def test_digits_split_and_scale():
     cfg = make_cfg("/nonexistent", indist_dataset="digits", image_size=16)
-    train, test = load_indist(cfg, "train"), load_indist(cfg, "test")
+    train, test = load_indist(cfg.data, "train"), load_indist(cfg.data, "test")
     assert len(train) + len(test) == 1797 and len(train) == 1438
     x, y = train[0]
     assert x.shape == (3, 16, 16) and torch.equal(x[0], x[2]) and 0 <= x.min() <= x.max() <= 1
-    assert torch.equal(load_indist(cfg, "train").source.data, train.source.data)
+    assert torch.equal(load_indist(cfg.data, "train").source.data, train.source.data)
 
 
 def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
@@ -350,11 +352,11 @@ def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
     cfg = make_cfg(cifar_root, outdist_dataset="tinyimages", outdist_std_dir=str(tmp_path),
                    outdist_exclude_index=str(tmp_path / "exclude.txt"))
     cfg.augm_type_generation = "none"
-    out = load_outdist(cfg).source
+    out = load_outdist(cfg.inputs).source
     assert len(out) == 296
     kept = np.setdiff1d(np.arange(300), excluded)
     assert np.array_equal(out.record_numbers(np.arange(296)), kept)
-    mb, = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS).step_batch(2)
+    mb, = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS).step_batch(2)
     records = out.record_numbers(mb["out"].indices.numpy())
     assert not np.isin(records, excluded).any()
     assert torch.equal(mb["out"].images, torch.from_numpy(chw[records]).float() / 255)
@@ -363,11 +365,11 @@ def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
 def test_noise_outdist_is_deterministic(cifar_root):
     for name in ("noise", "lowfreq-noise"):
         cfg = make_cfg(cifar_root, outdist_dataset=name)
-        a = load_outdist(cfg)[7][0]
-        assert torch.equal(a, load_outdist(cfg)[7][0]) and a.shape == (3, 32, 32)
-        assert not torch.equal(a, load_outdist(cfg)[8][0])
-    smooth = load_outdist(make_cfg(cifar_root, outdist_dataset="lowfreq-noise"))[0][0]
-    rough = load_outdist(make_cfg(cifar_root, outdist_dataset="noise"))[0][0]
+        a = load_outdist(cfg.inputs)[7][0]
+        assert torch.equal(a, load_outdist(cfg.inputs)[7][0]) and a.shape == (3, 32, 32)
+        assert not torch.equal(a, load_outdist(cfg.inputs)[8][0])
+    smooth = load_outdist(make_cfg(cifar_root, outdist_dataset="lowfreq-noise").inputs)[0][0]
+    rough = load_outdist(make_cfg(cifar_root, outdist_dataset="noise").inputs)[0][0]
     assert smooth.diff(dim=-1).abs().mean() < rough.diff(dim=-1).abs().mean() / 2
 
 
@@ -384,17 +386,17 @@ def test_image_folder_sources(tmp_path):
     write_image_folder(str(tmp_path / "test"), n_per_class=1)
     cfg = make_cfg(str(tmp_path), indist_dataset="imagefolder", num_classes=2,
                    outdist_dataset="imagefolder", outdist_std_dir=str(tmp_path / "train"))
-    x, y = load_indist(cfg, "train", "original")[4]
+    x, y = load_indist(cfg.data, "train", "original")[4]
     assert x.shape == (3, 32, 32) and y == 1
-    assert len(load_outdist(cfg)) == 6
+    assert len(load_outdist(cfg.inputs)) == 6
 
 
 def test_loader_settings_on_cpu(cifar_root):
     cfg = make_cfg(cifar_root, num_workers=64)
     cores = len(os.sched_getaffinity(0))
-    assert loader_workers(cfg, Runtime()) == cores
-    assert loader_workers(cfg, Runtime(local_world_size=cores + 1)) == 0
-    loader = build_eval_data(cfg, Runtime(), batch_size=4)
+    assert loader_workers(cfg.data, Runtime()) == cores
+    assert loader_workers(cfg.data, Runtime(local_world_size=cores + 1)) == 0
+    loader = build_eval_data(cfg.data, Runtime(), batch_size=4)
     assert loader.pin_memory is False
 
 
@@ -403,8 +405,8 @@ def test_only_the_declared_streams_are_loaded(cifar_root):
     the same images and keys as when all three are loaded."""
     cfg = make_cfg(cifar_root)
     plan = plan_batches(cfg, 1)
-    alone, = build_train_data(cfg, Runtime(), plan, (CLASSIFIER,)).step_batch(3)
-    full, = build_train_data(cfg, Runtime(), plan, STREAMS).step_batch(3)
+    alone, = build_train_data(cfg.inputs, Runtime(), plan, (CLASSIFIER,)).step_batch(3)
+    full, = build_train_data(cfg.inputs, Runtime(), plan, STREAMS).step_batch(3)
     assert list(alone) == ["clf"] and list(full) == ["in", "clf", "out"]
     for name in ("images", "labels", "keys", "indices"):
         assert torch.equal(getattr(alone["clf"], name), getattr(full["clf"], name)), name

@@ -23,7 +23,7 @@ def _assert_one_line_error(excinfo, path):
 
 def test_missing_cifar_root(tmp_path):
     with pytest.raises(DataError) as excinfo:
-        load_indist(make_cfg(str(tmp_path / "nowhere")), "train")
+        load_indist(make_cfg(str(tmp_path / "nowhere")).data, "train")
     _assert_one_line_error(excinfo, tmp_path / "nowhere" / "cifar-10-batches-py")
     assert "data.download=true" in str(excinfo.value)
 
@@ -34,7 +34,7 @@ def test_corrupt_cifar_pickle(tmp_path):
     with open(bad, "wb") as f:
         f.write(b"this is not a pickle")
     with pytest.raises(DataError) as excinfo:
-        load_indist(make_cfg(str(tmp_path)), "train")
+        load_indist(make_cfg(str(tmp_path)).data, "train")
     _assert_one_line_error(excinfo, bad)
 
 
@@ -42,12 +42,12 @@ def test_empty_image_folder(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     cfg = make_cfg(str(tmp_path), indist_dataset="imagefolder")
     with pytest.raises(DataError) as excinfo:
-        load_indist(cfg, "train")
+        load_indist(cfg.data, "train")
     _assert_one_line_error(excinfo, tmp_path / "train")
     cfg = make_cfg(str(tmp_path), outdist_dataset="imagefolder",
                    outdist_std_dir=str(tmp_path / "train"))
     with pytest.raises(DataError) as excinfo:
-        load_outdist(cfg)
+        load_outdist(cfg.inputs)
     _assert_one_line_error(excinfo, tmp_path / "train")
 
 
@@ -57,7 +57,7 @@ def test_wrong_tinyimages_size(tmp_path):
     cfg = make_cfg(str(tmp_path), outdist_dataset="80m-tinyimages",
                    outdist_std_dir=str(tmp_path))
     with pytest.raises(DataError) as excinfo:
-        load_outdist(cfg)
+        load_outdist(cfg.inputs)
     _assert_one_line_error(excinfo, path)
 
 

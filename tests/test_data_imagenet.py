@@ -83,7 +83,8 @@ def make_cfg(roots, size: int = 32, **top) -> TrainConfig:
 
 def rank_batches(cfg, step: int, rank: int, world_size: int):
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-    return build_train_data(cfg, runtime, plan_batches(cfg, world_size), STREAMS).step_batch(step)
+    return build_train_data(cfg.inputs, runtime, plan_batches(cfg, world_size),
+                            STREAMS).step_batch(step)
 
 
 def global_batch(cfg, step: int, world_size: int):
@@ -107,12 +108,12 @@ def global_batch(cfg, step: int, world_size: int):
 def test_fake_imagenet_is_torchvisions_layout(roots):
     tv_val = torchvision.datasets.ImageNet(roots[0], split="val")  # torchvision's own parser
     assert tv_val.wnids == imagenet_wnids(CLASSES) and len(tv_val) == CLASSES * N_VAL
-    source = load_indist(make_cfg(roots), "test").source
+    source = load_indist(make_cfg(roots).data, "test").source
     assert source.labels(np.arange(len(source))).tolist() == tv_val.targets
     assert [source.files[i] for i in range(len(source))] == [p for p, _ in tv_val.samples]
-    x, y = load_indist(make_cfg(roots, 40), "test")[4]
+    x, y = load_indist(make_cfg(roots, 40).data, "test")[4]
     assert x.shape == (3, 40, 40) and x.dtype == torch.float32 and y == tv_val.targets[4]
-    assert len(load_indist(make_cfg(roots), "train")) == CLASSES * N_TRAIN
+    assert len(load_indist(make_cfg(roots).data, "train")) == CLASSES * N_TRAIN
 
 
 def _layout_error(roots, tmp_path, break_it) -> str:
@@ -120,7 +121,7 @@ def _layout_error(roots, tmp_path, break_it) -> str:
     break_it(root)
     cfg = make_cfg((root, roots[1]))
     with pytest.raises(DataError) as err:
-        load_indist(cfg, "test")
+        load_indist(cfg.data, "test")
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -129,7 +130,7 @@ def _layout_error(roots, tmp_path, break_it) -> str:
 def test_bad_layouts_name_the_path_and_the_fix(roots, tmp_path):
     missing = str(tmp_path / "nowhere")
     with pytest.raises(DataError, match=f"ImageNet root {missing} does not exist.*indist_ds_dir"):
-        load_indist(make_cfg((missing, roots[1])), "train")
+        load_indist(make_cfg((missing, roots[1])).data, "train")
     msg = _layout_error(roots, tmp_path / "a", lambda r: os.remove(os.path.join(r, "meta.bin")))
     assert "meta.bin is missing" in msg and "ILSVRC2012_devkit_t12.tar.gz" in msg
     msg = _layout_error(roots, tmp_path / "b", lambda r: shutil.rmtree(os.path.join(r, "val")))
@@ -170,8 +171,8 @@ def test_meta_bin_is_not_unpickled_into_objects(roots, tmp_path, monkeypatch):
 
 def test_openimage_o_folder_and_fixed_subset(roots, tmp_path):
     cfg = make_cfg(roots)
-    assert len(load_outdist(cfg)) == 9
-    subset = load_outdist(make_cfg(roots, openimages_max_samples=4)).source
+    assert len(load_outdist(cfg.inputs)) == 9
+    subset = load_outdist(make_cfg(roots, openimages_max_samples=4).inputs).source
     every = openimages_files(roots[1])
     keep = torch.randperm(9, generator=torch.Generator().manual_seed(42))[:4].tolist()
     assert [subset.files[i] for i in range(4)] == [every[i] for i in keep]
@@ -180,10 +181,10 @@ def test_openimage_o_folder_and_fixed_subset(roots, tmp_path):
     assert openimages_files(folder) == [p for p, _ in torchvision.datasets.ImageFolder(
         folder).samples]
     with pytest.raises(DataError, match="OpenImage-O folder .* does not exist"):
-        load_outdist(make_cfg((roots[0], str(tmp_path / "none"))))
+        load_outdist(make_cfg((roots[0], str(tmp_path / "none"))).inputs)
     os.makedirs(tmp_path / "empty")
     with pytest.raises(DataError, match="holds no images"):
-        load_outdist(make_cfg((roots[0], str(tmp_path / "empty"))))
+        load_outdist(make_cfg((roots[0], str(tmp_path / "empty"))).inputs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_corrupt_jpeg_replaced_identically_and_counted(corrupt_roots, caplog):
         total[2] += total_2
     assert total == {1: 2, 2: 2}  # met once by the EBM stream and once by the classifier's
     # the replacement is the next index (same class here), so its label comes with it
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     with caplog.at_level(logging.WARNING):
         for step in range(4):  # two epochs: counted every time, logged once
             data.step_batch(step)
@@ -224,10 +225,10 @@ def test_workers_decode_and_resume_is_exact(corrupt_roots):
     cfg = make_cfg(corrupt_roots)
     cfg.data.num_workers = 2
     plan = plan_batches(cfg, 1)
-    resumed = build_train_data(cfg, Runtime(), plan, STREAMS, start_step=1)
+    resumed = build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=1)
     assert resumed._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
     direct = make_cfg(corrupt_roots)
-    fresh = build_train_data(direct, Runtime(), plan, STREAMS)
+    fresh = build_train_data(direct.inputs, Runtime(), plan, STREAMS)
     got = [group for _, group in zip(range(3), resumed, strict=False)]  # no 4th step read
     for step, group in zip((1, 2, 3), got, strict=True):
         want = fresh.step_batch(step)[0]
@@ -243,7 +244,7 @@ def test_eval_over_val_is_identical_on_1_and_2_ranks(corrupt_roots):
         rows = []
         for rank in range(world_size):
             runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-            for x, y, idx in build_eval_data(cfg, runtime, batch_size=4, split="test"):
+            for x, y, idx in build_eval_data(cfg.data, runtime, batch_size=4, split="test"):
                 rows += [(int(i), int(t), img.numpy().tobytes())
                          for i, t, img in zip(idx, y, x, strict=True)]
         shards[world_size] = sorted(rows)
@@ -269,11 +270,11 @@ def test_imagenet_augmentations_shapes_ranges_seeds(size):
 
 
 def test_outdist_augmentation_follows_the_original(roots):
-    assert outdist_augmentation(make_cfg(roots)) == "generation_od_randomcrop"
+    assert outdist_augmentation(make_cfg(roots).inputs) == "generation_od_randomcrop"
     cfg = make_cfg(roots, augm_type_generation="generation_id")
-    assert outdist_augmentation(cfg) == "generation_od"
+    assert outdist_augmentation(cfg.inputs) == "generation_od"
     cfg.openimages_augm = "default"
-    assert outdist_augmentation(cfg) == "default"
+    assert outdist_augmentation(cfg.inputs) == "default"
 
 
 def test_config_fields_of_the_original_imagenet_configs(tmp_path):
@@ -299,7 +300,7 @@ def test_metrics_hook_for_replaced_images(corrupt_roots):
     from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
 
     cfg = make_cfg(corrupt_roots)
-    data = build_train_data(cfg, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
     window = MetricsWindow()
     for step in (0, 1):  # one epoch: the truncated file is met twice (EBM + classifier stream)
         add_data_counts(window, data.step_batch(step))
@@ -322,7 +323,7 @@ def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: st
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(roots)
-    data = build_train_data(cfg, runtime, plan_batches(cfg, runtime.world_size), STREAMS)
+    data = build_train_data(cfg.inputs, runtime, plan_batches(cfg, runtime.world_size), STREAMS)
     window, images = MetricsWindow(), []
     for step in (0, 1):
         batches = data.step_batch(step)
@@ -358,7 +359,7 @@ def test_two_real_ranks_count_and_read_like_one(corrupt_roots, tmp_path):
 
 
 def test_seeded_reads_leave_the_rng_alone_and_unseeded_reads_vary(roots):
-    source = load_indist(make_cfg(roots), "train").source
+    source = load_indist(make_cfg(roots).data, "train").source
     transform = build_augmentation("default", 32, full_images=True)
     state = torch.get_rng_state()
     source.read(np.arange(3), transform, [1, 2, 3])

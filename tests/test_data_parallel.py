@@ -28,7 +28,7 @@ def _step(cfg, runtime, monkeypatch=None):
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg, runtime)
     plan = plan_batches(cfg, 1)
-    batches = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     attacked = []
     if monkeypatch is not None:
         real = step_module.pgd_from_config

@@ -56,7 +56,7 @@ def fake_cifar(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cifar")
     write_fake_cifar10(str(root), n_train=10, n_test=N_TEST)
-    test = indist_source(_eval_cfg(str(root)), "test")
+    test = indist_source(_eval_cfg(str(root)).data, "test")
     x = test.images(np.arange(N_TEST)).float() / 255.0
     y = test.labels(np.arange(N_TEST))
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ def test_evaluate_entry_point_prints_json(tmp_path):
     result = run_command(cmd, timeout=150, env=base_env()).assert_ok()
     last = result.output.strip().splitlines()[-1]
     metrics = json.loads(last)
-    assert metrics["n_test"] == len(load_indist(cfg, "test"))
+    assert metrics["n_test"] == len(load_indist(cfg.data, "test"))
     for key in ("test_acc", "robust_test_acc", "ece"):
         assert 0.0 <= metrics[key] <= 1.0
     assert json.loads((tmp_path / "eval.json").read_text()) == metrics

@@ -30,7 +30,8 @@ def wait_for(log: Path, marker: str, proc, timeout: float = 180) -> None:
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_a_signal_stops_evaluate_on_every_rank_with_one_line(tmp_path, signame):
     ckpt = tmp_path / "model.pth"
-    torch.save(model_from_config(load_config(CONFIG)).state_dict(), ckpt)
+    cfg = load_config(CONFIG)
+    torch.save(model_from_config(cfg.model, cfg.data).state_dict(), ckpt)
     out = tmp_path / "out"
     # robust accuracy in many short batches: the evaluation is running when the signal comes,
     # and its next batch comes well within torchrun's grace period even on a loaded machine

@@ -66,13 +66,13 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
     write_fake_cifar10(str(root), n_train=N_TRAIN, n_test=N_TEST)
     cfg = _cfg(root)
-    test = indist_source(cfg, "test")
+    test = indist_source(cfg.data, "test")
     x = test.images(np.arange(N_TEST)).float() / 255.0
     torch.manual_seed(0)
     model = build_model("WideResNet10x1", 10).eval()
     fit_head(model, x[::2], test.labels(np.arange(N_TEST))[::2])
     torch.save(model.state_dict(), root / "model.pth")
-    train = indist_source(cfg, "train").images(np.arange(N_TRAIN)).float() / 255.0
+    train = indist_source(cfg.data, "train").images(np.arange(N_TRAIN)).float() / 255.0
     mu, sigma = feature_statistics(standin_features(to_8bit(train)).numpy())
     write_standin_statistics(root / "stats.npz", mu, sigma)
     (root / "config.yaml").write_text("rand_seed: 3\n")
@@ -86,7 +86,7 @@ def _real_dataset(cfg, n: int):
     from rebm.eval.metric import to_pixels
     from rebm.eval.metrics.precision_recall import reference_indices
 
-    dataset = load_indist(cfg, cfg.eval.pr_reference_split, "test")
+    dataset = load_indist(cfg.data, cfg.eval.pr_reference_split, "test")
     labels = np.array([dataset[i][1] for i in range(len(dataset))])
     chosen = reference_indices(labels, n, cfg.rand_seed)
     images = to_pixels(torch.stack([dataset[int(i)][0] for i in chosen]))
@@ -190,7 +190,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     model = load_eval_model(cfg, Runtime())
     ours = Evaluator(cfg, Runtime(), ("autoattack",), batch_size=2).evaluate_all_ranks(
         model).values
-    test = indist_source(cfg, "test")
+    test = indist_source(cfg.data, "test")
     correct = 0
     for chunk in (np.arange(0, 2), np.arange(2, 4)):
         x, y = test.images(chunk).float() / 255.0, test.labels(chunk)

@@ -153,7 +153,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
     write_fake_cifar10(str(root), n_train=40, n_test=20)
     cfg = load_config(None, _overrides(root))
-    test = indist_source(cfg, "test")
+    test = indist_source(cfg.data, "test")
     x = test.images(np.arange(20)).float() / 255.0
     torch.manual_seed(0)
     model = build_model("WideResNet10x1", 10).eval()

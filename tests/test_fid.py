@@ -164,7 +164,7 @@ def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, s
     cfg = _cfg(setup)
     with np.load(stats_file) as stats:  # what pytorch-fid reads
         mu, sigma = stats["mu"], stats["sigma"]
-    images = torch.stack([load_indist(cfg, "train")[i][0] for i in range(40)])
+    images = torch.stack([load_indist(cfg.data, "train")[i][0] for i in range(40)])
     ref_mu, ref_sigma = fid.feature_statistics(standin_features(images).numpy())
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)

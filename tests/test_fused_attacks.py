@@ -133,7 +133,7 @@ def test_fuse_attacks_resolves_per_device(setting, device, expected):
 def _update(cfg, model, raw, T):
     plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
     optimizer = get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     return dat_update(model, optimizer, batches, T, cfg, plan, precision)
 
 
@@ -167,7 +167,7 @@ def test_compiled_dat_run_with_fused_attacks_compiles_two_graphs_whatever_t():
     model = torch.compile(raw, backend="eager")
     plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
     optimizer = get_optimizer(cfg, raw.parameters())
-    batches = iter(build_train_data(cfg, Runtime(), plan, DAT.streams))
+    batches = iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []
     for T in (1, 1, 3, 0, 2):

@@ -90,6 +90,6 @@ def test_a_cifar_batch_that_would_run_code_is_refused(tmp_path):
     with open(bad, "wb") as fh:
         pickle.dump({"data": Payload(marker)}, fh)
     with pytest.raises(DataError) as err:
-        load_indist(make_cfg(str(tmp_path)), "train")
+        load_indist(make_cfg(str(tmp_path)).data, "train")
     assert bad in str(err.value) and "exec" in str(err.value)
     assert not marker.exists()

@@ -56,7 +56,7 @@ def test_eval_transform_is_the_originals_resize_and_center_crop(imagenet_root, s
         transforms.Resize(resize, interpolation=transforms.InterpolationMode.BICUBIC),
         transforms.CenterCrop(size), transforms.ToTensor()])
     tv_val = torchvision.datasets.ImageNet(imagenet_root, split="val")
-    test_set = load_indist(_cfg(imagenet_root, size), "test")
+    test_set = load_indist(_cfg(imagenet_root, size).data, "test")
     assert len(test_set) == len(tv_val) == 6
     for i in range(len(tv_val)):
         x, y = test_set[i]

@@ -149,7 +149,8 @@ def test_a_checkpoint_missing_on_one_rank_ends_every_rank_with_one_line(tmp_path
     from rebm.config import load_config
     from rebm.models import model_from_config
 
-    torch.save(model_from_config(load_config(CONFIG)).state_dict(), ckpt)
+    cfg = load_config(CONFIG)
+    torch.save(model_from_config(cfg.model, cfg.data).state_dict(), ckpt)
     result = run_train([CONFIG, *FAST, "max_steps=2",
                         f"model.ckpt_path={tmp_path}/ckpt_${{oc.env:RANK}}.pth"],
                        nproc=2, run_dir=tmp_path / "run", timeout=240)

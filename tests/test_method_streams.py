@@ -18,23 +18,23 @@ def test_each_method_declares_its_streams_and_loss_pass():
     assert [s.name for s in DAT.streams] == ["in", "clf", "out"]
     assert [s.name for s in AdversarialTraining.streams] == ["clf"]
     cfg = load_config(CONFIG, ["batch_size=64"])
-    assert DAT.loss_streams(cfg) == 3 and AdversarialTraining.loss_streams(cfg) == 1
+    assert DAT.loss_streams(cfg.method) == 3 and AdversarialTraining.loss_streams(cfg.method) == 1
     # weighting the clean out-distribution images adds their forward to DAT's loss pass
     weighted = load_config(CONFIG, ["batch_size=64", "clf_outdist_weight=0.2"])
-    assert DAT.loss_streams(weighted) == 4
-    assert plan_batches(weighted, 2, DAT.loss_streams(weighted)).eval_batch_size == 64
-    assert plan_batches(cfg, 4, AdversarialTraining.loss_streams(cfg)).eval_batch_size == 16
+    assert DAT.loss_streams(weighted.method) == 4
+    assert plan_batches(weighted, 2, DAT.loss_streams(weighted.method)).eval_batch_size == 64
+    assert plan_batches(cfg, 4, AdversarialTraining.loss_streams(cfg.method)).eval_batch_size == 16
 
 
 def test_loss_weight_rules_are_the_methods():
     cfg = load_config(CONFIG, ["clf_adv_weight=-1"])  # the config layer only types the field
     with pytest.raises(ConfigError, match="clf_adv_weight"):
-        DAT.check_config(cfg)
+        DAT.check_config(cfg.method, cfg.model, cfg.schedule)
     with pytest.raises(ConfigError, match="clf_adv_weight"):
-        DAT(cfg)
+        DAT(cfg.method, cfg.model, cfg.schedule)
     # stage 1 has no energy loss to weight (its own rule: live BatchNorm)
-    AdversarialTraining.check_config(load_config(CONFIG, ["clf_adv_weight=-1",
-                                                          "model.use_batchnorm=true"]))
+    stage1 = load_config(CONFIG, ["clf_adv_weight=-1", "model.use_batchnorm=true"])
+    AdversarialTraining.check_config(stage1.method, stage1.model, stage1.schedule)
 
 
 @pytest.mark.slow

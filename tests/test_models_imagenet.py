@@ -162,11 +162,11 @@ def test_model_from_config_passes_the_convnext_options():
     cfg.data = dataclasses.replace(cfg.data, num_classes=5)
     cfg.model = dataclasses.replace(cfg.model, model_type="convnext_test", use_convstem=True,
                                     normalize_input=False)
-    model = model_from_config(cfg)
+    model = model_from_config(cfg.model, cfg.data)
     assert model.use_convstem and not model.normalize_input
     assert "stem.stem.0.weight" in model.state_dict()
     cfg.model = dataclasses.replace(cfg.model, model_type="WideResNet10x1")  # takes neither
-    assert model_from_config(cfg).fc.out_features == 5
+    assert model_from_config(cfg.model, cfg.data).fc.out_features == 5
 
 
 @pytest.mark.parametrize("model_type,options", [("TinyResNetImageNet", {}),

@@ -55,7 +55,7 @@ def test_energy():
 @pytest.mark.parametrize("logsumexp", [True, False])
 def test_default_weights_equal_plain_bce_mean_over_2b(logsumexp):
     model, d = make(dtype=torch.float32)
-    weights = loss_weights(TrainConfig())
+    weights = loss_weights(TrainConfig().method)
     assert weights == (0.5, 0.0, 0.5)
     out = ebm_loss(model, d["x_in"], d["y_in"], d["x_adv"], d["x_out"], weights=weights,
                    logsumexp=logsumexp)

@@ -52,7 +52,7 @@ def data(tmp_path_factory):
     write_fake_cifar10(str(root), n_train=30, n_test=10)
     torch.manual_seed(0)
     torch.save(build_model("WideResNet10x1", 10).state_dict(), root / "model.pth")
-    train = indist_source(_cfg(root), "train").images(np.arange(30)).float() / 255.0
+    train = indist_source(_cfg(root).data, "train").images(np.arange(30)).float() / 255.0
     mu, sigma = feature_statistics(standin_features(train).numpy())
     write_standin_statistics(root / "stats.npz", mu, sigma)
     return root

@@ -20,6 +20,7 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks, get_optimizer
 from rebm.engine.compiling import REPAYING_STEPS, decide_compile
 from rebm.methods.dat.step import DAT
+from rebm.training.train import make_method
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update
 
@@ -93,7 +94,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     model = torch.compile(raw, backend="eager")
     optimizer = get_optimizer(cfg, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
-    batches = iter(build_train_data(cfg, runtime, plan, DAT.streams))
+    batches = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []
     for T, log_now in ((1, False), (1, True), (2, False), (3, True)):
@@ -189,7 +190,7 @@ def test_the_start_up_line_says_whether_auto_compiles_and_why(tmp_path, override
 
     cfg = load_config("experiments/quickstart/digits.yaml",
                       [*overrides, f"run_dir={tmp_path}", "wandb_mode=disabled"])
-    trainer = Trainer(cfg, Runtime(), DAT)
+    trainer = Trainer(cfg, Runtime(), make_method)
     steps = int(trainer.last_step)
     assert (steps >= REPAYING_STEPS) is compiled
     log = (tmp_path / "logs" / "rank0.log").read_text()

@@ -94,7 +94,7 @@ def test_dat_step_runs_under_each_precision(amp):
     precision = Precision(cfg.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
     before = [p.detach().clone() for p in raw.parameters()]
-    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     for _ in range(2):
         metrics = dat_update(model, optimizer, batches, 2, cfg, plan, precision)
         assert metrics.finite
@@ -192,7 +192,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
 
     monkeypatch.setattr(step_module, "pgd_from_config", record)
     plan = plan_batches(cfg, 1)
-    batch = next(iter(build_train_data(cfg, Runtime(), plan, DAT.streams)))
+    batch = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):
         dat_update(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
                  Precision("none", torch.device("cpu")))

@@ -168,7 +168,7 @@ def test_the_weight_loader_reads_states_of_both_layouts(tmp_path):
     converted = read_state(str(DAT_STATE))
     torch.save(converted, new_state)
     for path, ema in ((DAT_STATE, True), (new_state, True), (new_state, False)):
-        model = model_from_config(cfg)
+        model = model_from_config(cfg.model, cfg.data)
         load_checkpoint(model, str(path), prefer_ema=ema)
         want = converted["ema"] if ema else converted["model"]
         got = model.state_dict()

@@ -30,7 +30,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
     model.register_forward_pre_hook(lambda *_: wrapper_calls.append(1))
     raw.register_forward_pre_hook(lambda *_: raw_calls.append(1))
     optimizer = get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     metrics = dat_update(model, optimizer, batches, 2, cfg, plan, Precision("none", runtime.device))
     params = torch.cat([p.detach().flatten() for p in raw.parameters()])
     with open(os.path.join(result_dir, f"rank{runtime.rank}.txt"), "w") as fh:
@@ -65,7 +65,7 @@ def _clipped_update(max_grad_norm):
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg, runtime)
     optimizer = get_optimizer(cfg, raw.parameters())
-    batches = next(iter(build_train_data(cfg, runtime, plan, DAT.streams)))
+    batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(model, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device))
     grads = torch.cat([p.grad.flatten() for p in raw.parameters()])
     return result, grads, [p.detach().clone() for p in raw.parameters()]

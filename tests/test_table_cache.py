@@ -37,7 +37,8 @@ def _write_checkpoint(path: Path, seed: int) -> None:
     from rebm.models import model_from_config
 
     torch.manual_seed(seed)
-    model = model_from_config(load_config(STAGE2, ["model.ckpt_path=null"]))
+    cfg = load_config(STAGE2, ["model.ckpt_path=null"])
+    model = model_from_config(cfg.model, cfg.data)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), path)
 

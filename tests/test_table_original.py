@@ -230,7 +230,7 @@ def project(tmp_path_factory):
                       ["model.model_type=WideResNet10x1", "model.ckpt_path=null"])
     for seed, run in ((0, "run-20250506_140002-4oni26z2"), (1, "run-20250502_142218-q4ccywk7")):
         torch.manual_seed(seed)
-        model = torch.nn.DataParallel(model_from_config(cfg))  # saved as the original saved it
+        model = torch.nn.DataParallel(model_from_config(cfg.model, cfg.data))  # saved as the original saved it
         path = tmp / "wandb/robust-ebms-2/wandb" / run / "files/model_bestfid.pth"
         path.parent.mkdir(parents=True)
         torch.save(model.state_dict(), path)

@@ -31,6 +31,7 @@ from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
 from rebm.engine.trainer import Trainer  # noqa: E402
 from rebm.methods.base import StepContext  # noqa: E402
 from rebm.methods.dat import DAT  # noqa: E402
+from rebm.training.train import make_method  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "experiments", "quickstart", "digits.yaml")
 WRN_OVERRIDES = [
@@ -176,7 +177,7 @@ class Bench:
 
 
 def build(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> Parts:
-    return build_parts_all_ranks(cfg, runtime, DAT(cfg), math.inf,
+    return build_parts_all_ranks(cfg, runtime, DAT(cfg.method, cfg.model, cfg.schedule), math.inf,
                                  load_pretrained=load_pretrained)
 
 
@@ -192,7 +193,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
-    trainer = Trainer(cfg, runtime, DAT)
+    trainer = Trainer(cfg, runtime, make_method)
     return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.parts.step_context, trainer)
 
 
@@ -247,7 +248,7 @@ def prefetch(bench: Bench, n: int) -> List[list]:
     """The micro-batches of steps 0..n-1, built up front and already on the device."""
     from rebm.data import build_train_data
 
-    data = build_train_data(bench.cfg, bench.runtime, bench.plan, DAT.streams)
+    data = build_train_data(bench.cfg.inputs, bench.runtime, bench.plan, DAT.streams)
     return [[mb.to(bench.runtime.device) for mb in data.step_batch(s)] for s in range(n)]
 
 

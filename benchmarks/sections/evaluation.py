@@ -30,7 +30,7 @@ def _eval_worker(opts: dict) -> None:
         cfg = make_config("quickstart", opts["workdir"], [*opts["set"], "robust_eval=true"],
                           opts["device"])
         torch.manual_seed(cfg.rand_seed)
-        model = model_from_config(cfg).to(runtime.device)
+        model = model_from_config(cfg.model, cfg.data).to(runtime.device)
         metrics = standard_metrics(cfg, samples=False)
         # independent: every rank evaluates the whole test set on its own (no sharding, no
         # collective inside), all starting together: how much the ranks slow each other down

@@ -51,7 +51,8 @@ def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, flo
     assert fresh.progress.step == k
 
     def first_batch():
-        return next(iter(build_train_data(cfg, runtime, bench.plan, DAT.streams, start_step=k)))
+        return next(iter(build_train_data(cfg.inputs, runtime, bench.plan, DAT.streams,
+                                          start_step=k)))
 
     batch, t_data = timed(first_batch)
     assert batch[0].step == k

@@ -34,7 +34,7 @@ class MinimalDAT:
             assert attack.norm == "L2" and not attack.random_start, name
         assert cfg.logsumexp and not cfg.logsumexp_sampling and cfg.r1reg == 0
         assert not cfg.model.use_batchnorm
-        assert loss_weights(cfg) == (0.5, 0.0, 0.5)
+        assert loss_weights(cfg.method) == (0.5, 0.0, 0.5)
         self.cfg = cfg
         self.model = copy.deepcopy(raw_model)
         params, name = self.model.parameters(), cfg.optimizer.lower()

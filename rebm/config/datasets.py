@@ -4,10 +4,10 @@ registered by the module of rebm/data/sets that loads it (one module per dataset
 Adding a dataset is one module in rebm/data/sets (docs/design.md, extension costs):
 
     @indist("svhn", num_classes=10)
-    def svhn(cfg, split): return TensorSource(...)       # an ImageSource at data.image_size
+    def svhn(data, split): return TensorSource(...)      # an ImageSource at data.image_size
 
     @outdist("svhn")
-    def svhn_outdist(cfg, length): return ...
+    def svhn_outdist(inputs, length): return ...
 
 Validation (rebm/config/loading.py) checks the names against these registries, the config takes
 a dataset's default `data.num_classes` / `data.image_size` from its entry, and `--check` asks
@@ -31,7 +31,8 @@ INDIST_ROLE, OUTDIST_ROLE = "indist", "outdist"
 class DatasetEntry:
     """What the config and the pipeline know of a registered dataset."""
 
-    loader: Callable[..., Any]  # in-dist: (cfg, split) -> ImageSource; out-dist: (cfg, length)
+    # in-dist: (data: DataConfig, split) -> ImageSource; out-dist: (inputs: InputSection, length)
+    loader: Callable[..., Any]
     reads_files: bool = True  # False: generated or shipped with a package (no folder needed)
     num_classes: Optional[int] = None  # data.num_classes when the config leaves it unset
     image_size: Optional[int] = None  # data.image_size when unset (None: the field's default)
@@ -53,8 +54,9 @@ def _registrar(registry: Registry[DatasetEntry]):
     return register
 
 
-indist = _registrar(INDIST_DATASETS)  # decorator: an in-distribution dataset, loader(cfg, split)
-outdist = _registrar(OUTDIST_DATASETS)  # decorator: an out-distribution dataset, loader(cfg, length)
+indist = _registrar(INDIST_DATASETS)  # decorator: an in-distribution dataset, loader(data, split)
+# decorator: an out-distribution dataset, loader(inputs, length)
+outdist = _registrar(OUTDIST_DATASETS)
 
 
 def dataset_reads_files(role: str, name: str) -> bool:

@@ -81,6 +81,7 @@ class MethodSection:
     fuse_attacks: Union[bool, str]
     min_imgs_per_threshold: int
     samples_per_attack_step: Optional[int]
+    AUC_th: float  # the curriculum's threshold on the window's mean AUC
     batch_size: int
 
 

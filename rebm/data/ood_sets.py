@@ -30,6 +30,7 @@ from torch import Tensor
 from torchvision import datasets as tv_datasets
 from torchvision.transforms.v2 import functional as TF
 
+from rebm.config import DataConfig
 from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.augmentations import Transform, build_augmentation
 from rebm.data.files import load_cifar, load_unlabelled_folder
@@ -245,10 +246,10 @@ def load_ood_set(spec: str, size: int, seed: int, num_samples: int,
     return FixedImageSet(name, source, transform, indices, size)
 
 
-def indist_test_set(cfg, indices: Optional[Sequence[int]] = None) -> FixedImageSet:
+def indist_test_set(data: DataConfig, indices: Optional[Sequence[int]] = None) -> FixedImageSet:
     """The in-distribution test split at data.image_size with the evaluation transform (as
     `build_eval_data`): the images of `indices` (dataset indices, in that order), or all."""
-    source = indist_source(cfg, "test")
-    transform = build_augmentation("test", cfg.data.image_size, source.full_images)
+    source = indist_source(data, "test")
+    transform = build_augmentation("test", data.image_size, source.full_images)
     chosen = np.arange(len(source)) if indices is None else np.asarray(indices, dtype=np.int64)
-    return FixedImageSet(source.name, source, transform, chosen, cfg.data.image_size)
+    return FixedImageSet(source.name, source, transform, chosen, data.image_size)

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from rebm.config import BatchPlan, TrainConfig
+from rebm.config import BatchPlan, DataConfig
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS
+from rebm.config.sections import InputSection
 from rebm.data.augmentations import (
     Transform,
     build_augmentation,
@@ -90,48 +91,48 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Sources from the config
 # --------------------------------------------------------------------------------------------
-def indist_source(cfg: TrainConfig, split: str) -> ImageSource:
+def indist_source(data: DataConfig, split: str) -> ImageSource:
     """The in-distribution images of `split` ("train" or "test") at data.image_size, from the
     dataset `data.indist_dataset` registered in rebm/data/sets."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    source = INDIST_DATASETS.get(cfg.data.indist_dataset).loader(cfg, split)
-    _check_labels(source, cfg)
+    source = INDIST_DATASETS.get(data.indist_dataset).loader(data, split)
+    _check_labels(source, data)
     return source
 
 
-def _check_labels(source: ImageSource, cfg: TrainConfig) -> None:
+def _check_labels(source: ImageSource, data: DataConfig) -> None:
     labels = source.labels(np.arange(len(source)))
-    if len(labels) and int(labels.max()) >= cfg.data.num_classes:
+    if len(labels) and int(labels.max()) >= data.num_classes:
         raise DataError(
             f"{source.name}: labels go up to {int(labels.max())} but data.num_classes is "
-            f"{cfg.data.num_classes}; set data.num_classes={int(labels.max()) + 1}"
+            f"{data.num_classes}; set data.num_classes={int(labels.max()) + 1}"
         )
 
 
-def outdist_source(cfg: TrainConfig, length: Optional[int] = None) -> ImageSource:
+def outdist_source(inputs: InputSection, length: Optional[int] = None) -> ImageSource:
     """The out-distribution images of `data.outdist_dataset` (rebm/data/sets); `length` is the
     virtual size of procedural noise (default 50,000; training passes the in-distribution train
     size)."""
-    return OUTDIST_DATASETS.get(cfg.data.outdist_dataset).loader(cfg, length)
+    return OUTDIST_DATASETS.get(inputs.data.outdist_dataset).loader(inputs, length)
 
 
-def load_indist(cfg: TrainConfig, split: str, augm: str = "test",
+def load_indist(data: DataConfig, split: str, augm: str = "test",
                 source: Optional[ImageSource] = None) -> ImageDataset:
     """Dataset of (float [0, 1] CHW image, label) with augmentation `augm` (a name of
     augmentations.py), drawn from the ambient RNG; `source`: the split's images if the caller
     has them already (indist_source)."""
-    source = source if source is not None else indist_source(cfg, split)
-    transform = build_augmentation(augm, cfg.data.image_size, source.full_images)
+    source = source if source is not None else indist_source(data, split)
+    transform = build_augmentation(augm, data.image_size, source.full_images)
     return ImageDataset(source, transform)
 
 
-def load_outdist(cfg: TrainConfig, augm: str = "none", length: Optional[int] = None
+def load_outdist(inputs: InputSection, augm: str = "none", length: Optional[int] = None
                  ) -> ImageDataset:
     """Dataset of (float [0, 1] CHW image, -1) of the configured out-distribution."""
-    source = outdist_source(cfg, length)
+    source = outdist_source(inputs, length)
     transform = None if source.is_procedural else build_augmentation(
-        augm, cfg.data.image_size, source.full_images)
+        augm, inputs.data.image_size, source.full_images)
     return ImageDataset(source, transform)
 
 
@@ -143,11 +144,11 @@ def _worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def loader_workers(cfg: TrainConfig, runtime: Runtime) -> int:
+def loader_workers(data: DataConfig, runtime: Runtime) -> int:
     """data.num_workers capped to this process's share of the cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     per_process = (cores or 1) // max(1, runtime.local_world_size)
-    return max(0, min(cfg.data.num_workers, per_process))
+    return max(0, min(data.num_workers, per_process))
 
 
 def _loader_generator() -> torch.Generator:
@@ -157,8 +158,8 @@ def _loader_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def _loader_kwargs(cfg: TrainConfig, runtime: Runtime, persistent: bool) -> dict:
-    workers = loader_workers(cfg, runtime)
+def _loader_kwargs(data: DataConfig, runtime: Runtime, persistent: bool) -> dict:
+    workers = loader_workers(data, runtime)
     kwargs = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda",
                   worker_init_fn=_worker_init)
     if workers > 0:
@@ -293,33 +294,35 @@ class TrainData:
                          for s_ in self._dataset.streams)
 
 
-def _schedule(n: int, cfg: TrainConfig, stream: str, source: ImageSource) -> StreamSchedule:
-    if n < cfg.batch_size:
+def _schedule(n: int, inputs: InputSection, stream: str, source: ImageSource) -> StreamSchedule:
+    if n < inputs.batch_size:
         raise DataError(f"{source.name}: {n} images, fewer than one global batch "
-                        f"(batch_size={cfg.batch_size}); lower batch_size or add data")
-    return StreamSchedule(n=n, global_batch=cfg.batch_size, seed=cfg.rand_seed, stream=stream)
+                        f"(batch_size={inputs.batch_size}); lower batch_size or add data")
+    return StreamSchedule(n=n, global_batch=inputs.batch_size, seed=inputs.rand_seed,
+                          stream=stream)
 
 
-def build_train_data(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan,
+def build_train_data(inputs: InputSection, runtime: Runtime, plan: BatchPlan,
                      streams: Sequence[Stream], start_step: int = 0) -> TrainData:
     """This rank's training `streams` (those a method declares, in its order; the others are
     not loaded), starting at optimizer step `start_step`."""
     if not streams:
         raise ValueError("a training method must declare at least one input stream")
-    size = cfg.data.image_size
-    train = indist_source(cfg, "train")  # its length also sizes procedural noise
+    size = inputs.data.image_size
+    train = indist_source(inputs.data, "train")  # its length also sizes procedural noise
     sources: Dict[str, ImageSource] = {"indist": train}
     if any(stream.dataset == "outdist" for stream in streams):
-        sources["outdist"] = outdist_source(cfg, length=len(train))
+        sources["outdist"] = outdist_source(inputs, length=len(train))
     loaded = []
     for stream in streams:
         source = sources[stream.dataset]
         transform = None if source.is_procedural else build_augmentation(
-            stream.augmentation(cfg), size, source.full_images)
+            stream.augmentation(inputs), size, source.full_images)
         loaded.append(_LoadedStream(stream.name, source, transform,
-                                    _schedule(len(source), cfg, stream.name, source)))
+                                    _schedule(len(source), inputs, stream.name, source)))
     dataset = _MicroBatchDataset(loaded, runtime.rank, plan)
-    return TrainData(dataset, plan, start_step, _loader_kwargs(cfg, runtime, persistent=False))
+    return TrainData(dataset, plan, start_step,
+                     _loader_kwargs(inputs.data, runtime, persistent=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,14 +355,14 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def build_eval_data(cfg: TrainConfig, runtime: Runtime, batch_size: int,
+def build_eval_data(data: DataConfig, runtime: Runtime, batch_size: int,
                     split: str = "test", indices: Optional[Sequence[int]] = None,
                     source: Optional[ImageSource] = None) -> DataLoader:
     """This rank's shard of the in-distribution `split`, un-augmented, as (x, y, index) batches
     of up to `batch_size` (per rank). `indices`: this rank's dataset indices, in order (the
     evaluation chooses them); default rank, rank+W, ... `source`: the split's images, if the
     caller loaded them already."""
-    dataset = _IndexedDataset(load_indist(cfg, split, "test", source))
+    dataset = _IndexedDataset(load_indist(data, split, "test", source))
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -367,5 +370,5 @@ def build_eval_data(cfg: TrainConfig, runtime: Runtime, batch_size: int,
                  else list(indices)),
         drop_last=False,
         generator=_loader_generator(),
-        **_loader_kwargs(cfg, runtime, persistent=True),
+        **_loader_kwargs(data, runtime, persistent=True),
     )

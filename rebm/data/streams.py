@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterator, Tuple
 
 from torch import Tensor
 
-from rebm.config import TrainConfig
+from rebm.config.sections import InputSection
 
 DATASETS = ("indist", "outdist")
 
@@ -28,7 +28,7 @@ class Stream:
 
     name: str  # its key in a MicroBatch; also seeds its shuffle and per-sample keys
     dataset: str  # "indist" (training split) or "outdist"
-    augmentation: Callable[[TrainConfig], str]  # the augmentation's name from the config
+    augmentation: Callable[[InputSection], str]  # the augmentation's name from the inputs
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -36,25 +36,25 @@ class Stream:
             raise ValueError(f"stream '{self.name}': dataset must be one of {DATASETS}")
 
 
-def outdist_augmentation(cfg: TrainConfig) -> str:
+def outdist_augmentation(inputs: InputSection) -> str:
     """The out-distribution stream's augmentation: `augm_type_generation`, except OpenImage-O
     (as the original): `openimages_augm` if set, else generation_od_randomcrop when the
     in-distribution uses generation_id_randomcrop, else generation_od."""
-    if cfg.data.outdist_dataset != "OpenImageO":
-        return cfg.augm_type_generation
-    if cfg.openimages_augm is not None:
-        return cfg.openimages_augm
-    if cfg.augm_type_generation == "generation_id_randomcrop":
+    if inputs.data.outdist_dataset != "OpenImageO":
+        return inputs.augm_type_generation
+    if inputs.openimages_augm is not None:
+        return inputs.openimages_augm
+    if inputs.augm_type_generation == "generation_id_randomcrop":
         return "generation_od_randomcrop"
     return "generation_od"
 
 
-def _generation(cfg: TrainConfig) -> str:
-    return cfg.augm_type_generation
+def _generation(inputs: InputSection) -> str:
+    return inputs.augm_type_generation
 
 
-def _classification(cfg: TrainConfig) -> str:
-    return cfg.augm_type_classification
+def _classification(inputs: InputSection) -> str:
+    return inputs.augm_type_classification
 
 
 INDIST = Stream("in", "indist", _generation, "in-distribution, generation augmentation")

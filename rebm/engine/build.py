@@ -45,7 +45,7 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
     `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
     take `attack_view(model)`, which keeps the compilation.
     """
-    model = model_from_config(cfg)
+    model = model_from_config(cfg.model, cfg.data)
     if cfg.model.ckpt_path and load_pretrained:
         # Every rank reads the file itself (no broadcast of weights); a rank that cannot (the
         # file is missing on its node) stops every rank here, before DDP's first collective.

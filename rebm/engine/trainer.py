@@ -127,7 +127,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.keep_last_states,
                                              cfg.n_imgs_per_ckpt_save)
         method = make_method(cfg)
-        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg))
+        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg.method))
         self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
         self.evaluator = Evaluator(cfg, self.runtime, standard_metrics(cfg, method.eval_samples),
                                    batch_size=self.plan.eval_batch_size, run_dir=cfg.run_dir)
@@ -138,7 +138,7 @@ class Trainer:
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
         state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage)
-        self.data = build_train_data(cfg, self.runtime, self.plan, method.streams,
+        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)
         self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,

@@ -188,7 +188,7 @@ def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
                         "checkpoint to evaluate")
     if not os.path.isfile(path):
         raise EvalError(f"model.ckpt_path '{path}' does not exist")
-    model = model_from_config(cfg)
+    model = model_from_config(cfg.model, cfg.data)
     try:
         load_checkpoint(model, path, prefer_ema=cfg.use_ema, trust=cfg.model.trust_checkpoint)
     except CheckpointError as err:

@@ -71,7 +71,7 @@ def recipe_text(recipe: str, image_size: int, full_images: bool) -> str:
 
 def statistics_images(cfg, split: str, recipe: str):
     """(dataset of (float [0, 1] image, label), recipe text) of the split read by `recipe`."""
-    source = indist_source(cfg, split)
+    source = indist_source(cfg.data, split)
     size = cfg.data.image_size
     transform = (center_square_resize(size) if recipe == "fid_score2"
                  else build_augmentation("test", size, source.full_images))
@@ -95,7 +95,7 @@ def dataset_statistics_all_ranks(cfg, runtime: Runtime, split: str = "train",
     mine = [i for chunk in eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
             for i in chunk]
     loader = DataLoader(dataset, batch_size=batch_size, sampler=mine, drop_last=False,
-                        num_workers=loader_workers(cfg, runtime))
+                        num_workers=loader_workers(cfg.data, runtime))
     # Every chunk but the last one overall is full, so the loader's batches are the chunks.
     batches = (features(x.to(runtime.device)) for x, _ in loader)
     with torch.no_grad():

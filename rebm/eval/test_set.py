@@ -96,7 +96,7 @@ def read_image_ids(path: str, source, cfg) -> np.ndarray:
 def test_indices(cfg, source=None) -> Sequence[int]:
     """The dataset indices of the evaluation's test images, in order (`source`: the test split's
     images, if loaded already)."""
-    source = source if source is not None else indist_source(cfg, "test")
+    source = source if source is not None else indist_source(cfg.data, "test")
     if cfg.eval.image_ids:
         path = ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench" else cfg.eval.image_ids
         indices: Sequence[int] = read_image_ids(path, source, cfg)
@@ -111,11 +111,11 @@ class TestData:
     overall is full, so the loader's batches are the chunks)."""
 
     def __init__(self, cfg, runtime: Runtime, batch_size: int):
-        source = indist_source(cfg, "test")  # loaded once, for the ids and the loader
+        source = indist_source(cfg.data, "test")  # loaded once, for the ids and the loader
         indices = test_indices(cfg, source)
         mine = [int(indices[p]) for chunk in eval_chunks(len(indices), batch_size, runtime.rank,
                                                          runtime.world_size) for p in chunk]
-        self.loader = build_eval_data(cfg, runtime, batch_size, indices=mine, source=source)
+        self.loader = build_eval_data(cfg.data, runtime, batch_size, indices=mine, source=source)
 
 
 def run_test_pass_all_ranks(data: TestData, model, runtime: Runtime, metrics: List[Metric]

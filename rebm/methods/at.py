@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from rebm.attacks.pgd import pgd_from_config
-from rebm.config import ConfigError, TrainConfig
+from rebm.config import ConfigError, ModelConfig
+from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, MicroBatch
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
 from rebm.methods.stages import STAGE1
@@ -37,20 +38,22 @@ class AdversarialTraining(Method):
     streams = (CLASSIFIER,)  # the loss pass holds this one micro-batch
     log_final_step = True
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.schedule = STAGE1.lr_schedule(cfg)
+    def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
+        super().__init__(method, model, schedule)
+        self.method = method
+        self.lr_schedule = STAGE1.lr_schedule(schedule)  # its name
         self.last_step: Optional[int] = None
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
-        STAGE1.check(cfg, source)  # live BatchNorm, a schedule stage 1 offers
+    def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
+                     source: str = "config") -> None:
+        STAGE1.check(schedule, model, source)  # live BatchNorm, a schedule stage 1 offers
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: float):
         if math.isinf(last_step):
             raise ConfigError("set total_epochs or max_steps (the LR schedule needs a length)")
         self.last_step = int(last_step)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.schedule, last_step))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.lr_schedule, last_step))
 
     def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
                    ) -> MicroOutput:
@@ -60,7 +63,7 @@ class AdversarialTraining(Method):
         # adversarial example does not depend on how the batch is split over ranks.
         ctx.attacked.eval()
         with ctx.autocast():
-            x_adv = pgd_from_config(ctx.attacked, clf.images, self.cfg.indist_attack_clf,
+            x_adv = pgd_from_config(ctx.attacked, clf.images, self.method.indist_attack_clf,
                                     objective="ce", y=clf.labels, random_start_keys=clf.keys)
         # The training forward is in train mode through DDP: BN normalises with (synced, on
         # GPU) batch statistics of the adversarial batch and updates its running stats.
@@ -87,13 +90,13 @@ class AdversarialTraining(Method):
                 "train_adv_acc": totals["correct"] / totals["images"]}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"schedule": self.schedule, "last_step": self.last_step}
+        return {"schedule": self.lr_schedule, "last_step": self.last_step}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if (state.get("schedule"), state.get("last_step")) != (self.schedule, self.last_step):
+        if (state.get("schedule"), state.get("last_step")) != (self.lr_schedule, self.last_step):
             LOGGER.warning("the LR schedule changes on resume: %s over %s steps before, %s over "
                            "%s steps now", state.get("schedule"), state.get("last_step"),
-                           self.schedule, self.last_step)
+                           self.lr_schedule, self.last_step)
 
     def describe(self) -> str:
-        return f"stage 1: adversarial training, {self.schedule} LR over {self.last_step} steps"
+        return f"stage 1: adversarial training, {self.lr_schedule} LR over {self.last_step} steps"

@@ -22,7 +22,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from rebm.config import TrainConfig
+from rebm.config import ModelConfig
+from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import MicroBatch, Stream
 from rebm.distributed.runtime import Runtime
 
@@ -93,17 +94,19 @@ class Method:
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
     log_final_step = False  # also log the training metrics at the run's last step
 
-    def __init__(self, cfg: TrainConfig):
-        self.check_config(cfg)
-        self.cfg = cfg
+    def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
+        """A method reads the config's `method` section, and of the others what its rules and
+        schedule need; a subclass keeps what it reads. Its config rules run first."""
+        self.check_config(method, model, schedule)
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
+    def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
+                     source: str = "config") -> None:
         """The method's own config rules, its stage's included (a ConfigError naming the key and
         `source`, the config file); its entry point and `--check` run them first."""
 
     @classmethod
-    def loss_streams(cls, cfg: TrainConfig) -> int:
+    def loss_streams(cls, method: MethodSection) -> int:
         """Micro-batches of activations one loss pass holds: one per input stream unless the
         method says otherwise. It sizes the evaluation batch and `--check`'s memory plan."""
         return len(cls.streams)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Tuple
 
 from rebm.config import ConfigError
+from rebm.config.sections import ScheduleSection
 
 
 @dataclass(frozen=True)
@@ -23,19 +24,19 @@ class Stage:
     number: int
     schedules: Tuple[str, ...]  # the values of lr_schedule it offers, its default first
 
-    def lr_schedule(self, cfg: Any) -> str:
+    def lr_schedule(self, schedule: ScheduleSection) -> str:
         """The schedule a run of this stage follows: `lr_schedule`, or the default when null."""
-        return cfg.lr_schedule or self.schedules[0]
+        return schedule.lr_schedule or self.schedules[0]
 
-    def check(self, cfg: Any, source: str = "config") -> None:
-        """ConfigError naming the key (and `source`, the config file) when the config breaks a
-        rule of this stage."""
-        if cfg.lr_schedule is not None and cfg.lr_schedule not in self.schedules:
-            raise ConfigError(f"{source}: 'lr_schedule: {cfg.lr_schedule}' is not offered in "
+    def check(self, schedule: ScheduleSection, model: Any, source: str = "config") -> None:
+        """ConfigError naming the key (and `source`, the config file) when the schedule or the
+        model section (ModelConfig) breaks a rule of this stage."""
+        if schedule.lr_schedule is not None and schedule.lr_schedule not in self.schedules:
+            raise ConfigError(f"{source}: 'lr_schedule: {schedule.lr_schedule}' is not offered in "
                               f"stage {self.number}; use {' or '.join(self.schedules)} (or null)")
-        if self.number == 1 and not cfg.model.use_batchnorm:
+        if self.number == 1 and not model.use_batchnorm:
             raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
-        if self.number == 2 and not cfg.fixed_lr:
+        if self.number == 2 and not schedule.fixed_lr:
             raise ConfigError(f"{source}: 'fixed_lr: false' is not supported in stage 2 (DAT "
                               "uses a constant learning rate); set fixed_lr: true")
 

@@ -63,12 +63,13 @@ def all_family_options() -> Tuple[str, ...]:
     return tuple(dict.fromkeys(o for _, entry in MODELS.items() for o in entry.options))
 
 
-def model_from_config(cfg: Any):
-    """The model a config describes (`model.*`, `data.num_classes`, the normalisation statistics
-    of `data.indist_dataset`), randomly initialised on the CPU."""
-    mean, std = dataset_stats(cfg.data.indist_dataset)
-    model_type = cfg.model.model_type
-    own = {name: getattr(cfg.model, name) for name in family_options(model_type)}
-    return build_model(model_type, cfg.data.num_classes,
-                       normalize_input=cfg.model.normalize_input, mean=mean, std=std,
-                       use_batchnorm=cfg.model.use_batchnorm, **own)
+def model_from_config(model: Any, data: Any):
+    """The model the config's `model` section describes, with `data.num_classes` outputs and
+    the normalisation statistics of `data.indist_dataset` (`data`: the data section), randomly
+    initialised on the CPU."""
+    mean, std = dataset_stats(data.indist_dataset)
+    model_type = model.model_type
+    own = {name: getattr(model, name) for name in family_options(model_type)}
+    return build_model(model_type, data.num_classes,
+                       normalize_input=model.normalize_input, mean=mean, std=std,
+                       use_batchnorm=model.use_batchnorm, **own)

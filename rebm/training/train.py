@@ -16,9 +16,15 @@ from rebm import cli
 
 def run(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
+
+    return train(cfg, runtime, make_method)
+
+
+def make_method(cfg):
+    """DAT on the config's sections it reads (the engine's method factory)."""
     from rebm.methods.dat import DAT
 
-    return train(cfg, runtime, DAT)
+    return DAT(cfg.method, cfg.model, cfg.schedule)
 
 
 def method():
@@ -35,7 +41,7 @@ def check_dat(args, cfg) -> None:
     batch_size."""
     from rebm.methods.dat import DAT
 
-    DAT.check_config(cfg, args.config or "config")
+    DAT.check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
     if args.check:
         from rebm.config import plan_batches
         from rebm.distributed import Runtime
@@ -43,34 +49,35 @@ def check_dat(args, cfg) -> None:
         from rebm.eval.registry import standard_metrics
 
         # a batch split that cannot work is the one line --check prints, before any note
-        plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg))
+        plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
         evaluator = Evaluator(cfg, Runtime(), standard_metrics(cfg, DAT.eval_samples))
         for problem in evaluator.problems():  # what its evaluations would stop on at start
             print(f"warning: {problem}", file=sys.stderr)
-        line = training_images_line(cfg)
+        line = training_images_line(cfg.inputs)
         if line:
             print(line, file=sys.stderr)
 
 
-def training_images_line(cfg) -> Optional[str]:
+def training_images_line(inputs) -> Optional[str]:
     """'note: N training images, S steps per epoch at batch_size B', or a warning when the
     data cannot be read here or holds fewer images than one global batch; None when the data
-    folder is not on this machine (--check warns about that already)."""
+    folder is not on this machine (--check warns about that already). `inputs`: the config's
+    inputs section."""
     from rebm.data import indist_source
     from rebm.errors import UserError
 
     try:
-        n = len(indist_source(cfg, "train"))
+        n = len(indist_source(inputs.data, "train"))
     except UserError as err:
-        if not os.path.exists(cfg.data.indist_ds_dir):
+        if not os.path.exists(inputs.data.indist_ds_dir):
             return None
         return f"warning: the training images cannot be counted here: {err}"
-    if n < cfg.batch_size:
-        return (f"warning: batch_size={cfg.batch_size} is larger than the {n} training images "
-                f"of {cfg.data.indist_dataset}; training would stop at start (lower batch_size "
+    if n < inputs.batch_size:
+        return (f"warning: batch_size={inputs.batch_size} is larger than the {n} training images "
+                f"of {inputs.data.indist_dataset}; training would stop at start (lower batch_size "
                 "or point data.indist_ds_dir at the full data)")
-    return (f"note: {n} training images of {cfg.data.indist_dataset}, {n // cfg.batch_size} "
-            f"steps per epoch at batch_size={cfg.batch_size}")
+    return (f"note: {n} training images of {inputs.data.indist_dataset}, "
+            f"{n // inputs.batch_size} steps per epoch at batch_size={inputs.batch_size}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

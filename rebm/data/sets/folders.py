@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import os
 
+from rebm.config import DataConfig
 from rebm.config.datasets import indist, outdist
+from rebm.config.sections import InputSection
 from rebm.data.files import load_labelled_folder, load_tensor_file, load_unlabelled_folder
 from rebm.data.imagenet import load_openimage_o
 from rebm.data.sources import ImageSource
 
 
 @indist("imagefolder")
-def labelled_folder(cfg, split: str) -> ImageSource:
-    return load_labelled_folder(os.path.join(cfg.data.indist_ds_dir, split), cfg.data.image_size)
+def labelled_folder(data: DataConfig, split: str) -> ImageSource:
+    return load_labelled_folder(os.path.join(data.indist_ds_dir, split), data.image_size)
 
 
 @outdist("imagefolder")
-def unlabelled_folder(cfg, _length) -> ImageSource:
-    return load_unlabelled_folder(cfg.data.outdist_std_dir, cfg.data.image_size)
+def unlabelled_folder(inputs: InputSection, _length) -> ImageSource:
+    return load_unlabelled_folder(inputs.data.outdist_std_dir, inputs.data.image_size)
 
 
 @outdist("OpenImageO")
-def openimage_o(cfg, _length) -> ImageSource:
-    return load_openimage_o(cfg.data.outdist_std_dir, cfg.data.image_size,
-                            cfg.openimages_max_samples)
+def openimage_o(inputs: InputSection, _length) -> ImageSource:
+    return load_openimage_o(inputs.data.outdist_std_dir, inputs.data.image_size,
+                            inputs.openimages_max_samples)
 
 
 @outdist("tensorfile")
-def tensor_file(cfg, _length) -> ImageSource:
-    return load_tensor_file(cfg.data.outdist_std_dir, cfg.data.image_size)
+def tensor_file(inputs: InputSection, _length) -> ImageSource:
+    return load_tensor_file(inputs.data.outdist_std_dir, inputs.data.image_size)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Optional
 
 from rebm.config.datasets import outdist
+from rebm.config.sections import InputSection
 from rebm.data.sources import DEFAULT_NOISE_LENGTH, NoiseSource
 
 
 @outdist("lowfreq-noise", reads_files=False)
 @outdist("uniform-noise", reads_files=False)
 @outdist("noise", reads_files=False)
-def noise(cfg, length: Optional[int]) -> NoiseSource:
-    size = cfg.data.image_size
-    low_res = max(1, size // 4) if cfg.data.outdist_dataset == "lowfreq-noise" else None
-    return NoiseSource(length or DEFAULT_NOISE_LENGTH, size, cfg.rand_seed, low_res)
+def noise(inputs: InputSection, length: Optional[int]) -> NoiseSource:
+    size = inputs.data.image_size
+    low_res = max(1, size // 4) if inputs.data.outdist_dataset == "lowfreq-noise" else None
+    return NoiseSource(length or DEFAULT_NOISE_LENGTH, size, inputs.rand_seed, low_res)

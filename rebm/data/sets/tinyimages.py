@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from rebm.config.datasets import outdist
+from rebm.config.sections import InputSection
 from rebm.data.sources import TinyImagesSource
 
 TINYIMAGES_FILE = "tiny_images.bin"
@@ -13,8 +14,8 @@ TINYIMAGES_FILE = "tiny_images.bin"
 
 @outdist("80m-tinyimages")
 @outdist("tinyimages")
-def tinyimages(cfg, _length) -> TinyImagesSource:
-    path = cfg.data.outdist_std_dir
+def tinyimages(inputs: InputSection, _length) -> TinyImagesSource:
+    path = inputs.data.outdist_std_dir
     if os.path.isdir(path):
         path = os.path.join(path, TINYIMAGES_FILE)
-    return TinyImagesSource(path, cfg.data.image_size, cfg.data.outdist_exclude_index)
+    return TinyImagesSource(path, inputs.data.image_size, inputs.data.outdist_exclude_index)

@@ -53,7 +53,7 @@ PREVIEW = 10  # the preview grid: PREVIEW counterfactuals toward each of the fir
 
 def train_image_set(cfg, num_images: Optional[int]) -> FixedImageSet:
     """The first `num_images` (None: all) training images, un-augmented, in dataset order."""
-    source = indist_source(cfg, "train")
+    source = indist_source(cfg.data, "train")
     n = len(source) if num_images is None else min(num_images, len(source))
     transform = build_augmentation("test", cfg.data.image_size, source.full_images)
     return FixedImageSet(f"{source.name} (train)", source, transform, np.arange(n),

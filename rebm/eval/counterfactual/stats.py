@@ -34,7 +34,7 @@ LOGGER = logging.getLogger("rebm")
 
 def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
     """The in-distribution images of class `label` in `split`, un-augmented, in dataset order."""
-    source = indist_source(cfg, split)
+    source = indist_source(cfg.data, split)
     indices = np.flatnonzero(source.labels(np.arange(len(source))).numpy() == label)
     transform = build_augmentation("test", cfg.data.image_size, source.full_images)
     return FixedImageSet(f"{source.name} class {label}", source, transform, indices,

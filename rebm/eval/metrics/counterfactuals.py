@@ -130,9 +130,9 @@ class Counterfactuals(Metric):
             results = evaluate_original_counterfactuals_all_ranks(
                 ctx.model, sources, targets, settings, ctx.runtime,
                 num_classes=cfg.data.num_classes, batch_size=ctx.batch_size, folder=folder,
-                num_workers=loader_workers(cfg, ctx.runtime))
+                num_workers=loader_workers(cfg.data, ctx.runtime))
         else:
-            sources = indist_test_set(cfg, test_indices(cfg))
+            sources = indist_test_set(cfg.data, test_indices(cfg))
             results = evaluate_grid_counterfactuals_all_ranks(
                 ctx.model, sources, settings, ctx.runtime, num_classes=cfg.data.num_classes,
                 batch_size=ctx.batch_size, folder=folder)

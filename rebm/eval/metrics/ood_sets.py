@@ -264,7 +264,7 @@ def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
     if dataset is None:
         # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
         # original's OOD evaluation applies to every out-distribution
-        dataset = load_outdist(cfg, augm="none")
+        dataset = load_outdist(cfg.inputs, augm="none")
     items = _FirstN(dataset, num_samples)
     return DataLoader(items, batch_size=batch_size,
                       sampler=list(eval_shard(len(items), runtime.rank, runtime.world_size)))
@@ -333,7 +333,7 @@ class OODSets(Metric):
         return evaluate_ood_sets_all_ranks(ctx.model, gather_scores_all_ranks(rt, local), self.ood,
                                            rt, image_size=ood_image_size(ctx.cfg),
                                            seed=ctx.cfg.rand_seed, batch_size=ctx.batch_size,
-                                           num_workers=loader_workers(ctx.cfg, rt))
+                                           num_workers=loader_workers(ctx.cfg.data, rt))
 
     @classmethod
     def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]

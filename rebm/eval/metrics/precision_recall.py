@@ -160,7 +160,7 @@ class _Reference:
             return
         split = cfg.eval.pr_reference_split
         self.batch = None
-        self.dataset = load_indist(cfg, split, "test")
+        self.dataset = load_indist(cfg.data, split, "test")
         labels = self.dataset.source.labels(np.arange(len(self.dataset))).numpy()
         self.indices = reference_indices(labels, num_real(cfg, len(labels)), cfg.rand_seed)
         self.n = len(self.indices)

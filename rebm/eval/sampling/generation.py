@@ -70,7 +70,7 @@ def fitted_gaussian(cfg) -> Tuple[Tensor, Tensor]:
     images (the first GAUSSIAN_FIT_IMAGES of them), fitted once per dataset and size."""
     key = (cfg.data.indist_dataset, cfg.data.indist_ds_dir, cfg.data.image_size)
     if key not in _GAUSSIANS:
-        source = indist_source(cfg, "train")
+        source = indist_source(cfg.data, "train")
         images = source.images(np.arange(min(GAUSSIAN_FIT_IMAGES, len(source))))
         flat = (images.double() / 255.0 if images.dtype == torch.uint8 else images.double())
         flat = flat.flatten(1)

@@ -10,6 +10,8 @@ import math
 from collections import deque
 from typing import Any, Dict, Optional
 
+from rebm.config.sections import MethodSection
+
 
 class Curriculum:
     """Number T of PGD steps for the negatives, raised while the model separates them well.
@@ -40,14 +42,15 @@ class Curriculum:
         self.images_at_T = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "Curriculum":
-        """From a TrainConfig: window = ceil(min_imgs_per_threshold / global batch_size) steps."""
+    def from_config(cls, method: MethodSection) -> "Curriculum":
+        """From the config's method section: window = ceil(min_imgs_per_threshold / global
+        batch_size) steps."""
         return cls(
-            start_step=cfg.attack.start_step,
-            max_steps=cfg.attack.max_steps,
-            auc_threshold=cfg.AUC_th,
-            window_size=math.ceil(cfg.min_imgs_per_threshold / cfg.batch_size),
-            samples_per_attack_step=cfg.samples_per_attack_step,
+            start_step=method.attack.start_step,
+            max_steps=method.attack.max_steps,
+            auc_threshold=method.AUC_th,
+            window_size=math.ceil(method.min_imgs_per_threshold / method.batch_size),
+            samples_per_attack_step=method.samples_per_attack_step,
         )
 
     @property

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import input_gradients_only
-from rebm.config import TrainConfig
+from rebm.config import ModelConfig
+from rebm.config.sections import MethodSection
 from rebm.methods.dat.rules import loss_weights
 
 
@@ -157,7 +158,7 @@ def ebm_loss(
 ) -> EBMLoss:
     """w_in*BCE(s(x_in), 1) + w_adv*BCE(s(x_adv), 0) + w_out*BCE(s(x_out), 0) (+ R1 term).
 
-    weights = `loss_weights(cfg)` = (in, clean out, adv), normalised. x_adv (and x_out) are scored
+    weights = `loss_weights(method)` = (in, clean out, adv), normalised. x_adv (and x_out) are scored
     with the labels y_in (the negatives' target classes) when logsumexp is False.
     """
     streams = _ebm_inputs(x_in, x_adv, x_out, weights, r1reg)
@@ -188,8 +189,9 @@ def _energy_options(weights: Tuple[float, float, float] = (0.5, 0.0, 0.5), logsu
     return weights, logsumexp, r1reg, fused
 
 
-def loss_options(cfg: TrainConfig) -> Dict[str, Any]:
-    """The objective's options from the config: the one place the DAT step's loss reads it.
-    Fused forwards need frozen BatchNorm (the batch composition must not matter)."""
-    return dict(weights=loss_weights(cfg), logsumexp=cfg.logsumexp, r1reg=cfg.r1reg,
-                fused=not cfg.model.use_batchnorm)
+def loss_options(method: MethodSection, model: ModelConfig) -> Dict[str, Any]:
+    """The objective's options from the method and model sections: the one place the DAT
+    step's loss reads them. Fused forwards need frozen BatchNorm (the batch composition must not
+    matter)."""
+    return dict(weights=loss_weights(method), logsumexp=method.logsumexp, r1reg=method.r1reg,
+                fused=not model.use_batchnorm)

@@ -23,7 +23,8 @@ import torch
 
 from rebm.attacks.fused import pgd_attack_streams
 from rebm.attacks.pgd import pgd_from_config, stream_from_config
-from rebm.config import TrainConfig
+from rebm.config import ModelConfig
+from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
@@ -53,17 +54,17 @@ def resolve_fuse_attacks(setting: Union[bool, str], device: torch.device) -> boo
     return bool(setting)
 
 
-def dat_attacks(model: torch.nn.Module, cfg: TrainConfig, outdist_steps: int, batch: MicroBatch,
-                fuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def dat_attacks(model: torch.nn.Module, method: MethodSection, outdist_steps: int,
+                batch: MicroBatch, fuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x_adv, x_c_adv) of one micro-batch on `model` (the attacked module, in the mode the
     caller set): negatives PGD_T(x_out) on f_y (the in-distribution labels) or logsumexp, and
     PGD_K^CE(x_c); with `fuse`, as one batched pass while both run (rebm.attacks.fused)."""
     out, clf = batch[OUTDIST.name], batch[CLASSIFIER.name]
     attacks = (
-        (out.images, cfg.attack, dict(
+        (out.images, method.attack, dict(
             steps=outdist_steps, y=batch[INDIST.name].labels, random_start_keys=out.keys,
-            objective="lse" if cfg.logsumexp_sampling else "logit")),
-        (clf.images, cfg.indist_attack_clf, dict(
+            objective="lse" if method.logsumexp_sampling else "logit")),
+        (clf.images, method.indist_attack_clf, dict(
             objective="ce", y=clf.labels, random_start_keys=clf.keys)),
     )
     if fuse:
@@ -82,41 +83,43 @@ class DAT(Method):
     eval_samples = True
     keep_best = True
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.curriculum = Curriculum.from_config(cfg)
-        self.loss_options = loss_options(cfg)
-        self.frozen_bn = not cfg.model.use_batchnorm  # train-mode logits equal eval-mode ones
-        self.track_r1 = cfg.track_r1 and not cfg.r1reg > 0  # measured, not trained
+    def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
+        super().__init__(method, model, schedule)
+        self.method = method
+        self.curriculum = Curriculum.from_config(method)
+        self.loss_options = loss_options(method, model)
+        self.frozen_bn = not model.use_batchnorm  # train-mode logits equal eval-mode ones
+        self.track_r1 = method.track_r1 and not method.r1reg > 0  # measured, not trained
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig, source: str = "config") -> None:
-        check_loss_weights(cfg)
-        STAGE2.check(cfg, source)  # a constant rate, on every path into DAT
+    def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
+                     source: str = "config") -> None:
+        check_loss_weights(method)
+        STAGE2.check(schedule, model, source)  # a constant rate, on every path into DAT
 
     @classmethod
-    def loss_streams(cls, cfg: TrainConfig) -> int:
+    def loss_streams(cls, method: MethodSection) -> int:
         """Plus the clean out-distribution images when they are weighted."""
-        return len(cls.streams) + (1 if scores_clean_outdist(cfg) else 0)
+        return len(cls.streams) + (1 if scores_clean_outdist(method) else 0)
 
     def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
                    ) -> MicroOutput:
         """Attacks -> energy + classifier loss of one micro-batch (forward only). `log_now`
         adds the clean out-distribution scores (one more forward) and, with track_r1, the
         measured R1 penalty (one input-gradient pass)."""
-        cfg = self.cfg
+        method = self.method
         x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
         clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
         ctx.attacked.eval()
         with ctx.autocast():
-            x_adv, x_c_adv = dat_attacks(ctx.attacked, cfg, self.curriculum.T, batch,
-                                         resolve_fuse_attacks(cfg.fuse_attacks, ctx.device))
+            x_adv, x_c_adv = dat_attacks(ctx.attacked, method, self.curriculum.T, batch,
+                                         resolve_fuse_attacks(method.fuse_attacks, ctx.device))
         keep: Dict[str, torch.Tensor] = {}
         if log_now:
             keep["out"] = _fy(ctx.scorer, out.images, y_in)
             if self.track_r1:
                 with ctx.autocast():
-                    keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, cfg.logsumexp)
+                    keep["r1"] = r1_penalty(ctx.attacked, x_in, y_in, method.logsumexp)
         if not self.frozen_bn:
             keep["in"] = _fy(ctx.scorer, x_in, y_in)
             keep["adv"] = _fy(ctx.scorer, x_adv, y_in)
@@ -152,7 +155,7 @@ class DAT(Method):
         """AUCs of the all-gathered global batch, then the curriculum's update; every rank."""
         outdist_steps = self.curriculum.T  # the T this step trained with
         adv_auc, clean_auc = global_aucs_all_ranks(runtime, result.scores)
-        self.curriculum.update(adv_auc, self.cfg.batch_size)
+        self.curriculum.update(adv_auc, self.method.batch_size)
         stats = {"train_adv_auc": adv_auc, "cur_outdist_steps": outdist_steps}
         if clean_auc is not None:
             stats["train_clean_auc"] = clean_auc
@@ -176,10 +179,11 @@ class DAT(Method):
         self.curriculum.load_state_dict(state["curriculum"])
 
     def speed_options(self, device: torch.device) -> Optional[str]:
-        fused = resolve_fuse_attacks(self.cfg.fuse_attacks, device)
-        why = f": {'on' if fused else 'off'} for {device.type}" if self.cfg.fuse_attacks == "auto" else ""
+        setting = self.method.fuse_attacks
+        fused = resolve_fuse_attacks(setting, device)
+        why = f": {'on' if fused else 'off'} for {device.type}" if setting == "auto" else ""
         return (f"attacks {'in one fused pass' if fused else 'in two passes'} "
-                f"(fuse_attacks={str(self.cfg.fuse_attacks).lower()}{why})")
+                f"(fuse_attacks={str(setting).lower()}{why})")
 
     def describe(self) -> str:
         return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_steps})"

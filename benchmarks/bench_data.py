@@ -196,7 +196,8 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm import distributed as rd
     from rebm.config import load_config
     from rebm.distributed.precision import Precision
-    from rebm.engine.build import build_model_all_ranks, get_optimizer
+    from rebm.engine.build import build_model_all_ranks
+    from rebm.engine.optimizers import build_optimizer
     from rebm.methods.dat.step import DAT
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
     from tests.steps import dat_update
@@ -213,8 +214,8 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
         f"batch_size={batch}", "model.ckpt_path=null", "openimages_max_samples=null"])
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, runtime)
-    optimizer = get_optimizer(cfg, raw.parameters())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     data = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]
     precision = Precision(cfg.amp, runtime.device)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from rebm.config import eval_batch_size, load_config
 from rebm.data import load_indist
 from rebm.distributed import Runtime
-from rebm.engine.build import get_optimizer
+from rebm.engine.optimizers import build_optimizer
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
 from rebm.models import model_from_config
@@ -31,7 +31,7 @@ def main(argv):
     cfg = load_config(path, overrides)
     torch.manual_seed(cfg.rand_seed)
     model = model_from_config(cfg.model, cfg.data)
-    optimizer = get_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg.optimization, model.parameters())
     train = load_indist(cfg.data, "train", augm="none")
     loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
                                          drop_last=True)

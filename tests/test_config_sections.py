@@ -11,7 +11,7 @@ import torch
 
 from rebm.config import ConfigError, load_config, to_dict, training_diff
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS, dataset_reads_files
-from rebm.config.optimizers import OPTIMIZERS, optimizer_section
+from rebm.config.optimizers import OPTIMIZERS
 from rebm.data import indist_source, outdist_source
 from rebm.engine.optimizers import build_optimizer
 from rebm.methods.stages import STAGE1 as STAGE_1
@@ -111,7 +111,7 @@ def test_a_new_choice_is_one_module(tmp_path, monkeypatch):
     try:
         assert registry.names() == ("plain_sgd",)
         params = [torch.nn.Parameter(torch.zeros(2))]
-        section = optimizer_section(load_config(CONFIG, ["lr=0.5"]))
+        section = load_config(CONFIG, ["lr=0.5"]).optimization
         assert registry.get("plain_sgd")(params, section).param_groups[0]["lr"] == 0.5
         with pytest.raises(ConfigError, match="did you mean 'plain_sgd'"):
             registry.check("plain-sgd")
@@ -128,7 +128,7 @@ def test_the_optimizers_are_the_originals():
     assert set(OPTIMIZERS.names()) == set(expected)
     for name, (cls, settings) in expected.items():
         cfg = load_config(CONFIG, [f"optimizer={name.upper()}", "lr=0.02", "wd=0.001"])
-        optimizer = build_optimizer(optimizer_section(cfg), params)
+        optimizer = build_optimizer(cfg.optimization, params)
         group = optimizer.param_groups[0]
         assert type(optimizer) is cls and group["lr"] == 0.02 and group["weight_decay"] == 0.001
         assert all(group[k] == v for k, v in settings.items()), name

@@ -15,7 +15,7 @@ from rebm.data import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
-from rebm.engine.build import get_optimizer as rebm_get_optimizer
+from rebm.engine.optimizers import build_optimizer
 from rebm.eval.sampling.generation import SeedImages, blur_kernel_size, gaussian_blur
 from rebm.methods.dat import DAT, ebm_loss
 from rebm.methods.dat.objective import r1_penalty
@@ -175,8 +175,8 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     runtime = Runtime()
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    wrapped, raw = build_model_all_ranks(cfg, runtime)
-    optimizer = rebm_get_optimizer(cfg, raw.parameters())
+    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),
                       log_now=log_now)

@@ -11,7 +11,8 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed.parallel import attack_view
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat import step as step_module
 from rebm.methods.dat.step import DAT
 from tests.steps import dat_update
@@ -26,7 +27,7 @@ def _step(cfg, runtime, monkeypatch=None):
     """One DAT step from the same weights and batch; returns (result, modules the attacks ran
     on, updated parameters)."""
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, runtime)
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     plan = plan_batches(cfg, 1)
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     attacked = []
@@ -38,7 +39,7 @@ def _step(cfg, runtime, monkeypatch=None):
             return real(module, *args, **kwargs)
 
         monkeypatch.setattr(step_module, "pgd_from_config", record)
-    result = dat_update(model, get_optimizer(cfg, raw.parameters()), batches, 2, cfg, plan,
+    result = dat_update(model, build_optimizer(cfg.optimization, raw.parameters()), batches, 2, cfg, plan,
                       Precision(cfg.amp, runtime.device))
     return result, attacked, [p.detach().clone() for p in raw.parameters()]
 
@@ -71,7 +72,7 @@ def test_every_gpu_does_attack_work():
     the same attack on one GPU with the whole batch."""
     cfg = load_config(CONFIG, ["batch_size=256", "attack.start_step=10", "device=cuda",
                                "use_ddp=false"])
-    model, _ = build_model_all_ranks(cfg, Runtime(device=torch.device("cuda", 0), data_parallel=True))
+    model, _ = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime(device=torch.device("cuda", 0), data_parallel=True))
     x = torch.rand(256, 3, 32, 32, device="cuda:0")
     y = torch.randint(0, 10, (256,), device="cuda:0")
 

@@ -16,7 +16,8 @@ from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.precision import Precision
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.step import DAT, resolve_fuse_attacks
 from rebm.models import build_model
 from tests.helpers import (
@@ -132,7 +133,7 @@ def test_fuse_attacks_resolves_per_device(setting, device, expected):
 
 def _update(cfg, model, raw, T):
     plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
-    optimizer = get_optimizer(cfg, raw.parameters())
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     return dat_update(model, optimizer, batches, T, cfg, plan, precision)
 
@@ -145,7 +146,7 @@ def test_a_dat_step_with_fused_attacks_equals_the_separate_one(T):
         cfg = load_config(CONFIG, ["batch_size=8", "indist_attack_clf.max_steps=2",
                                    f"fuse_attacks={str(fuse).lower()}"])
         torch.manual_seed(0)
-        model, raw = build_model_all_ranks(cfg, Runtime())
+        model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
         result = _update(cfg, model, raw, T)
         updated[fuse] = (float(result.loss), [p.detach().clone() for p in raw.parameters()])
     assert updated[True][0] == pytest.approx(updated[False][0], rel=1e-6, abs=1e-7)
@@ -162,11 +163,11 @@ def test_compiled_dat_run_with_fused_attacks_compiles_two_graphs_whatever_t():
     cfg = load_config(CONFIG, ["batch_size=16", "attack.start_step=1",
                                "indist_attack_clf.max_steps=1", "fuse_attacks=true"])
     torch.manual_seed(0)
-    _, raw = build_model_all_ranks(cfg, Runtime())
+    _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
     plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
-    optimizer = get_optimizer(cfg, raw.parameters())
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []

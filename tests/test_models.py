@@ -14,7 +14,8 @@ from rebm.checkpoint.weights import save_model
 from rebm.config import TrainConfig
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import unwrap
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
+from rebm.engine.optimizers import build_optimizer
 from rebm.models import MODEL_NAMES, build_model, dataset_stats
 from rebm.models.base import Classifier
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD
@@ -201,7 +202,8 @@ def test_build_model_loads_ckpt_single_process(tmp_path):
     torch.manual_seed(0)
     source = _randomise_bn(build_model("WideResNet10x1", 10)).eval()
     save_model(nn.DataParallel(source), tmp_path / "m.pth")
-    wrapped, raw = build_model_all_ranks(_cfg(ckpt_path=str(tmp_path / "m.pth"), channels_last=True), Runtime())
+    cfg = _cfg(ckpt_path=str(tmp_path / "m.pth"), channels_last=True)
+    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     assert wrapped is raw and isinstance(raw, nn.Module)
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     x = torch.rand(2, 3, 32, 32)
@@ -209,7 +211,8 @@ def test_build_model_loads_ckpt_single_process(tmp_path):
 
 
 def test_build_model_data_parallel():
-    wrapped, raw = build_model_all_ranks(_cfg(), Runtime(data_parallel=True))
+    cfg = _cfg()
+    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime(data_parallel=True))
     assert isinstance(wrapped, nn.DataParallel) and unwrap(wrapped) is raw
 
 
@@ -217,14 +220,14 @@ def test_get_optimizer():
     cfg = _cfg()
     params = list(build_model("WideResNet10x1", 10).parameters())
     cfg.optimizer, cfg.lr, cfg.wd = "sgd", 0.1, 5e-4
-    opt = get_optimizer(cfg, params)
+    opt = build_optimizer(cfg.optimization, params)
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.SGD) and group["nesterov"] and group["momentum"] == 0.9
     assert group["lr"] == 0.1 and group["weight_decay"] == 5e-4
     cfg.optimizer = "adam"
-    assert get_optimizer(cfg, params).param_groups[0]["betas"] == (0.0, 0.99)
+    assert build_optimizer(cfg.optimization, params).param_groups[0]["betas"] == (0.0, 0.99)
     cfg.optimizer = "AdamW"
-    opt = get_optimizer(cfg, params)
+    opt = build_optimizer(cfg.optimization, params)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.9, 0.95)
 
 

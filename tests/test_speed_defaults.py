@@ -17,8 +17,9 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.parallel import resolve_channels_last
 from rebm.distributed.precision import Precision
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
 from rebm.engine.compiling import REPAYING_STEPS, decide_compile
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.step import DAT
 from rebm.training.train import make_method
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
@@ -44,7 +45,7 @@ def test_default_is_channels_last_on_cpu(caplog):
     assert cfg.model.channels_last == "auto"
     torch.manual_seed(0)
     with caplog.at_level("INFO", logger="rebm"):
-        model, raw = build_model_all_ranks(cfg, Runtime())
+        model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     convs = [m for m in raw.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last)
                          for c in convs)
@@ -89,10 +90,10 @@ def test_dat_run_compiles_two_graphs_whatever_t():
         "fuse_attacks=false"])  # the separate attacks (tests/test_fused_attacks.py: the fused)
     runtime, plan = Runtime(), plan_batches(cfg, 1)
     torch.manual_seed(0)
-    _, raw = build_model_all_ranks(cfg, runtime)
+    _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
-    optimizer = get_optimizer(cfg, raw.parameters())
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
     batches = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()

@@ -20,7 +20,8 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.distributed.precision import Precision
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.objective import dat_loss
 from rebm.methods.dat.step import DAT
 from rebm.models import build_model
@@ -89,8 +90,8 @@ def test_dat_step_runs_under_each_precision(amp):
     runtime = Runtime()
     plan = plan_batches(cfg, 1)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, runtime)
-    optimizer = get_optimizer(cfg, raw.parameters())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     precision = Precision(cfg.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
     before = [p.detach().clone() for p in raw.parameters()]
@@ -128,7 +129,7 @@ def test_channels_last_model_gives_the_same_outputs():
 def test_channels_last_config_and_checkpoint_round_trip(tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.channels_last=true"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     path = tmp_path / "cl.pth"
     torch.save(raw.state_dict(), path)
@@ -162,7 +163,7 @@ def test_compiled_state_dict_loads_into_uncompiled_model(tmp_path):
 def test_build_model_with_compile_keeps_raw_module_uncompiled():
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.compile=true"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     assert model is not raw and unwrap(model) is raw
     # Optimizer, EMA and checkpoints use `raw`: plain names, shared parameters.
     assert not any(k.startswith("_orig_mod.") for k in raw.state_dict())
@@ -179,7 +180,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml",
                       ["model.compile=true", "fuse_attacks=false", f"run_dir={tmp_path}"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, Runtime())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     assert strip_parallel(model) is model and strip_parallel(torch.nn.DataParallel(model)) is model
     attacked = []
 
@@ -194,7 +195,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     plan = plan_batches(cfg, 1)
     batch = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):
-        dat_update(model, get_optimizer(cfg, raw.parameters()), batch, 1, cfg, plan,
+        dat_update(model, build_optimizer(cfg.optimization, raw.parameters()), batch, 1, cfg, plan,
                  Precision("none", torch.device("cpu")))
     assert attacked == [model] and model is not raw
 

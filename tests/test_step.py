@@ -9,7 +9,8 @@ from rebm import distributed as rd
 from rebm.config import load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
-from rebm.engine.build import build_model_all_ranks, get_optimizer
+from rebm.engine.build import build_model_all_ranks
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.step import DAT
 from tests.processes import spawn_ranks
 from tests.steps import dat_update
@@ -24,12 +25,12 @@ def _worker(result_dir: str, r1reg: float) -> None:
         "indist_attack_clf.max_steps=2", f"r1reg={r1reg}"])
     plan = plan_batches(cfg, runtime.world_size)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, runtime)
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
     wrapper_calls, raw_calls = [], []
     model.register_forward_pre_hook(lambda *_: wrapper_calls.append(1))
     raw.register_forward_pre_hook(lambda *_: raw_calls.append(1))
-    optimizer = get_optimizer(cfg, raw.parameters())
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     metrics = dat_update(model, optimizer, batches, 2, cfg, plan, Precision("none", runtime.device))
     params = torch.cat([p.detach().flatten() for p in raw.parameters()])
@@ -63,8 +64,8 @@ def _clipped_update(max_grad_norm):
     runtime = rd.Runtime()
     plan = plan_batches(cfg, 1)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg, runtime)
-    optimizer = get_optimizer(cfg, raw.parameters())
+    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(model, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device))
     grads = torch.cat([p.grad.flatten() for p in raw.parameters()])

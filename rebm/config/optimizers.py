@@ -26,7 +26,3 @@ class OptimizerSection:
 
 OptimizerBuilder = Callable[[Iterable, OptimizerSection], Any]
 OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer", "rebm.engine.optimizers")
-
-
-def optimizer_section(cfg: Any) -> OptimizerSection:
-    return OptimizerSection(name=str(cfg.optimizer).lower(), lr=cfg.lr, wd=cfg.wd)

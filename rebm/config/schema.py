@@ -23,6 +23,7 @@ from rebm.compat.config_fields import (
 )
 from rebm.config.evaluation import EvalConfig
 from rebm.config.frozen import Frozen
+from rebm.config.optimizers import OptimizerSection
 from rebm.config.sections import (
     DistributedSection,
     EmaSection,
@@ -211,6 +212,10 @@ class TrainConfig(LegacyTrainFields, Frozen):
     ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
 
     # The sections of the top-level keys (rebm/config/sections.py): what components take.
+    @property
+    def optimization(self) -> OptimizerSection:
+        return OptimizerSection(name=str(self.optimizer).lower(), lr=self.lr, wd=self.wd)
+
     @property
     def inputs(self) -> InputSection:
         return gather(InputSection, self)

@@ -1,4 +1,4 @@
-"""Build the model and optimizer of a training run (the optimizer from its config section).
+"""Build the model of a training run from its sections (the optimizer: rebm/engine/optimizers.py).
 
 Order matters: build -> load `model.ckpt_path` (names carry no wrapper prefixes yet) ->
 channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
@@ -8,15 +8,13 @@ channels_last -> .to(device) -> SyncBatchNorm / compile / DDP or DataParallel
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import load_checkpoint
-from rebm.config import TrainConfig
-from rebm.config.optimizers import optimizer_section
 from rebm.config.schema import DataConfig, ModelConfig
 from rebm.config.sections import DistributedSection
 from rebm.distributed.collectives import on_every_rank
@@ -24,7 +22,6 @@ from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
 from rebm.distributed.runtime import Runtime
 from rebm.engine.compiling import CompileChoice, decide_compile
-from rebm.engine.optimizers import build_optimizer
 from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
@@ -35,8 +32,10 @@ def compile_choice(model: ModelConfig, runtime: Runtime, planned_steps: float) -
     return decide_compile(model.compile, runtime.device, planned_steps)
 
 
-def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True,
-                          planned_steps: float = 0) -> Tuple[nn.Module, nn.Module]:
+def build_model_all_ranks(model_section: ModelConfig, data: DataConfig,
+                          distributed: DistributedSection, runtime: Runtime,
+                          load_pretrained: bool = True, planned_steps: float = 0
+                          ) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
 
     load_pretrained=False skips `model.ckpt_path` (a resumed run loads its weights from the
@@ -45,24 +44,24 @@ def build_model_all_ranks(cfg: TrainConfig, runtime: Runtime, load_pretrained: b
     `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
     take `attack_view(model)`, which keeps the compilation.
     """
-    model = model_from_config(cfg.model, cfg.data)
-    if cfg.model.ckpt_path and load_pretrained:
+    model = model_from_config(model_section, data)
+    if model_section.ckpt_path and load_pretrained:
         # Every rank reads the file itself (no broadcast of weights); a rank that cannot (the
         # file is missing on its node) stops every rank here, before DDP's first collective.
-        on_every_rank(runtime, lambda: load_checkpoint(model, cfg.model.ckpt_path,
-                                                       trust=cfg.model.trust_checkpoint),
-                      f"read model.ckpt_path '{cfg.model.ckpt_path}'")
-    channels_last = resolve_channels_last(cfg.model.channels_last, runtime.device, cfg.amp)
+        on_every_rank(runtime, lambda: load_checkpoint(model, model_section.ckpt_path,
+                                                       trust=model_section.trust_checkpoint),
+                      f"read model.ckpt_path '{model_section.ckpt_path}'")
+    channels_last = resolve_channels_last(model_section.channels_last, runtime.device, distributed.amp)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(runtime.device)
-    compiling = compile_choice(cfg.model, runtime, planned_steps)
+    compiling = compile_choice(model_section, runtime, planned_steps)
     LOGGER.info("speed options: channels_last %s (model.channels_last=%s) | amp %s | compile %s",
-                "on" if channels_last else "off", cfg.model.channels_last, cfg.amp,
+                "on" if channels_last else "off", model_section.channels_last, distributed.amp,
                 compiling.describe())
-    return wrap_model(model, runtime, live_batchnorm=cfg.model.use_batchnorm,
-                      sync_batchnorm=cfg.sync_batchnorm, compile=compiling.enabled,
-                      find_unused_parameters=cfg.find_unused_parameters)
+    return wrap_model(model, runtime, live_batchnorm=model_section.use_batchnorm,
+                      sync_batchnorm=distributed.sync_batchnorm, compile=compiling.enabled,
+                      find_unused_parameters=distributed.find_unused_parameters)
 
 
 def get_compile_cache(model: ModelConfig, data: DataConfig, distributed: DistributedSection,
@@ -85,8 +84,3 @@ def _shaping(model: ModelConfig, data: DataConfig, amp: str, channels_last: bool
     return {"model": model.model_type, "classes": data.num_classes,
             "image_size": data.image_size, "normalize": model.normalize_input,
             "batchnorm": model.use_batchnorm, "amp": amp, "channels_last": channels_last}
-
-
-def get_optimizer(cfg: TrainConfig, params: Iterable) -> torch.optim.Optimizer:
-    """The optimizer of the config's optimizer section (the builders: rebm/engine/optimizers.py)."""
-    return build_optimizer(optimizer_section(cfg), params)

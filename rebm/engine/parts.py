@@ -24,9 +24,10 @@ from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import attack_view, has_sync_batchnorm, scoring_view
 from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
-from rebm.engine.build import build_model_all_ranks, get_compile_cache, get_optimizer
+from rebm.engine.build import build_model_all_ranks, get_compile_cache
 from rebm.engine.ema import build_ema
 from rebm.engine.metrics import MetricsWindow
+from rebm.engine.optimizers import build_optimizer
 from rebm.methods.base import Method, StepContext
 
 LOGGER = logging.getLogger("rebm")
@@ -134,12 +135,13 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
     torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
-    model, raw_model = build_model_all_ranks(cfg, runtime, load_pretrained=load_pretrained,
+    model, raw_model = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime,
+                                             load_pretrained=load_pretrained,
                                              planned_steps=last_step)
     method_options = method.speed_options(runtime.device)
     if method_options:
         LOGGER.info("speed options: %s", method_options)
-    optimizer = get_optimizer(cfg, raw_model.parameters())
+    optimizer = build_optimizer(cfg.optimization, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),
                  ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.amp, runtime.device),

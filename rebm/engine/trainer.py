@@ -150,7 +150,8 @@ class Trainer:
         notice = ignored_fields_notice(cfg)
         if notice:
             LOGGER.info(notice)
-        self.evaluator = Evaluator(cfg, runtime, standard_metrics(cfg, method.eval_samples),
+        self.evaluator = Evaluator(cfg.evaluation, runtime,
+                                   standard_metrics(cfg.evaluation, method.eval_samples),
                                    batch_size=plan.eval_batch_size, run_dir=cfg.run_dir)
         if cfg.n_imgs_per_evaluation_log:
             # a missing FID, seed-image or other metric file (on any node) stops the run now,

@@ -64,11 +64,16 @@ def all_family_options() -> Tuple[str, ...]:
 
 
 def model_from_config(cfg: Any):
-    """The model a config describes (`model.*`, `data.num_classes`, the normalisation statistics
-    of `data.indist_dataset`), randomly initialised on the CPU."""
-    mean, std = dataset_stats(cfg.data.indist_dataset)
-    model_type = cfg.model.model_type
-    own = {name: getattr(cfg.model, name) for name in family_options(model_type)}
-    return build_model(model_type, cfg.data.num_classes,
-                       normalize_input=cfg.model.normalize_input, mean=mean, std=std,
-                       use_batchnorm=cfg.model.use_batchnorm, **own)
+    """The model a config describes (`model_from_sections` of its `model` and `data`)."""
+    return model_from_sections(cfg.model, cfg.data)
+
+
+def model_from_sections(model: Any, data: Any):
+    """The model the sections describe (`model.*`, `data.num_classes`, the normalisation
+    statistics of `data.indist_dataset`), randomly initialised on the CPU."""
+    mean, std = dataset_stats(data.indist_dataset)
+    model_type = model.model_type
+    own = {name: getattr(model, name) for name in family_options(model_type)}
+    return build_model(model_type, data.num_classes,
+                       normalize_input=model.normalize_input, mean=mean, std=std,
+                       use_batchnorm=model.use_batchnorm, **own)

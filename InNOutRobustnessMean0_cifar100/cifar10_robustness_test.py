@@ -28,9 +28,11 @@ def run(cfg, runtime, calibration_only: bool, autoattack: bool) -> dict:
 
     setup_logging(runtime)
     names = (("ece",) if calibration_only else
-             standard_metrics(cfg, samples=False, extra=["autoattack"] if autoattack else []))
-    evaluator = Evaluator(cfg, runtime, names).start_all_ranks()
-    model = load_eval_model(cfg, runtime)  # EMA weights of a training state when use_ema
+             standard_metrics(cfg.evaluation, samples=False,
+                              extra=["autoattack"] if autoattack else []))
+    evaluator = Evaluator(cfg.evaluation, runtime, names).start_all_ranks()
+    # EMA weights of a training state when use_ema
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
     metrics = evaluator.evaluate_all_ranks(model).values
     if calibration_only:
         metrics.pop("n_test")

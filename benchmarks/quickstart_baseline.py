@@ -42,7 +42,7 @@ def main(argv):
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
     runtime = Runtime()
-    evaluator = Evaluator(cfg, runtime, standard_metrics(cfg, samples=False))
+    evaluator = Evaluator(cfg.evaluation, runtime, standard_metrics(cfg.evaluation, samples=False))
     metrics = evaluator.evaluate_all_ranks(model).values
     attack = cfg.indist_attack_clf
     metrics.update(eps=attack.eps, norm=attack.norm,

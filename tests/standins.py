@@ -59,7 +59,7 @@ def generate_samples(model: torch.nn.Module, cfg, runtime=None, num_samples=None
 
     local = Runtime(device=runtime.device if runtime is not None else torch.device("cpu"))
     n = cfg.image_log.num_samples if num_samples is None else num_samples
-    generate = SampleGenerator(model, cfg, local, seed_source(cfg, {}))
+    generate = SampleGenerator(model, cfg.evaluation, local, seed_source(cfg.evaluation, {}))
     with eval_mode(generate.model):
         images = [generate(torch.arange(start, min(start + batch_size, n))).images
                   for start in range(0, n, batch_size)]

@@ -50,8 +50,9 @@ def test_settings_defaults_are_the_configs():
     """A CounterfactualSettings() made in code computes what an empty config does."""
     cfg = load_config(None, [])
     assert CounterfactualSettings().protocol == cfg.eval.counterfactual_protocol == "original"
-    assert CounterfactualSettings().num_images == counterfactual_settings(cfg).num_images is None
-    assert CounterfactualSettings().num_targets == counterfactual_settings(cfg).num_targets
+    settings = counterfactual_settings(cfg.evaluation)
+    assert CounterfactualSettings().num_images == settings.num_images is None
+    assert CounterfactualSettings().num_targets == settings.num_targets
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_class_statistics_are_those_of_the_class_images(setup):
     root, stats = setup
     cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}"])
     for label in (0, 7):
-        images = class_image_set(cfg, label)
+        images = class_image_set(cfg.evaluation, label)
         assert (images.labels(np.arange(len(images))) == label).all()
         feats = standin_features(images.images(np.arange(len(images)))).numpy()
         with np.load(stats.format(label=label)) as ref:
@@ -95,7 +96,7 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
     def counterfactuals_of(model, cfg, runtime, batch_size, run_dir):
-        evaluator = Evaluator(cfg, runtime, ("counterfactuals",), batch_size=batch_size,
+        evaluator = Evaluator(cfg.evaluation, runtime, ("counterfactuals",), batch_size=batch_size,
                               run_dir=run_dir)
         return evaluator.evaluate_all_ranks(model).values
 
@@ -104,7 +105,7 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
             "image_log.num_steps=5", "image_log.step_size=0.5", "eval.counterfactual_protocol=grid"]
     cfg = load_config(None, [*base, "eval.counterfactual_num_images=7",
                              f"eval.counterfactual_fid_stats={stats}"])
-    model = load_eval_model(cfg, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
     folder = os.path.join(out, f"run{runtime.world_size}")
     result = counterfactuals_of(model, cfg, runtime, 20, folder)
     original = load_config(None, [*base, "eval.counterfactual_protocol=original",
@@ -202,7 +203,7 @@ def _check_original(result: dict, tmp_path) -> None:
 def test_original_targets_one_seeded_other_class_per_training_image(setup):
     root, _ = setup
     cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={root}"])
-    sources = train_image_set(cfg, None)
+    sources = train_image_set(cfg.evaluation, None)
     labels = sources.labels(np.arange(len(sources)))
     targets = random_targets(labels, sources.indices, 10, seed=1)
     assert len(sources) == 60 and (targets != labels).all()
@@ -210,7 +211,7 @@ def test_original_targets_one_seeded_other_class_per_training_image(setup):
     assert targets.tolist() == random_targets(labels, sources.indices, 10, 1).tolist()
     assert targets.tolist() != random_targets(labels, sources.indices, 10, 2).tolist()
     # image i's target depends on (seed, i) alone: the same in any subset, batch or rank
-    first = train_image_set(cfg, 25)
+    first = train_image_set(cfg.evaluation, 25)
     assert random_targets(first.labels(np.arange(25)), first.indices, 10, 1).tolist() == \
         targets[:25].tolist()
     # over many images the shift y -> target is uniform over the K - 1 other classes
@@ -247,11 +248,11 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
                              "image_log.step_size=0.5", f"eval.counterfactual_fid_stats={stats}"])
     torch.manual_seed(0)
     model = build_model("WideResNet10x1", 10).eval()
-    sources = train_image_set(cfg, 40)
+    sources = train_image_set(cfg.evaluation, 40)
     labels = sources.labels(np.arange(40))
     targets = random_targets(labels, sources.indices, 10, cfg.rand_seed)
     result = evaluate_original_counterfactuals_all_ranks(
-        model, sources, targets, counterfactual_settings(cfg), Runtime(), num_classes=10,
+        model, sources, targets, counterfactual_settings(cfg.evaluation), Runtime(), num_classes=10,
         batch_size=40)  # one chunk per class: the same batches as below
     for c in range(10):
         where = np.flatnonzero(targets.numpy() == c)
@@ -271,13 +272,13 @@ def test_original_settings_and_files_name_the_protocol_and_every_statistics_file
     stats = str(tmp_path / "class{label}.npz")
     cfg = load_config(None, [*OVERRIDES, f"data.indist_ds_dir={tmp_path}",
                              f"eval.counterfactual_fid_stats={stats}"])
-    settings = Counterfactuals.settings(cfg)
+    settings = Counterfactuals.settings(cfg.evaluation)
     assert settings["protocol"] == "original" and settings["split"] == "train"
     assert settings["num_images"] == "all" and settings["pixels"] == "round"
-    files = Counterfactuals.files(cfg)
+    files = Counterfactuals.files(cfg.evaluation)
     assert files["data.indist_ds_dir"] == str(tmp_path)
     assert [files[f"eval.counterfactual_fid_stats[{c}]"] for c in range(10)] == [
         stats.format(label=c) for c in range(10)]
     grid = load_config(None, [*OVERRIDES, "eval.counterfactual_protocol=grid"])
-    assert Counterfactuals.settings(grid)["num_images"] == 10
-    assert Counterfactuals.settings(grid)["split"] == "test"
+    assert Counterfactuals.settings(grid.evaluation)["num_images"] == 10
+    assert Counterfactuals.settings(grid.evaluation)["split"] == "test"

@@ -238,12 +238,12 @@ def test_linf_generation_stays_in_the_linf_ball():
 
 
 def test_blur_kernel_size_rule():
-    assert blur_kernel_size(load_config(DIGITS)) == 0
-    assert blur_kernel_size(load_config(DIGITS, ["image_log.blur_kernel_size=5"])) == 5
+    assert blur_kernel_size(load_config(DIGITS).evaluation) == 0
+    assert blur_kernel_size(load_config(DIGITS, ["image_log.blur_kernel_size=5"]).evaluation) == 5
     for size, expected in ((16, 3), (32, 5), (64, 11), (224, 35)):
         cfg = load_config(DIGITS, ["image_log.blur_kernel_size=5", "image_log.adaptive_blur=true",
                                    "image_log.seed_images=noise", f"data.image_size={size}"])
-        assert blur_kernel_size(cfg) == expected
+        assert blur_kernel_size(cfg.evaluation) == expected
 
 
 def test_blurred_seeds_are_deterministic_and_shard_invariant():

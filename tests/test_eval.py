@@ -72,9 +72,9 @@ def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
 
     runtime = rd.setup_distributed()
     cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
-    model = load_eval_model(cfg, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
     run_dir = os.path.join(out_dir, f"w{runtime.world_size}")
-    evaluator = Evaluator(cfg, runtime, ("accuracy", "robust_accuracy", "ece", "ood",
+    evaluator = Evaluator(cfg.evaluation, runtime, ("accuracy", "robust_accuracy", "ece", "ood",
                                          "samples_npz"), batch_size=16, run_dir=run_dir)
     evaluation = evaluator.evaluate_all_ranks(model)
     result = dict(evaluation.values)
@@ -182,7 +182,7 @@ def _fid_evaluator(tmp_path, *overrides):
     from rebm.eval.evaluator import Evaluator
 
     cfg = _eval_cfg(str(tmp_path), "image_log.log_fid=true", *overrides)
-    return Evaluator(cfg, Runtime(), ("fid",))
+    return Evaluator(cfg.evaluation, Runtime(), ("fid",))
 
 
 def test_fid_missing_reference_stops_the_evaluation_at_start(tmp_path, monkeypatch):

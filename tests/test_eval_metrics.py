@@ -120,9 +120,11 @@ def _worker(root: str, out: str) -> None:
     runtime = rd.setup_distributed()
     cfg = _cfg(root, "eval.num_images=4")
     run_dir = os.path.join(out, f"w{runtime.world_size}")
-    evaluator = Evaluator(cfg, runtime, ("accuracy", "robust_accuracy", "autoattack", "ece",
-                                         *SAMPLE_METRICS), batch_size=2, run_dir=run_dir)
-    result = evaluator.evaluate_all_ranks(load_eval_model(cfg, runtime)).values
+    evaluator = Evaluator(cfg.evaluation, runtime, ("accuracy", "robust_accuracy", "autoattack",
+                                                    "ece", *SAMPLE_METRICS),
+                          batch_size=2, run_dir=run_dir)
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+    result = evaluator.evaluate_all_ranks(model).values
     torch.save(result, os.path.join(out, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)
 
@@ -187,8 +189,8 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
     cfg = _cfg(data, "eval.num_images=4")
-    model = load_eval_model(cfg, Runtime())
-    ours = Evaluator(cfg, Runtime(), ("autoattack",), batch_size=2).evaluate_all_ranks(
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    ours = Evaluator(cfg.evaluation, Runtime(), ("autoattack",), batch_size=2).evaluate_all_ranks(
         model).values
     test = indist_source(cfg.data, "test")
     correct = 0
@@ -250,9 +252,11 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
     # random weights are not the pinned file: accepted only as unverified, under their own keys
     cfg = _cfg(data, f"image_log.inception_weights={weights}", "eval.is_resize=fidelity",
                "image_log.unverified_inception=true")
-    evaluator = Evaluator(cfg, Runtime(), ("keep_samples", "inception_score", "precision_recall"),
+    evaluator = Evaluator(cfg.evaluation, Runtime(),
+                          ("keep_samples", "inception_score", "precision_recall"),
                           batch_size=4, run_dir=str(tmp_path))
-    ours = evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime())).values
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    ours = evaluator.evaluate_all_ranks(model).values
     library = _torch_fidelity(tmp_path / "samples" / "eval", cfg, "inception-v3-compat",
                               feature_extractor_weights_path=str(weights))
     # another batch composition (torch-fidelity reads the files in name order) moves the
@@ -275,14 +279,15 @@ def test_image_ids_choose_the_test_images(data, tmp_path):
 
     ids = tmp_path / "ids.txt"
     ids.write_text("# a comment\n5\n3\n\n17\n")
-    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}"))) == [5, 3, 17]
-    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}", "eval.num_images=2"))) == [5, 3]
-    assert list(test_indices(_cfg(data, "eval.num_images=3"))) == [0, 1, 2]
+    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}").evaluation)) == [5, 3, 17]
+    assert list(test_indices(_cfg(data, f"eval.image_ids={ids}",
+                                  "eval.num_images=2").evaluation)) == [5, 3]
+    assert list(test_indices(_cfg(data, "eval.num_images=3").evaluation)) == [0, 1, 2]
     ids.write_text("5\n99\n")
     with pytest.raises(EvalError, match=r"index 99 is out of range: the test split has 21"):
-        test_indices(_cfg(data, f"eval.image_ids={ids}"))
+        test_indices(_cfg(data, f"eval.image_ids={ids}").evaluation)
     with pytest.raises(EvalError, match="eval.image_ids .* cannot be read"):
-        test_indices(_cfg(data, f"eval.image_ids={tmp_path / 'absent.txt'}"))
+        test_indices(_cfg(data, f"eval.image_ids={tmp_path / 'absent.txt'}").evaluation)
     with open(ROBUSTBENCH_IDS) as fh:
         shipped = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
     assert len(shipped) == len(set(shipped)) == 5000
@@ -300,10 +305,11 @@ def test_image_ids_as_paths_relative_to_imagenet_val(tmp_path):
                  for d, _, files in os.walk(os.path.join(root, "val")) for f in files)
     ids = tmp_path / "ids.txt"
     ids.write_text(f"{val[4]}\n{val[1]}\n")
-    assert list(test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]))) == [4, 1]
+    cfg = load_config(None, [*base, f"eval.image_ids={ids}"])
+    assert list(test_indices(cfg.evaluation)) == [4, 1]
     ids.write_text("n00000000/ILSVRC2012_val_99999999.JPEG\n")
     with pytest.raises(EvalError, match="1 of 1 ids are not in the test split"):
-        test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]))
+        test_indices(load_config(None, [*base, f"eval.image_ids={ids}"]).evaluation)
 
 
 @pytest.mark.numbers
@@ -313,15 +319,15 @@ def test_unconditional_samples_ascend_logsumexp(data):
     from rebm.eval.sampling.generation import SampleGenerator, SeedImages
 
     cfg = _cfg(data, "eval.unconditional_samples=true")
-    model = load_eval_model(cfg, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
     idx = torch.arange(5)
     source = SeedImages(cfg.image_log.seed_images, 16, cfg.rand_seed)
-    samples = SampleGenerator(model, cfg, Runtime(), source)(idx).images
+    samples = SampleGenerator(model, cfg.evaluation, Runtime(), source)(idx).images
     seeds = SeedImages("noise", 16, rand_seed=3)(idx)
     expected = pgd_attack(model, seeds, steps=2, step_size=0.5, eps=cfg.image_log.eps,
                           norm="L2", objective="lse")
     assert torch.equal(samples, expected)
-    conditional = SampleGenerator(model, _cfg(data), Runtime(), source)(idx).images
+    conditional = SampleGenerator(model, _cfg(data).evaluation, Runtime(), source)(idx).images
     assert not torch.equal(samples, conditional)
     assert torch.logsumexp(model(samples), 1).mean() > torch.logsumexp(model(seeds), 1).mean()
 
@@ -332,8 +338,9 @@ def test_calibration_writes_the_reliability_diagram(data, tmp_path):
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
     cfg = _cfg(data)
-    evaluator = Evaluator(cfg, Runtime(), ("ece",), batch_size=8, run_dir=str(tmp_path))
-    evaluation = evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime()), step=12)
+    evaluator = Evaluator(cfg.evaluation, Runtime(), ("ece",), batch_size=8, run_dir=str(tmp_path))
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    evaluation = evaluator.evaluate_all_ranks(model, step=12)
     result = evaluation.values
     assert evaluation.files == {
         "reliability_diagram": str(tmp_path / "reliability_step00000012.png")}

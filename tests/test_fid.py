@@ -89,7 +89,7 @@ def _standin_env():
 def _model(cfg):
     from rebm.eval.evaluator import load_eval_model
 
-    return load_eval_model(cfg, Runtime())
+    return load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
 
 
 def _fid_of(images, stats_path, batch_size: int = 100) -> float:
@@ -168,7 +168,7 @@ def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, s
     ref_mu, ref_sigma = fid.feature_statistics(standin_features(images).numpy())
     np.testing.assert_allclose(mu, ref_mu, rtol=0, atol=1e-12)
     np.testing.assert_allclose(sigma, ref_sigma, rtol=0, atol=1e-12)
-    one_mu, one_sigma, n, _ = dataset_statistics_all_ranks(cfg, Runtime(), "train",
+    one_mu, one_sigma, n, _ = dataset_statistics_all_ranks(cfg.evaluation, Runtime(), "train",
                                                            num_images=40, batch_size=7)
     assert n == 40
     np.testing.assert_allclose(one_mu, mu, rtol=0, atol=1e-12)
@@ -243,8 +243,8 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin
     images, _ = generate_samples(model, at_4, runtime, num_samples=20, batch_size=8)
     mu, sigma = fid.feature_statistics(standin_features(fid.to_8bit(images, "floor")))
     fid.write_statistics(str(ref), mu, sigma, f"stand-in {STANDIN}", "the sweep's own samples")
-    evaluator = Evaluator(cfg, runtime, ("sample_grid", "keep_samples", "fid"), batch_size=8,
-                          run_dir=str(tmp_path))
+    evaluator = Evaluator(cfg.evaluation, runtime, ("sample_grid", "keep_samples", "fid"),
+                          batch_size=8, run_dir=str(tmp_path))
     evaluation = evaluator.evaluate_all_ranks(model, step=7)
     metrics = evaluation.values
     sweep = {s: metrics[f"fid_standin_sweep/{s}"] for s in (1, 2, 3, 4)}
@@ -280,7 +280,7 @@ def _evaluator(cfg):
     from rebm.eval.evaluator import Evaluator
     from rebm.eval.registry import standard_metrics
 
-    return Evaluator(cfg, Runtime(), standard_metrics(cfg, samples=True))
+    return Evaluator(cfg.evaluation, Runtime(), standard_metrics(cfg.evaluation, samples=True))
 
 
 def _one_line_error(cfg) -> str:

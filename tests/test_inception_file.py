@@ -177,22 +177,22 @@ def test_statistics_of_another_network_are_refused(setup, tmp_path, monkeypatch)
               "image_log.log_fid=true"]
     monkeypatch.delenv(network.FEATURES_ENV, raising=False)
     cfg = load_config(config, [*overrides, *chosen, f"image_log.data_dir={plain}"])
-    [problem] = fid.reference_problems(cfg)
+    [problem] = fid.reference_problems(cfg.evaluation)
     assert "holds statistics of Inception-v3 pool3 (pytorch-fid) features" in problem
     assert "UNVERIFIED weights sha256" in problem and "\n" not in problem
     unverified = tmp_path / "unverified.npz"
     fid.write_statistics(str(unverified), np.zeros(dims), np.eye(dims),
                          network.feature_network(cfg.image_log).describe(), "test")
-    assert fid.reference_problems(
-        load_config(config, [*overrides, *chosen, f"image_log.data_dir={unverified}"])) == []
+    assert fid.reference_problems(load_config(
+        config, [*overrides, *chosen, f"image_log.data_dir={unverified}"]).evaluation) == []
     monkeypatch.setenv(network.FEATURES_ENV, STANDIN)
     standin_stats = tmp_path / "standin.npz"
     fid.write_statistics(str(standin_stats), np.zeros(15), np.eye(15), f"stand-in {STANDIN}",
                          "test")
-    assert fid.reference_problems(
-        load_config(config, [*overrides, *chosen, f"image_log.data_dir={standin_stats}"])) == []
+    assert fid.reference_problems(load_config(
+        config, [*overrides, *chosen, f"image_log.data_dir={standin_stats}"]).evaluation) == []
     [problem] = fid.reference_problems(
-        load_config(config, [*overrides, *chosen, f"image_log.data_dir={unverified}"]))
+        load_config(config, [*overrides, *chosen, f"image_log.data_dir={unverified}"]).evaluation)
     assert "UNVERIFIED" in problem and f"computes stand-in {STANDIN}" in problem
 
 

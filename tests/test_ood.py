@@ -196,8 +196,8 @@ def _ood_worker(root: str, out: str) -> None:
             f"eval.ood_datasets=[noise,svhn,cifar100,{root}/folder]", "eval.ood_num_samples=13",
             f"eval.ood_score={score}", "eval.ood_attack_steps=3", "eval.ood_attack_step_size=0.3",
             f"eval.ood_roots.svhn={root}/svhn", f"eval.ood_roots.cifar100={root}/cifar100"])
-        model = load_eval_model(cfg, runtime)
-        evaluator = Evaluator(cfg, runtime, ("ood_sets",), batch_size=5)
+        model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+        evaluator = Evaluator(cfg.evaluation, runtime, ("ood_sets",), batch_size=5)
         results[score] = evaluator.evaluate_all_ranks(model).values
     torch.save(results, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))
     rd.teardown(runtime)
@@ -226,11 +226,11 @@ def test_settings_resolve_the_original_attack_and_problems_name_missing_roots(tm
     cfg = load_config(None, ["data.image_size=224", "data.indist_dataset=ImageNet",
                              "data.num_classes=1000", "eval.ood_datasets=[noise,svhn]",
                              f"eval.ood_roots.svhn={tmp_path}/absent", "eval.ood_attack_steps=4"])
-    settings = OODSets.settings(cfg)
+    settings = OODSets.settings(cfg.evaluation)
     assert settings["attack"]["eps"] == 3.0 and settings["attack"]["step_size"] == 1.0
     assert settings["attack"]["steps"] == 4 and settings["attack"]["objective"] == "uniform_kl"
     assert settings["roots"] == {"svhn": f"{tmp_path}/absent"}
-    assert OODSets.problems(cfg) == [
+    assert OODSets.problems(cfg.evaluation) == [
         f"OOD set 'svhn': eval.ood_roots.svhn '{tmp_path}/absent' does not exist"]
 
 
@@ -250,16 +250,16 @@ def test_the_original_reads_ood_sets_by_model_kind_and_budgets_by_their_side(
     CIFAR models and 224 px for ImageNet models of any size; the 3.0 budget for 224 px images,
     the 1.0 one otherwise."""
     cfg = load_config(None, [f"data.image_size={model_size}", *overrides])
-    assert ood_image_size(cfg) == side
-    attack = OODSets.settings(cfg)["attack"]
+    assert ood_image_size(cfg.evaluation) == side
+    attack = OODSets.settings(cfg.evaluation)["attack"]
     assert (attack["eps"], attack["steps"], attack["step_size"]) == budget
-    assert OODSets.settings(cfg)["image_size"] == side
+    assert OODSets.settings(cfg.evaluation)["image_size"] == side
 
 
 def test_files_are_the_set_roots(tmp_path):
     cfg = load_config(None, [f"eval.ood_datasets=[noise,svhn,restricted_imagenet,{tmp_path}/f]",
                              f"eval.ood_roots.svhn={tmp_path}/svhn"])
-    assert OODSets.files(cfg) == {"eval.ood_roots.svhn": f"{tmp_path}/svhn",
+    assert OODSets.files(cfg.evaluation) == {"eval.ood_roots.svhn": f"{tmp_path}/svhn",
                                   "eval.ood_roots.restricted_imagenet": "data/ImageNet",
                                   "eval.ood_datasets[f]": f"{tmp_path}/f"}
     outdist = load_config(None, ["data.outdist_dataset=tinyimages",

@@ -70,16 +70,18 @@ def _cfg(root, *extra):
 def _evaluate(cfg, metrics, run_dir=None, batch_size=5):
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
-    evaluator = Evaluator(cfg, Runtime(), tuple(metrics), batch_size=batch_size,
+    evaluator = Evaluator(cfg.evaluation, Runtime(), tuple(metrics), batch_size=batch_size,
                           run_dir=None if run_dir is None else str(run_dir))
-    return evaluator.evaluate_all_ranks(load_eval_model(cfg, Runtime())).values
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    return evaluator.evaluate_all_ranks(model).values
 
 
 def _samples(cfg):
     from rebm.eval.evaluator import load_eval_model
     from tests.standins import generate_samples
 
-    return generate_samples(load_eval_model(cfg, Runtime()), cfg, Runtime(), batch_size=5)[0]
+    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    return generate_samples(model, cfg, Runtime(), batch_size=5)[0]
 
 
 def _png(path) -> np.ndarray:
@@ -264,10 +266,10 @@ def test_logsumexp_sampling_makes_the_samples_unconditional(data, caplog):
     assert len(notices) == 1 and "logsumexp_sampling=true" in notices[0]
     # the settings (and so the table's cache keys) say what the samples are, not which key
     # decided it: the same samples, the same settings
-    settings = sample_settings(_cfg(data, "logsumexp_sampling=true"))
+    settings = sample_settings(_cfg(data, "logsumexp_sampling=true").evaluation)
     assert not settings["conditional"]
-    assert settings == sample_settings(_cfg(data, "eval.unconditional_samples=true"))
-    assert sample_settings(overruled)["conditional"]
+    assert settings == sample_settings(_cfg(data, "eval.unconditional_samples=true").evaluation)
+    assert sample_settings(overruled.evaluation)["conditional"]
 
 
 def test_seeds_are_unblurred_unless_blur_fid_seeds(data):
@@ -277,11 +279,11 @@ def test_seeds_are_unblurred_unless_blur_fid_seeds(data):
     idx = torch.arange(6)
     plain = SeedImages("noise", 16, rand_seed=3)(idx)
     kept = _cfg(data, "image_log.blur_kernel_size=5", "image_log.adaptive_blur=true")
-    assert blur_kernel_size(kept) == 3  # 5 at 32 px, scaled to 16 px
-    assert torch.equal(seed_source(kept, {})(idx), plain)
+    assert blur_kernel_size(kept.evaluation) == 3  # 5 at 32 px, scaled to 16 px
+    assert torch.equal(seed_source(kept.evaluation, {})(idx), plain)
     blurred = _cfg(data, "image_log.blur_kernel_size=5", "image_log.blur_fid_seeds=true")
     expected = SeedImages("noise", 16, rand_seed=3, blur_kernel_size=5)(idx)
-    assert torch.equal(seed_source(blurred, {})(idx), expected)
+    assert torch.equal(seed_source(blurred.evaluation, {})(idx), expected)
     assert not torch.equal(expected, plain)
 
 
@@ -391,7 +393,7 @@ def test_metrics_name_their_files_and_protocol(data, tmp_path, monkeypatch):
     from rebm.eval.registry import metric_classes
 
     def metric_settings(cfg, names):
-        return Evaluator(cfg, Runtime(), names).settings()
+        return Evaluator(cfg.evaluation, Runtime(), names).settings()
 
     monkeypatch.delenv(FEATURES_ENV, raising=False)
     weights = str(tmp_path / "w.pth")
@@ -401,20 +403,20 @@ def test_metrics_name_their_files_and_protocol(data, tmp_path, monkeypatch):
                                                   "sample_grid"))}
     fid, is_, pr, grid = (classes[name] for name in ("fid", "inception_score",
                                                      "precision_recall", "sample_grid"))
-    assert fid.files(cfg) == {"image_log.data_dir": f"{data}/stats.npz",
+    assert fid.files(cfg.evaluation) == {"image_log.data_dir": f"{data}/stats.npz",
                               "image_log.seed_images": f"{tmp_path}/seeds",
                               "image_log.inception_weights": weights}
-    assert is_.files(cfg) == {"image_log.seed_images": f"{tmp_path}/seeds",
+    assert is_.files(cfg.evaluation) == {"image_log.seed_images": f"{tmp_path}/seeds",
                               "image_log.inception_weights": weights}
-    assert pr.files(cfg)["data.indist_ds_dir"] == str(data)
+    assert pr.files(cfg.evaluation)["data.indist_ds_dir"] == str(data)
     ref = _cfg(data, "eval.pr_reference=/refs/VIRTUAL_imagenet256_labeled.npz")
-    assert pr.files(ref)["eval.pr_reference"] == "/refs/VIRTUAL_imagenet256_labeled.npz"
-    assert "data.indist_ds_dir" not in pr.files(ref)
+    assert pr.files(ref.evaluation)["eval.pr_reference"] == "/refs/VIRTUAL_imagenet256_labeled.npz"
+    assert "data.indist_ds_dir" not in pr.files(ref.evaluation)
     assert grid.files(_cfg(data)) == {}
     assert grid.files(_cfg(data, "image_log.seed_images=gaussian")) == {
         "data.indist_ds_dir": str(data)}
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
-    assert "image_log.inception_weights" not in fid.files(cfg)
+    assert "image_log.inception_weights" not in fid.files(cfg.evaluation)
     assert all(m.protocol >= 2 for m in (fid, is_, pr, grid))
     settings = metric_settings(cfg, ("fid", "inception_score", "precision_recall"))
     assert settings["fid"]["pixels"] == "floor" and settings["fid"]["conditional"]
@@ -433,11 +435,12 @@ def test_metrics_of_one_pass_keep_their_own_inception_weights(data, monkeypatch)
     monkeypatch.setenv(FEATURES_ENV, STANDIN)
     configs = {"inception_score": _cfg(data, "image_log.inception_weights=a.pth"),
                "precision_recall": _cfg(data, "image_log.inception_weights=b.pth")}
-    evaluator = Evaluator(configs["inception_score"], Runtime(), list(configs),
-                          configs=configs).start_all_ranks()
+    sections = {name: config.evaluation for name, config in configs.items()}
+    evaluator = Evaluator(sections["inception_score"], Runtime(), list(sections),
+                          sections=sections).start_all_ranks()
     built = dict(evaluator.resources)
-    first = shared_extractor(configs["inception_score"], Runtime(), evaluator.resources)
-    other = shared_extractor(configs["precision_recall"], Runtime(), evaluator.resources)
+    first = shared_extractor(sections["inception_score"], Runtime(), evaluator.resources)
+    other = shared_extractor(sections["precision_recall"], Runtime(), evaluator.resources)
     assert other is not first
     assert first is next(value for key, value in built.items() if "a.pth" in key)
     assert evaluator.resources == built

@@ -174,8 +174,9 @@ def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does
     def keys(root: Path, checkpoint: Path) -> list:
         hashes = FileHashes()
         configs = row_configs(spec, str(root))["dat-s0"]
-        return [metric_key(configs[c.name], c, hashes.sha256(str(checkpoint)), spec.batch_size,
-                           hashes) for c in metric_classes(spec.metrics)]
+        return [metric_key(configs[c.name].evaluation, configs[c.name].model, c,
+                           hashes.sha256(str(checkpoint)), spec.batch_size, hashes)
+                for c in metric_classes(spec.metrics)]
 
     assert keys(ckpts, path) == keys(tmp_path, moved)
     stat = moved.stat()

@@ -31,12 +31,13 @@ def _eval_worker(opts: dict) -> None:
                           opts["device"])
         torch.manual_seed(cfg.rand_seed)
         model = model_from_config(cfg.model, cfg.data).to(runtime.device)
-        metrics = standard_metrics(cfg, samples=False)
+        metrics = standard_metrics(cfg.evaluation, samples=False)
         # independent: every rank evaluates the whole test set on its own (no sharding, no
         # collective inside), all starting together: how much the ranks slow each other down
         # on this machine's shared cores, caches and memory (the ceiling of any 2-rank split).
         eval_runtime = Runtime(device=runtime.device) if opts["independent"] else runtime
-        evaluator = Evaluator(cfg, eval_runtime, metrics)  # one per run: test data built once
+        # one per run: test data built once
+        evaluator = Evaluator(cfg.evaluation, eval_runtime, metrics)
         times = []
         for rep in range(opts["warmup"] + opts["reps"]):
             rd.barrier(runtime)

@@ -49,7 +49,8 @@ def _sample_pass(name: str, model_type: str, size: int, classes: int, batch: int
     if resolve_channels_last(cfg.model.channels_last, device, cfg.amp):
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device).eval()
-    generate = SampleGenerator(model, cfg, Runtime(device=device), seed_source(cfg, {}))
+    generate = SampleGenerator(model, cfg.evaluation, Runtime(device=device),
+                               seed_source(cfg.evaluation, {}))
     chunks = [torch.arange(i * batch, (i + 1) * batch) for i in range(args.warmup + args.reps)]
     with eval_mode(model):
         times = [timed(lambda c=c: generate(c), device)[1] for c in chunks][args.warmup:]

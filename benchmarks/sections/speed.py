@@ -118,7 +118,7 @@ def shipped_eval_work(path: str) -> dict:
             "interval_images": cfg.n_imgs_per_evaluation_log,
             "T": cfg.attack.max_steps, "K": cfg.indist_attack_clf.max_steps,
             "test_images": CIFAR_TEST_IMAGES,
-            "robust_steps": robust_eval_attack(cfg).max_steps if cfg.robust_eval else 0,
+            "robust_steps": robust_eval_attack(cfg.evaluation).max_steps if cfg.robust_eval else 0,
             "samples": log.num_samples, "sample_steps": log.num_steps,
             "fid_images": (log.num_samples + sweep * log.sweep_num_samples) * log.log_fid,
             "sweep_pgd_image_steps": sweep_steps * log.sweep_num_samples}

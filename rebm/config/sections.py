@@ -95,8 +95,9 @@ class EmaSection:
 
 @dataclass(frozen=True)
 class EvaluationSection:
-    """What an evaluation reads: its own section, generation, the data it tests on, robust
-    accuracy's attack, the energies the samples ascend and the seed."""
+    """What an evaluation reads: its own section, generation, the data it tests on (and the
+    inputs the out-distribution's loaders read), robust accuracy's attack, its batch, the energies
+    the samples ascend and the seed."""
 
     eval: Any  # EvalConfig
     image_log: Any  # ImageLogConfig
@@ -105,6 +106,9 @@ class EvaluationSection:
     robust_eval: bool
     robust_eval_steps: Optional[int]
     per_device_eval_batch_size: Optional[int]
+    batch_size: int  # with per_device_batch_size: the default evaluation batch (eval_batch_size)
+    per_device_batch_size: Optional[int]
+    inputs: InputSection  # the out-distribution's loaders (OOD detection's training out-dist)
     keep_samples: bool
     logsumexp: bool
     logsumexp_sampling: bool

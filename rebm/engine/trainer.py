@@ -129,7 +129,8 @@ class Trainer:
         method = make_method(cfg)
         self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg.method))
         self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
-        self.evaluator = Evaluator(cfg, self.runtime, standard_metrics(cfg, method.eval_samples),
+        self.evaluator = Evaluator(cfg.evaluation, self.runtime,
+                                   standard_metrics(cfg.evaluation, method.eval_samples),
                                    batch_size=self.plan.eval_batch_size, run_dir=cfg.run_dir)
         if cfg.n_imgs_per_evaluation_log:
             # a missing FID, seed-image or other metric file (on any node) stops the run now,

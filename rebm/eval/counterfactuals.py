@@ -30,7 +30,7 @@ def run(cfg, runtime, args):
     """Every rank: the per-class statistics (rebm/eval/counterfactual/stats.py)."""
     from rebm.eval.counterfactual.stats import run_class_stats_all_ranks  # after --help
 
-    return run_class_stats_all_ranks(cfg, runtime, args)
+    return run_class_stats_all_ranks(cfg.evaluation, runtime, args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from rebm import cli
 
 
-def evaluation_metrics(cfg, args) -> Tuple[str, ...]:
+def evaluation_metrics(evaluation, args) -> Tuple[str, ...]:
     """The metrics of the command line: clean and robust accuracy, the calibration error unless
     --no-ece, the sample metrics with --samples, --ood, --autoattack, then eval.metrics and
     --metrics (registry names)."""
@@ -29,14 +30,14 @@ def evaluation_metrics(cfg, args) -> Tuple[str, ...]:
 
     extra = [name for name, on in (("ece", not args.no_ece), ("ood", args.ood),
                                    ("autoattack", args.autoattack)) if on]
-    return standard_metrics(cfg, args.samples, [*extra, *args.metrics])
+    return standard_metrics(evaluation, args.samples, [*extra, *args.metrics])
 
 
-def fid_not_asked_notice(cfg, samples: bool, names) -> str:
+def fid_not_asked_notice(image_log, samples: bool, names) -> str:
     """One line when reference statistics are given for the samples but FID is not among the
     metrics (image_log.log_fid off): the key that turns it on. Empty when nothing is skipped."""
-    if samples and cfg.image_log.data_dir and not cfg.image_log.log_fid and "fid" not in names:
-        return (f"FID not computed: image_log.data_dir={cfg.image_log.data_dir} is given but "
+    if samples and image_log.data_dir and not image_log.log_fid and "fid" not in names:
+        return (f"FID not computed: image_log.data_dir={image_log.data_dir} is given but "
                 "image_log.log_fid is false; add image_log.log_fid=true to compute it")
     return ""
 
@@ -51,37 +52,41 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
 
     with stop_on_signal(runtime, STOP_NOTICE) as runtime:
         try:
-            return evaluate_all_ranks(cfg, runtime, args)
+            return evaluate_all_ranks(cfg.evaluation, cfg.model, cfg.run_dir, runtime, args)
         except Preempted:
             exit_stopped(runtime, "the evaluation did not finish, so no eval.json was written; "
                          "run the same command to evaluate again")
             raise  # not reached: exit_stopped exits
 
 
-def evaluate_all_ranks(cfg, runtime, args) -> Dict[str, Any]:
-    from rebm.checkpoint.paths import with_model_file
+def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
+                       ) -> Dict[str, Any]:
+    """Evaluate the checkpoint of `model` (the model section) on the metrics of `args`;
+    eval.json goes to `run_dir`, by default the checkpoint's folder."""
+    from rebm.checkpoint.paths import model_file
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main
     from rebm.eval.evaluator import LOGGER, Evaluator, load_eval_model
     from rebm.eval.report import describe_evaluation, evaluation_table, jsonable
 
     setup_logging(runtime)
-    names = evaluation_metrics(cfg, args)
-    notice = fid_not_asked_notice(cfg, args.samples, names)
+    names = evaluation_metrics(evaluation, args)
+    notice = fid_not_asked_notice(evaluation.image_log, args.samples, names)
     if notice:
         LOGGER.info(notice)
-    evaluator = Evaluator(cfg, runtime, names)
+    evaluator = Evaluator(evaluation, runtime, names)
     evaluator.start_all_ranks()  # before any other work: a missing file is one line
-    cfg = with_model_file(cfg)  # model.ckpt_path=RUN_DIR: its model_final.pth
-    model = load_eval_model(cfg, runtime)
-    run_dir = cfg.run_dir or os.path.dirname(os.path.abspath(cfg.model.ckpt_path))
-    evaluator.run_dir = broadcast_object(runtime, run_dir)  # one folder for all ranks
-    LOGGER.info("%s", output_notice(evaluator.run_dir, chosen=cfg.run_dir is not None))
-    evaluation = evaluator.evaluate_all_ranks(model)
-    values, settings = evaluation.values, evaluation.settings
+    if model.ckpt_path:  # model.ckpt_path=RUN_DIR: its model_final.pth
+        model = dataclasses.replace(model, ckpt_path=model_file(model.ckpt_path))
+    network = load_eval_model(model, evaluation.data, evaluation.use_ema, runtime)
+    folder = run_dir or os.path.dirname(os.path.abspath(model.ckpt_path))
+    evaluator.run_dir = broadcast_object(runtime, folder)  # one folder for all ranks
+    LOGGER.info("%s", output_notice(evaluator.run_dir, chosen=run_dir is not None))
+    found = evaluator.evaluate_all_ranks(network)
+    values, settings = found.values, found.settings
     table = evaluation_table(values, settings)
     metrics = {k: jsonable(v) for k, v in {**values, "world_size": runtime.world_size,
-                                           "ckpt_path": os.path.abspath(cfg.model.ckpt_path)}.items()}
+                                           "ckpt_path": os.path.abspath(model.ckpt_path)}.items()}
     metrics["settings"] = jsonable(settings)  # what each value was computed on, by metric
     path = os.path.join(evaluator.run_dir, "eval.json")
 
@@ -90,7 +95,7 @@ def evaluate_all_ranks(cfg, runtime, args) -> Dict[str, Any]:
         with open(path, "w") as fh:
             json.dump(metrics, fh, indent=2)
         LOGGER.info("%s", describe_evaluation(values))
-        LOGGER.info("evaluation of %s:\n%s", cfg.model.ckpt_path, table)
+        LOGGER.info("evaluation of %s:\n%s", model.ckpt_path, table)
         LOGGER.info("metrics written to %s", path)
         sys.stderr.flush()
         print_line(json.dumps(metrics))  # the last stdout line, for scripts
@@ -137,7 +142,8 @@ def check_metrics(args, cfg) -> None:
     from rebm.distributed import Runtime
     from rebm.eval.evaluator import Evaluator
 
-    problems = Evaluator(cfg, Runtime(), evaluation_metrics(cfg, args)).problems()
+    evaluation = cfg.evaluation
+    problems = Evaluator(evaluation, Runtime(), evaluation_metrics(evaluation, args)).problems()
     if args.check:
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)

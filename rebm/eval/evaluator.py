@@ -2,8 +2,8 @@
 periodic and final evaluation, `python -m rebm.eval.evaluate`, `python -m rebm.eval.table`,
 stage 1's robustness test), goes through `Evaluator.evaluate_all_ranks`.
 
-Built once from the config, the runtime and the metric names (rebm/eval/registry.py), the
-Evaluator holds what every evaluation of the run reuses:
+Built once from the evaluation section (`cfg.evaluation`), the runtime and the metric names
+(rebm/eval/registry.py), the Evaluator holds what every evaluation of the run reuses:
 - readiness: `problems()`, what the metrics need and this machine lacks (a weights or
   statistics file, a package), one line each; `start_all_ranks()` stops every rank on them
   with one line before any work, then builds the rest;
@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 from torch import nn
 
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
-from rebm.config import eval_batch_size
+from rebm.config import DataConfig, ModelConfig, eval_batch_size
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.parallel import unwrap
@@ -62,18 +63,19 @@ class Evaluator:
     """The evaluations of one run (the module docstring). `metrics`: registry names (any order;
     they run in registry order); `batch_size`: images per rank and batch (None:
     `rebm.config.eval_batch_size`); `run_dir`: the folder for files (None: no files);
-    `configs`: a config per metric name where one differs from `cfg` (the table's
-    metric_overrides). Building it is cheap and rank-local (an unknown name: EvalError)."""
+    `sections`: an evaluation section per metric name where one differs from `evaluation` (the
+    table's metric_overrides). Building it is cheap and rank-local (an unknown name: EvalError)."""
 
-    def __init__(self, cfg, runtime: Runtime, metrics: Sequence[str], *,
+    def __init__(self, evaluation: EvaluationSection, runtime: Runtime, metrics: Sequence[str], *,
                  batch_size: Optional[int] = None, run_dir: Optional[str] = None,
-                 configs: Optional[Mapping[str, Any]] = None):
-        self.cfg, self.runtime, self.run_dir = cfg, runtime, run_dir
+                 sections: Optional[Mapping[str, EvaluationSection]] = None):
+        self.runtime, self.run_dir = runtime, run_dir
         self.classes: List[Type[Metric]] = metric_classes(metrics)
-        self.configs = {cls.name: (configs or {}).get(cls.name, cfg) for cls in self.classes}
-        self.batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
+        self.sections = {cls.name: (sections or {}).get(cls.name, evaluation)
+                         for cls in self.classes}
+        self.batch_size = batch_size or eval_batch_size(evaluation, runtime.world_size)
         self.resources: Dict[str, Any] = {}  # feature networks, reference statistics, seeds
-        self.test_data: Dict[int, TestData] = {}  # by id of the config: built on first use
+        self.test_data: Dict[int, TestData] = {}  # by id of the section: built on first use
         self.started = False
 
     @property
@@ -83,11 +85,11 @@ class Evaluator:
     def problems(self) -> List[str]:
         """What the metrics need and this machine lacks, one line each (`--check` prints them as
         warnings; `start_all_ranks` stops on them)."""
-        return [p for cls in self.classes for p in cls.problems(self.configs[cls.name])]
+        return [p for cls in self.classes for p in cls.problems(self.sections[cls.name])]
 
     def settings(self) -> Dict[str, Dict[str, Any]]:
         """{metric: its settings}, in registry order (eval.json, cache keys)."""
-        return {cls.name: cls.settings(self.configs[cls.name]) for cls in self.classes}
+        return {cls.name: cls.settings(self.sections[cls.name]) for cls in self.classes}
 
     def start_all_ranks(self) -> "Evaluator":
         """Before any work, on every rank: one EvalError line when the metrics lack something
@@ -101,11 +103,11 @@ class Evaluator:
         if problems:
             raise EvalError("; ".join(problems))
         for cls in self.classes:
-            cls.build(self.configs[cls.name], self.runtime, self.resources)
+            cls.build(self.sections[cls.name], self.runtime, self.resources)
         for cls in self._of(SAMPLES, self.names):
-            cfg = self.configs[cls.name]
-            if cfg.image_log.num_samples > 0:
-                seed_source(cfg, self.resources)
+            section = self.sections[cls.name]
+            if section.image_log.num_samples > 0:
+                seed_source(section, self.resources)
         self.started = True
 
     def _of(self, source: str, names: Sequence[str]) -> List[Type[Metric]]:
@@ -130,43 +132,44 @@ class Evaluator:
             for group in self._test_groups(names):
                 self._test_pass_all_ranks(model, step, group, evaluation)
             samples = self._of(SAMPLES, names)
-            if samples and self.configs[samples[0].name].image_log.num_samples > 0:
+            if samples and self.sections[samples[0].name].image_log.num_samples > 0:
                 self._sample_pass_all_ranks(model, step, samples, evaluation)
         return evaluation
 
     def _context(self, model: nn.Module, cls: Type[Metric], step: Optional[int]) -> EvalContext:
-        return EvalContext(model, self.configs[cls.name], self.runtime, self.batch_size,
+        return EvalContext(model, self.sections[cls.name], self.runtime, self.batch_size,
                            self.run_dir, step, self.resources)
 
     def _test_groups(self, names: Sequence[str]) -> List[List[Type[Metric]]]:
-        """The test-set metrics of `names` by the config they read (one pass each: the test
-        images follow the config)."""
+        """The test-set metrics of `names` by the section they read (one pass each: the test
+        images follow the section)."""
         groups: Dict[int, List[Type[Metric]]] = {}
         for cls in self._of(TEST_SET, names):
-            groups.setdefault(id(self.configs[cls.name]), []).append(cls)
+            groups.setdefault(id(self.sections[cls.name]), []).append(cls)
         return list(groups.values())
 
     def _test_pass_all_ranks(self, model: nn.Module, step: Optional[int],
                              classes: List[Type[Metric]], evaluation: Evaluation) -> None:
-        cfg = self.configs[classes[0].name]
-        if id(cfg) not in self.test_data:
-            self.test_data[id(cfg)] = TestData(cfg, self.runtime, self.batch_size)
+        section = self.sections[classes[0].name]
+        if id(section) not in self.test_data:
+            self.test_data[id(section)] = TestData(section, self.runtime, self.batch_size)
         metrics = [cls(self._context(model, cls, step)) for cls in classes]
         for metric in metrics:
             metric.start_all_ranks()
-        n_test, results = run_test_pass_all_ranks(self.test_data[id(cfg)], model, self.runtime,
+        n_test, results = run_test_pass_all_ranks(self.test_data[id(section)], model, self.runtime,
                                                   metrics)
         self._record(evaluation, metrics, results, {"n_test": n_test})
 
     def _sample_pass_all_ranks(self, model: nn.Module, step: Optional[int],
                                classes: List[Type[Metric]], evaluation: Evaluation) -> None:
-        """One generation pass with the config of the first sample metric (the metrics of one
-        call draw the same samples; each still reads its own config)."""
+        """One generation pass with the section of the first sample metric (the metrics of one
+        call draw the same samples; each still reads its own section)."""
         ctx = self._context(model, classes[0], step)
         metrics = [cls(self._context(model, cls, step)) for cls in classes]
         for metric in metrics:
             metric.start_all_ranks()
-        results = run_sample_pass_all_ranks(ctx, seed_source(ctx.cfg, self.resources), metrics)
+        seeds = seed_source(ctx.evaluation, self.resources)
+        results = run_sample_pass_all_ranks(ctx, seeds, metrics)
         self._record(evaluation, metrics, results)
 
     @staticmethod
@@ -179,18 +182,20 @@ class Evaluator:
             evaluation.files.update(metric.outputs())
 
 
-def load_eval_model(cfg, runtime: Runtime) -> nn.Module:
-    """The plain model with the weights of `model.ckpt_path` (EMA weights of a training state
-    when use_ema), on this rank's device, never wrapped: evaluation runs no DDP forward."""
-    path = cfg.model.ckpt_path
+def load_eval_model(model: ModelConfig, data: DataConfig, use_ema: bool,
+                    runtime: Runtime) -> nn.Module:
+    """The plain model of `model` and `data` with the weights of `model.ckpt_path` (EMA
+    weights of a training state when `use_ema`), on this rank's device, never wrapped: evaluation
+    runs no DDP forward."""
+    path = model.ckpt_path
     if not path:
         raise EvalError("model.ckpt_path is not set; pass model.ckpt_path=PATH of the "
                         "checkpoint to evaluate")
     if not os.path.isfile(path):
         raise EvalError(f"model.ckpt_path '{path}' does not exist")
-    model = model_from_config(cfg.model, cfg.data)
+    network = model_from_config(model, data)
     try:
-        load_checkpoint(model, path, prefer_ema=cfg.use_ema, trust=cfg.model.trust_checkpoint)
+        load_checkpoint(network, path, prefer_ema=use_ema, trust=model.trust_checkpoint)
     except CheckpointError as err:
         raise EvalError(str(err)) from None
-    return model.to(runtime.device).eval()
+    return network.to(runtime.device).eval()

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from rebm import cli
 from rebm.config import eval_batch_size
+from rebm.config.sections import EvaluationSection
 from rebm.data.augmentations import build_augmentation, center_square_resize
 from rebm.data.pipeline import indist_source, loader_workers
 from rebm.data.sampling import eval_chunks
@@ -69,33 +70,35 @@ def recipe_text(recipe: str, image_size: int, full_images: bool) -> str:
     return f"test: the stored {image_size} px images, rebm's test transform"
 
 
-def statistics_images(cfg, split: str, recipe: str):
+def statistics_images(evaluation: EvaluationSection, split: str, recipe: str):
     """(dataset of (float [0, 1] image, label), recipe text) of the split read by `recipe`."""
-    source = indist_source(cfg.data, split)
-    size = cfg.data.image_size
+    source = indist_source(evaluation.data, split)
+    size = evaluation.data.image_size
     transform = (center_square_resize(size) if recipe == "fid_score2"
                  else build_augmentation("test", size, source.full_images))
     return ImageDataset(source, transform), recipe_text(recipe, size, source.full_images)
 
 
-def dataset_statistics_all_ranks(cfg, runtime: Runtime, split: str = "train",
+def dataset_statistics_all_ranks(evaluation: EvaluationSection, runtime: Runtime,
+                                 split: str = "train",
                                  num_images: Optional[int] = None, batch_size: Optional[int] = None,
                                  recipe: Optional[str] = None):
     """(mu, sigma, n, recipe text) of the features of the first `num_images` images of the
     in-distribution `split` read by `recipe` (default: `default_recipe`), the same on every
     rank. Chunks of `batch_size` images are spread over the ranks (chunk k on rank k % W).
     Every rank must call this."""
-    dataset, recipe = statistics_images(cfg, split, recipe or default_recipe(cfg.data.image_size))
+    dataset, recipe = statistics_images(evaluation, split,
+                                        recipe or default_recipe(evaluation.data.image_size))
     n = len(dataset) if num_images is None else min(num_images, len(dataset))
     if n < 2:
         raise FIDError(f"FID statistics need at least 2 images; the {split} split of "
-                       f"{cfg.data.indist_dataset} gives {n}")
-    batch_size = batch_size or eval_batch_size(cfg, runtime.world_size)
-    features = feature_extractor(runtime.device, cfg.image_log)
+                       f"{evaluation.data.indist_dataset} gives {n}")
+    batch_size = batch_size or eval_batch_size(evaluation, runtime.world_size)
+    features = feature_extractor(runtime.device, evaluation.image_log)
     mine = [i for chunk in eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
             for i in chunk]
     loader = DataLoader(dataset, batch_size=batch_size, sampler=mine, drop_last=False,
-                        num_workers=loader_workers(cfg.data, runtime))
+                        num_workers=loader_workers(evaluation.data, runtime))
     # Every chunk but the last one overall is full, so the loader's batches are the chunks.
     batches = (features(x.to(runtime.device)) for x, _ in loader)
     with torch.no_grad():
@@ -108,8 +111,8 @@ def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     out = args.out if args.out.endswith(".npz") else args.out + ".npz"
     network = feature_network(cfg.image_log)
     feature_extractor(runtime.device, cfg.image_log)  # fail first
-    mu, sigma, n, recipe = dataset_statistics_all_ranks(cfg, runtime, args.split, args.num_images,
-                                                        recipe=args.recipe)
+    mu, sigma, n, recipe = dataset_statistics_all_ranks(cfg.evaluation, runtime, args.split,
+                                                        args.num_images, recipe=args.recipe)
     summary = {"out": os.path.abspath(out), "split": args.split, "num_images": n,
                "dims": int(mu.shape[0]), "features": network.describe(), "recipe": recipe,
                "world_size": runtime.world_size}

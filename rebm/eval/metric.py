@@ -8,11 +8,13 @@ Adding a metric is one module plus one registration:
    - `source`: `TEST_SET` (fed every `TestBatch` of this rank's shard of the test set, in one
      pass shared by all such metrics) or `SAMPLES` (fed every `SampleChunk` of this rank's
      generated samples, in one generation pass shared by all such metrics);
-   - `settings(cfg)`: a JSON-able dict of everything that decides the value (attack, number of
-     images, feature network, ...). It is written to eval.json next to the value and can serve
-     as a cache key, so it must depend on the config (and environment) only;
-   - `build(cfg, runtime, resources)` (optional): load once per run what every evaluation
-     reuses (a feature network, reference statistics); `problems(cfg)`: what this machine lacks;
+   - `settings(evaluation)`: a JSON-able dict of everything that decides the value (attack,
+     number of images, feature network, ...), from the evaluation section (`cfg.evaluation`,
+     rebm/config/sections.py). It is written to eval.json next to the value and can serve as a
+     cache key, so it must depend on the section (and environment) only;
+   - `build(evaluation, runtime, resources)` (optional): load once per run what every
+     evaluation reuses (a feature network, reference statistics); `problems(evaluation)`: what
+     this machine lacks;
    - `__init__(ctx)` (cheap: no collective, no generation), `start_all_ranks()` (optional:
      collective preparation, e.g. reference features), `update(batch_or_chunk)`: keep only what
      the value needs (counts, feature sums, feature rows), never the images; no collective;
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from rebm.config.evaluation import SAMPLE_PIXELS
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.errors import UserError
 
@@ -61,7 +64,8 @@ class EvalError(UserError, ValueError):
 @dataclass
 class EvalContext:
     """What a metric instance gets from the Evaluator (rebm/eval/evaluator.py): the unwrapped
-    model (in eval mode while the evaluation runs), the metric's config, this rank's runtime,
+    model (in eval mode while the evaluation runs), the metric's evaluation section
+    (`cfg.evaluation`, rebm/config/sections.py), this rank's runtime,
     the images per rank and batch, the folder for files (sample grid, PNGs, npz, diagrams; None:
     no files) and the training step (names the files; None: an evaluation of a checkpoint).
     `resources` are the Evaluator's, kept for the whole run: the feature networks and
@@ -69,7 +73,7 @@ class EvalContext:
     once (`shared`)."""
 
     model: nn.Module
-    cfg: Any
+    evaluation: EvaluationSection
     runtime: Runtime
     batch_size: int
     run_dir: Optional[str] = None
@@ -156,12 +160,12 @@ class Metric:
         self.ctx = ctx
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
         """Everything that decides the value, JSON-able (eval.json, cache keys)."""
         return {}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
         """The files and folders the value is computed from, other than the checkpoint:
         {what it is (a config key, e.g. 'image_log.data_dir'): path}. Files are hashed into
         cache keys (a rewritten statistics file recomputes the value) and listed, present or
@@ -169,13 +173,14 @@ class Metric:
         return {}
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
         """What this machine lacks for the metric (files, packages), one line each; checked
         before any work (`--check` prints them as warnings)."""
         return []
 
     @classmethod
-    def build(cls, cfg, runtime: Runtime, resources: Dict[str, Any]) -> None:
+    def build(cls, evaluation: EvaluationSection, runtime: Runtime,
+              resources: Dict[str, Any]) -> None:
         """Put into `resources` what every evaluation of this metric reuses (feature networks,
         reference statistics), under keys that name what they depend on; called once per
         Evaluator at start, on every rank, after `problems` found nothing. Rank-local (no

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence, Tuple, Type
 
+from rebm.config.sections import EvaluationSection
 from rebm.eval.metric import EvalError, Metric
 from rebm.eval.metrics.accuracy import CleanAccuracy, RobustAccuracy
 from rebm.eval.metrics.autoattack import AutoAttackAccuracy
@@ -73,13 +74,14 @@ def metric_classes(names: Sequence[str]) -> List[Type[Metric]]:
     return [metric for name, metric in METRICS.items() if name in names]
 
 
-def standard_metrics(cfg, samples: bool, extra: Sequence[str] = ()) -> Tuple[str, ...]:
+def standard_metrics(evaluation: EvaluationSection, samples: bool, extra: Sequence[str] = ()
+                     ) -> Tuple[str, ...]:
     """The usual metrics of an evaluation: clean accuracy, robust accuracy (`robust_eval`), with
     `samples` the sample grid, FID (`image_log.log_fid`) and every sample as PNG
     (`keep_samples`), then `eval.metrics` and `extra`, without repeats."""
-    names = ["accuracy"] + (["robust_accuracy"] if cfg.robust_eval else [])
-    if samples and cfg.image_log.num_samples > 0:
+    names = ["accuracy"] + (["robust_accuracy"] if evaluation.robust_eval else [])
+    if samples and evaluation.image_log.num_samples > 0:
         names.append("sample_grid")
-        names += ["fid"] if cfg.image_log.log_fid else []
-        names += ["keep_samples"] if cfg.keep_samples else []
-    return tuple(dict.fromkeys([*names, *cfg.eval.metrics, *extra]))
+        names += ["fid"] if evaluation.image_log.log_fid else []
+        names += ["keep_samples"] if evaluation.keep_samples else []
+    return tuple(dict.fromkeys([*names, *evaluation.eval.metrics, *extra]))

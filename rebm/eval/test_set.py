@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from rebm.config.datasets import indist_root_files
+from rebm.config.sections import EvaluationSection
 from rebm.data.pipeline import build_eval_data, indist_source
 from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_sum
@@ -30,18 +31,18 @@ ROBUSTBENCH_IDS = os.path.join(os.path.dirname(__file__), "data",
                                "imagenet_val_5000_robustbench.txt")
 
 
-def test_set_settings(cfg) -> Dict[str, Any]:
+def test_set_settings(evaluation: EvaluationSection) -> Dict[str, Any]:
     """Which test images a test-set metric ran on (part of every such metric's settings)."""
-    return {"dataset": cfg.data.indist_dataset, "split": "test", "image_ids": cfg.eval.image_ids,
-            "num_images": cfg.eval.num_images}
+    return {"dataset": evaluation.data.indist_dataset, "split": "test",
+            "image_ids": evaluation.eval.image_ids, "num_images": evaluation.eval.num_images}
 
 
-def test_set_files(cfg) -> Dict[str, Optional[str]]:
+def test_set_files(evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
     """The dataset root and the ids file a test-set metric reads (`Metric.files`)."""
-    files: Dict[str, Optional[str]] = indist_root_files(cfg.data)
-    if cfg.eval.image_ids:
-        files["eval.image_ids"] = (ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench"
-                                   else cfg.eval.image_ids)
+    files: Dict[str, Optional[str]] = indist_root_files(evaluation.data)
+    if evaluation.eval.image_ids:
+        files["eval.image_ids"] = (ROBUSTBENCH_IDS if evaluation.eval.image_ids == "robustbench"
+                                   else evaluation.eval.image_ids)
     return files
 
 
@@ -56,18 +57,19 @@ def describe_test_set(settings: Dict[str, Any], n_test: Any) -> str:
     return text + (f" ({' '.join(parts)})" if parts else "")
 
 
-def _relative_paths(source, cfg, path: str, ids: List[str]) -> List[str]:
+def _relative_paths(source, evaluation: EvaluationSection, path: str, ids: List[str]) -> List[str]:
     files = getattr(source, "files", None)
     if files is None:  # a split held in memory (digits): its images are known by index only
         word = next(i for i in ids if not i.isdigit())
         raise EvalError(f"eval.image_ids '{path}': '{word}' is not a 0-based index, and the "
-                        f"test split of {cfg.data.indist_dataset} has no files to name by path; "
+                        f"test split of {evaluation.data.indist_dataset} has no files to name "
+                        "by path; "
                         "write one 0-based index a line")
-    root = getattr(files, "root", os.path.join(cfg.data.indist_ds_dir, "test"))
+    root = getattr(files, "root", os.path.join(evaluation.data.indist_ds_dir, "test"))
     return [os.path.normpath(os.path.relpath(files[i], root)) for i in range(len(files))]
 
 
-def read_image_ids(path: str, source, cfg) -> np.ndarray:
+def read_image_ids(path: str, source, evaluation: EvaluationSection) -> np.ndarray:
     """Dataset indices of the ids in the file `path` (indices or relative paths), in file order."""
     try:
         with open(path) as fh:
@@ -84,7 +86,7 @@ def read_image_ids(path: str, source, cfg) -> np.ndarray:
             raise EvalError(f"eval.image_ids '{path}': index {int(bad[0])} is out of range: the "
                             f"test split has {len(source)} images")
         return indices
-    where = {rel: i for i, rel in enumerate(_relative_paths(source, cfg, path, ids))}
+    where = {rel: i for i, rel in enumerate(_relative_paths(source, evaluation, path, ids))}
     missing = [i for i in ids if os.path.normpath(i) not in where]
     if missing:
         raise EvalError(f"eval.image_ids '{path}': {len(missing)} of {len(ids)} ids are not in "
@@ -93,16 +95,17 @@ def read_image_ids(path: str, source, cfg) -> np.ndarray:
     return np.array([where[os.path.normpath(i)] for i in ids], dtype=np.int64)
 
 
-def test_indices(cfg, source=None) -> Sequence[int]:
+def test_indices(evaluation: EvaluationSection, source=None) -> Sequence[int]:
     """The dataset indices of the evaluation's test images, in order (`source`: the test split's
     images, if loaded already)."""
-    source = source if source is not None else indist_source(cfg.data, "test")
-    if cfg.eval.image_ids:
-        path = ROBUSTBENCH_IDS if cfg.eval.image_ids == "robustbench" else cfg.eval.image_ids
-        indices: Sequence[int] = read_image_ids(path, source, cfg)
+    source = source if source is not None else indist_source(evaluation.data, "test")
+    if evaluation.eval.image_ids:
+        ids = evaluation.eval.image_ids
+        path = ROBUSTBENCH_IDS if ids == "robustbench" else ids
+        indices: Sequence[int] = read_image_ids(path, source, evaluation)
     else:
         indices = range(len(source))
-    return indices[:cfg.eval.num_images] if cfg.eval.num_images else indices
+    return indices[:evaluation.eval.num_images] if evaluation.eval.num_images else indices
 
 
 class TestData:
@@ -110,12 +113,12 @@ class TestData:
     `test_indices`, this rank's chunks of them, and their loader (every chunk but the last one
     overall is full, so the loader's batches are the chunks)."""
 
-    def __init__(self, cfg, runtime: Runtime, batch_size: int):
-        source = indist_source(cfg.data, "test")  # loaded once, for the ids and the loader
-        indices = test_indices(cfg, source)
+    def __init__(self, evaluation: EvaluationSection, runtime: Runtime, batch_size: int):
+        source = indist_source(evaluation.data, "test")  # loaded once, for the ids and the loader
+        indices = test_indices(evaluation, source)
         mine = [int(indices[p]) for chunk in eval_chunks(len(indices), batch_size, runtime.rank,
                                                          runtime.world_size) for p in chunk]
-        self.loader = build_eval_data(cfg.data, runtime, batch_size, indices=mine, source=source)
+        self.loader = build_eval_data(evaluation.data, runtime, batch_size, indices=mine, source=source)
 
 
 def run_test_pass_all_ranks(data: TestData, model, runtime: Runtime, metrics: List[Metric]

@@ -15,8 +15,8 @@ from rebm.models.registry import (
 )
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, dataset_stats
 
-__all__ = ["build_model", "family_options", "model_from_config", "model_names", "register",
-           "dataset_stats", "CIFAR10_MEAN", "CIFAR10_STD", "WideResNet"]
+__all__ = ["build_model", "family_options", "model_from_config",
+           "model_names", "register", "dataset_stats", "CIFAR10_MEAN", "CIFAR10_STD", "WideResNet"]
 
 
 def __getattr__(name: str):

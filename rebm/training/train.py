@@ -50,7 +50,8 @@ def check_dat(args, cfg) -> None:
 
         # a batch split that cannot work is the one line --check prints, before any note
         plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
-        evaluator = Evaluator(cfg, Runtime(), standard_metrics(cfg, DAT.eval_samples))
+        evaluator = Evaluator(cfg.evaluation, Runtime(),
+                              standard_metrics(cfg.evaluation, DAT.eval_samples))
         for problem in evaluator.problems():  # what its evaluations would stop on at start
             print(f"warning: {problem}", file=sys.stderr)
         line = training_images_line(cfg.inputs)

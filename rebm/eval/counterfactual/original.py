@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision.utils import save_image
 
+from rebm.config.sections import EvaluationSection
 from rebm.data.augmentations import build_augmentation
 from rebm.data.ood_sets import FixedImageSet
 from rebm.data.pipeline import indist_source
@@ -51,13 +52,13 @@ TARGET_STREAM = "counterfactual"  # key stream of the random target classes
 PREVIEW = 10  # the preview grid: PREVIEW counterfactuals toward each of the first PREVIEW classes
 
 
-def train_image_set(cfg, num_images: Optional[int]) -> FixedImageSet:
+def train_image_set(evaluation: EvaluationSection, num_images: Optional[int]) -> FixedImageSet:
     """The first `num_images` (None: all) training images, un-augmented, in dataset order."""
-    source = indist_source(cfg.data, "train")
+    source = indist_source(evaluation.data, "train")
     n = len(source) if num_images is None else min(num_images, len(source))
-    transform = build_augmentation("test", cfg.data.image_size, source.full_images)
+    transform = build_augmentation("test", evaluation.data.image_size, source.full_images)
     return FixedImageSet(f"{source.name} (train)", source, transform, np.arange(n),
-                         cfg.data.image_size)
+                         evaluation.data.image_size)
 
 
 def random_targets(labels: Tensor, indices: np.ndarray, num_classes: int, seed: int) -> Tensor:

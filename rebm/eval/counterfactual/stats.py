@@ -12,6 +12,7 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
+from rebm.config.sections import EvaluationSection
 from rebm.data.augmentations import build_augmentation
 from rebm.data.ood_sets import FixedImageSet
 from rebm.data.pipeline import indist_source
@@ -32,13 +33,14 @@ from rebm.eval.metrics.ood_sets import chunk_loader
 LOGGER = logging.getLogger("rebm")
 
 
-def class_image_set(cfg, label: int, split: str = "train") -> FixedImageSet:
+def class_image_set(evaluation: EvaluationSection, label: int, split: str = "train"
+                    ) -> FixedImageSet:
     """The in-distribution images of class `label` in `split`, un-augmented, in dataset order."""
-    source = indist_source(cfg.data, split)
+    source = indist_source(evaluation.data, split)
     indices = np.flatnonzero(source.labels(np.arange(len(source))).numpy() == label)
-    transform = build_augmentation("test", cfg.data.image_size, source.full_images)
+    transform = build_augmentation("test", evaluation.data.image_size, source.full_images)
     return FixedImageSet(f"{source.name} class {label}", source, transform, indices,
-                         cfg.data.image_size)
+                         evaluation.data.image_size)
 
 
 def class_statistics_all_ranks(images: FixedImageSet, runtime: Runtime, features, batch_size: int
@@ -52,19 +54,20 @@ def class_statistics_all_ranks(images: FixedImageSet, runtime: Runtime, features
              for x, _ in progress(loader, runtime, images.name, total=len(loader))), runtime)
 
 
-def run_class_stats_all_ranks(cfg, runtime: Runtime, args) -> Dict[int, Any]:
+def run_class_stats_all_ranks(evaluation: EvaluationSection, runtime: Runtime, args
+                              ) -> Dict[int, Any]:
     """Writes args.class_stats.format(label=c) for every class c of args.split; {c: (path,
     images)}. Every rank must call this."""
     setup_logging(runtime)
     if "{label}" not in args.class_stats:
         raise FIDError(f"--class-stats '{args.class_stats}' must contain {{label}} (one file "
                        "per class), e.g. data/fid_stats/cifar10_class{label}.npz")
-    network = feature_network(cfg.image_log)
-    features = feature_extractor(runtime.device, cfg.image_log)
+    network = feature_network(evaluation.image_log)
+    features = feature_extractor(runtime.device, evaluation.image_log)
     recipe = f"class {{label}} of the {args.split} split, rebm's test transform, 8-bit"
     written = {}
-    for label in range(cfg.data.num_classes):
-        images = class_image_set(cfg, label, args.split)
+    for label in range(evaluation.data.num_classes):
+        images = class_image_set(evaluation, label, args.split)
         if len(images) < 2:
             raise FIDError(f"class {label} has {len(images)} {args.split} images; FID "
                            "statistics need at least 2")

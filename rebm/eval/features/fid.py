@@ -28,8 +28,8 @@ products are kept (`MomentSums`): each chunk's in float64, added over the chunks
 as exact fixed-point integers (rebm/eval/exact_sums.py), so every rank gets the same mu and sigma,
 bit for bit on any number of processes.
 
-`reference_problems(cfg)` lists what is missing (the FID metric's `problems`: a `--check` warning
-each, one `EvalError` line at the start of a run, rebm/eval/evaluator.py), and the Evaluator
+`reference_problems(evaluation)` lists what is missing (the FID metric's `problems`: a `--check`
+warning each, one `EvalError` line at the start of a run, rebm/eval/evaluator.py), and the Evaluator
 loads the network and the statistics once at start (`fid_scorer`): a broken file fails then,
 never a made-up number. A score that cannot be computed (fewer than 2 samples, statistics of
 another size) is skipped with one warning, on every rank alike.
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.network import (  # noqa: F401  (FIDError and the names are re-exported)
@@ -316,18 +317,18 @@ def weights_files(image_log) -> Dict[str, Optional[str]]:
     return {} if path is None else {"image_log.inception_weights": path}
 
 
-def reference_problems(cfg) -> List[str]:
+def reference_problems(evaluation: EvaluationSection) -> List[str]:
     """What FID lacks here whenever it is asked for: a usable feature network, and reference
     statistics of that network (checked as far as they can be without it)."""
     problems: List[str] = []
     try:
-        network: Optional[FeatureNetwork] = feature_network(cfg.image_log)
+        network: Optional[FeatureNetwork] = feature_network(evaluation.image_log)
     except FIDError as err:
         problems.append(f"{err} (or image_log.log_fid=false: no FID)")
         network = None
     dims = None if network is not None and network.kind == STANDIN else INCEPTION_DIMS
     try:
-        load_reference(cfg.image_log.data_dir, network, dims)
+        load_reference(evaluation.image_log.data_dir, network, dims)
     except FIDError as err:
         problems.append(str(err))
     return problems
@@ -377,11 +378,12 @@ class FIDScorer:
             return None
 
 
-def fid_scorer(cfg, runtime: Runtime, batch_size: int, resources: Dict[str, Any]) -> FIDScorer:
+def fid_scorer(evaluation: EvaluationSection, runtime: Runtime, batch_size: int,
+               resources: Dict[str, Any]) -> FIDScorer:
     """The scorer of the config's FID (image_log.data_dir, inception_weights, sample pixels),
     its feature network and reference statistics taken from `resources` (an Evaluator's, built
     there on first use: FIDError, one line, when missing or unreadable). Rank-local."""
-    log = cfg.image_log
+    log = evaluation.image_log
     network = feature_network(log)
     key = f"fid features {network}"
     if key not in resources:
@@ -390,4 +392,4 @@ def fid_scorer(cfg, runtime: Runtime, batch_size: int, resources: Dict[str, Any]
     if reference not in resources:
         resources[reference] = load_reference(log.data_dir, network)
     return FIDScorer(resources[key], resources[reference], runtime, batch_size,
-                     str(log.data_dir), cfg.eval.sample_pixels)
+                     str(log.data_dir), evaluation.eval.sample_pixels)

@@ -27,6 +27,7 @@ from typing import Any, Dict, List
 import torch
 from torch import Tensor
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import env_features, offline_loader
@@ -108,14 +109,15 @@ def build_extractor(image_log, device):
     return extractor.requires_grad_(False).eval().to(device)
 
 
-def shared_extractor(cfg, runtime: Runtime, resources: Dict[str, Any]):
+def shared_extractor(evaluation: EvaluationSection, runtime: Runtime, resources: Dict[str, Any]):
     """The run's torch-fidelity feature network for the config's weights, built once into
     an Evaluator's `resources` (at start, `Metric.build`). Keyed by the weights setting:
     metrics of one sample pass may name different weights files (the table's
     metric_overrides)."""
-    key = f"fidelity extractor {cfg.image_log.inception_weights} {feature_network(cfg.image_log)}"
+    log = evaluation.image_log
+    key = f"fidelity extractor {log.inception_weights} {feature_network(log)}"
     if key not in resources:
-        resources[key] = build_extractor(cfg.image_log, runtime.device)
+        resources[key] = build_extractor(evaluation.image_log, runtime.device)
     return resources[key]
 
 

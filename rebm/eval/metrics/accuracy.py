@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from rebm.attacks.pgd import pgd_from_config
+from rebm.config.sections import EvaluationSection
 from rebm.data.sampling import sample_keys
 from rebm.distributed import all_reduce_sum
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
@@ -49,12 +50,12 @@ def index_keys(seed: int, indices: Tensor, epoch: int = ROBUST_EVAL_EPOCH) -> Te
     return torch.from_numpy(sample_keys(seed, "eval", epoch, idx))
 
 
-def robust_eval_attack(cfg):
+def robust_eval_attack(evaluation: EvaluationSection):
     """The indist_attack_clf threat model, with `robust_eval_steps` PGD steps when set (robust
     evaluation usually wants more steps than adversarial training uses)."""
-    if cfg.robust_eval_steps is None:
-        return cfg.indist_attack_clf
-    return dataclasses.replace(cfg.indist_attack_clf, max_steps=cfg.robust_eval_steps)
+    if evaluation.robust_eval_steps is None:
+        return evaluation.indist_attack_clf
+    return dataclasses.replace(evaluation.indist_attack_clf, max_steps=evaluation.robust_eval_steps)
 
 
 def ratio(num: float, den: float) -> float:
@@ -72,8 +73,8 @@ class CorrectCount(Metric):
         self.counts = torch.zeros(2, dtype=torch.int64, device=ctx.runtime.device)
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return test_set_files(cfg)
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        return test_set_files(evaluation)
 
     def correct(self, batch: TestBatch) -> Tensor:
         raise NotImplementedError
@@ -93,8 +94,8 @@ class CleanAccuracy(CorrectCount):
     summary = (("test_acc", "clean acc", "{:.3f}"),)
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        return test_set_settings(cfg)
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        return test_set_settings(evaluation)
 
     def correct(self, batch: TestBatch) -> Tensor:
         return batch.logits().argmax(1) == batch.y
@@ -116,17 +117,17 @@ class RobustAccuracy(CorrectCount):
     summary = (("robust_test_acc", "robust acc", "{:.3f}"),)
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
         return {"attack": "PGD", "loss": "cross-entropy",
-                **attack_settings(robust_eval_attack(cfg)), "seed": cfg.rand_seed,
-                **test_set_settings(cfg)}
+                **attack_settings(robust_eval_attack(evaluation)), "seed": evaluation.rand_seed,
+                **test_set_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.attack = robust_eval_attack(ctx.cfg)
+        self.attack = robust_eval_attack(ctx.evaluation)
 
     def correct(self, batch: TestBatch) -> Tensor:
-        keys = index_keys(self.ctx.cfg.rand_seed, batch.index).to(batch.x.device)
+        keys = index_keys(self.ctx.evaluation.rand_seed, batch.index).to(batch.x.device)
         x_adv = pgd_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
                                 random_start_keys=keys)
         with torch.no_grad():

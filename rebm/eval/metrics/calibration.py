@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import on_main
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
@@ -98,13 +99,13 @@ class Calibration(Metric):
         self.sums = ExactSums()  # the same bins on any world size (rebm/eval/exact_sums.py)
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
         return {"bins": N_BINS, "binning": "equal-width", "confidence": "max softmax",
-                **test_set_settings(cfg)}
+                **test_set_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return test_set_files(cfg)
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        return test_set_files(evaluation)
 
     def update(self, batch: TestBatch) -> None:
         self.sums.add(calibration_bins(batch.logits().softmax(dim=1), batch.y, N_BINS))

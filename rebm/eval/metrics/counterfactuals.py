@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from rebm.config.datasets import indist_root_files
+from rebm.config.sections import EvaluationSection
 from rebm.data.ood_sets import indist_test_set
 from rebm.data.pipeline import loader_workers
 from rebm.eval.counterfactual.attack import (
@@ -45,9 +46,9 @@ from rebm.eval.metric import TEST_SET, Metric
 from rebm.eval.test_set import test_indices, test_set_files, test_set_settings
 
 
-def counterfactual_settings(cfg) -> CounterfactualSettings:
+def counterfactual_settings(evaluation: EvaluationSection) -> CounterfactualSettings:
     """The `eval.counterfactual_*` fields; unset attack fields take `image_log`'s."""
-    ev, log = cfg.eval, cfg.image_log
+    ev, log = evaluation.eval, evaluation.image_log
     num_images = ev.counterfactual_num_images
     if ev.counterfactual_protocol == "grid":
         num_images = grid_num_images(num_images)
@@ -73,70 +74,71 @@ class Counterfactuals(Metric):
     protocol = 2
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        cf = counterfactual_settings(cfg)
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        cf = counterfactual_settings(evaluation)
         found: Dict[str, Any] = {
             "protocol": cf.protocol, "steps": cf.steps, "step_size": cf.step_size,
             "eps": cf.eps, "norm": cf.norm, "objective": "target logit",
             "pixels": COUNTERFACTUAL_PIXELS}
         if cf.protocol == "original":
-            found.update(dataset=cfg.data.indist_dataset, split="train",
-                         num_images=cf.num_images or "all", image_size=cfg.data.image_size,
-                         targets="one random other class per image", target_seed=cfg.rand_seed)
+            found.update(dataset=evaluation.data.indist_dataset, split="train",
+                         num_images=cf.num_images or "all", image_size=evaluation.data.image_size,
+                         targets="one random other class per image",
+                         target_seed=evaluation.rand_seed)
         else:
-            found.update(test_set_settings(cfg))  # its num_images: of the test set
+            found.update(test_set_settings(evaluation))  # its num_images: of the test set
             found.update(test_num_images=found["num_images"], num_images=cf.num_images,
                          num_targets=cf.num_targets or "all others")
         if cf.fid_stats:
-            found.update(fid_stats=cf.fid_stats, features=network_description(cfg.image_log),
-                         inception_weights=cfg.image_log.inception_weights)
+            found.update(fid_stats=cf.fid_stats, features=network_description(evaluation.image_log),
+                         inception_weights=evaluation.image_log.inception_weights)
         return found
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
         """The dataset root (and ids file), each class's statistics file and, for Inception
         features, their weights."""
-        ev = cfg.eval
+        ev = evaluation.eval
         found: Dict[str, Optional[str]] = (
-            indist_root_files(cfg.data)
-            if ev.counterfactual_protocol == "original" else test_set_files(cfg))
+            indist_root_files(evaluation.data)
+            if ev.counterfactual_protocol == "original" else test_set_files(evaluation))
         template = ev.counterfactual_fid_stats
         if template:
-            for c in range(cfg.data.num_classes):
+            for c in range(evaluation.data.num_classes):
                 found[f"eval.counterfactual_fid_stats[{c}]"] = template.format(label=c)
-            found.update(weights_files(cfg.image_log))
+            found.update(weights_files(evaluation.image_log))
         return found
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
-        template = cfg.eval.counterfactual_fid_stats
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
+        template = evaluation.eval.counterfactual_fid_stats
         if not template:
             return []
-        found = network_problems(cfg.image_log)
-        if not stats_classes(template, cfg.data.num_classes):
+        found = network_problems(evaluation.image_log)
+        if not stats_classes(template, evaluation.data.num_classes):
             found.append(f"eval.counterfactual_fid_stats '{template}': no class has a "
                          "statistics file; make them with python -m rebm.eval.counterfactuals "
                          f"CONFIG --class-stats '{template}'")
         return found
 
     def finish_all_ranks(self) -> Dict[str, Any]:
-        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx, evaluation = self.ctx, self.ctx.evaluation
         folder = os.path.join(ctx.run_dir, "counterfactuals") if ctx.run_dir else None
-        settings = counterfactual_settings(cfg)
+        settings = counterfactual_settings(evaluation)
         if settings.protocol == "original":
-            sources = train_image_set(cfg, settings.num_images)
+            sources = train_image_set(evaluation, settings.num_images)
             targets = random_targets(sources.labels(np.arange(len(sources))), sources.indices,
-                                     cfg.data.num_classes, cfg.rand_seed)
+                                     evaluation.data.num_classes, evaluation.rand_seed)
             results = evaluate_original_counterfactuals_all_ranks(
                 ctx.model, sources, targets, settings, ctx.runtime,
-                num_classes=cfg.data.num_classes, batch_size=ctx.batch_size, folder=folder,
-                num_workers=loader_workers(cfg.data, ctx.runtime))
+                num_classes=evaluation.data.num_classes, batch_size=ctx.batch_size, folder=folder,
+                num_workers=loader_workers(evaluation.data, ctx.runtime))
         else:
-            sources = indist_test_set(cfg.data, test_indices(cfg))
+            sources = indist_test_set(evaluation.data, test_indices(evaluation))
             results = evaluate_grid_counterfactuals_all_ranks(
-                ctx.model, sources, settings, ctx.runtime, num_classes=cfg.data.num_classes,
+                ctx.model, sources, settings, ctx.runtime, num_classes=evaluation.data.num_classes,
                 batch_size=ctx.batch_size, folder=folder)
-        fid_key = network_key(cfg.image_log, "counterfactual_fid")
+        fid_key = network_key(evaluation.image_log, "counterfactual_fid")
         return {(fid_key + key[len("counterfactual_fid"):]
                  if key.startswith("counterfactual_fid") else key): value
                 for key, value in results.items()}

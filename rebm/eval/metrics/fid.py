@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from rebm.config.sections import EvaluationSection
 from rebm.eval.features.fid import MomentSums, fid_scorer, reference_problems, weights_files
 from rebm.eval.features.network import network_description, network_key, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
@@ -35,40 +36,40 @@ class FID(Metric):
     protocol = 3
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        log = cfg.image_log
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        log = evaluation.image_log
         sweep = ({"candidates": sweep_candidates(log), "sweep_num_samples": log.sweep_num_samples}
                  if log.adaptive_steps else None)
         return {"features": network_description(log), "reference": log.data_dir,
                 "inception_weights": log.inception_weights, "quantized": "8 bit",
-                "adaptive_steps": sweep, **sample_settings(cfg)}
+                "adaptive_steps": sweep, **sample_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return {"image_log.data_dir": cfg.image_log.data_dir, **sample_files(cfg),
-                **weights_files(cfg.image_log)}
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        return {"image_log.data_dir": evaluation.image_log.data_dir, **sample_files(evaluation),
+                **weights_files(evaluation.image_log)}
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
-        return reference_problems(cfg) if cfg.image_log.num_samples > 0 else []
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
+        return reference_problems(evaluation) if evaluation.image_log.num_samples > 0 else []
 
     @classmethod
-    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
-        if cfg.image_log.num_samples > 0:  # the network and the statistics, loaded once
-            fid_scorer(cfg, runtime, 1, resources)
+    def build(cls, evaluation: EvaluationSection, runtime, resources: Dict[str, Any]) -> None:
+        if evaluation.image_log.num_samples > 0:  # the network and the statistics, loaded once
+            fid_scorer(evaluation, runtime, 1, resources)
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.key = network_key(ctx.cfg.image_log, "fid")
-        self.scorer = fid_scorer(ctx.cfg, ctx.runtime, ctx.batch_size, ctx.resources)
+        self.key = network_key(ctx.evaluation.image_log, "fid")
+        self.scorer = fid_scorer(ctx.evaluation, ctx.runtime, ctx.batch_size, ctx.resources)
         self.sums = MomentSums()
         self.best: Optional[int] = None
         self.sweep: Dict[int, float] = {}
 
     def generation_steps_all_ranks(self) -> Optional[int]:
         """With image_log.adaptive_steps, the step sweep (its own generation passes)."""
-        if self.ctx.cfg.image_log.adaptive_steps:
-            seeds = seed_source(self.ctx.cfg, self.ctx.resources)
+        if self.ctx.evaluation.image_log.adaptive_steps:
+            seeds = seed_source(self.ctx.evaluation, self.ctx.resources)
             self.best, self.sweep = sweep_steps_all_ranks(self.ctx, seeds, self.scorer)
         return self.best
 

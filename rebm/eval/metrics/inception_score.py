@@ -40,6 +40,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.fid import weights_files
@@ -133,39 +134,40 @@ class InceptionScore(Metric):
     protocol = 2
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        if cfg.eval.is_resize == "pil":
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        if evaluation.eval.is_resize == "pil":
             protocol = {"resize": "PIL bilinear to 299 (the original's)",
                         "statistics": "torchmetrics' (float32, torch.chunk)",
-                        "permutation_seed": cfg.rand_seed}
+                        "permutation_seed": evaluation.rand_seed}
         else:
             protocol = {"resize": "torch-fidelity's own", "statistics": "torch-fidelity's",
                         "shuffle_seed": SHUFFLE_SEED}
-        return {"library": library_version(), "is_resize": cfg.eval.is_resize, "splits": SPLITS,
-                **protocol, "features": fidelity_network_name(cfg.image_log), "quantized": "8 bit",
-                **sample_settings(cfg)}
+        return {"library": library_version(), "is_resize": evaluation.eval.is_resize,
+                "splits": SPLITS, **protocol,
+                "features": fidelity_network_name(evaluation.image_log), "quantized": "8 bit",
+                **sample_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return {**sample_files(cfg), **weights_files(cfg.image_log)}
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        return {**sample_files(evaluation), **weights_files(evaluation.image_log)}
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
-        return network_problems(cfg.image_log)
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
+        return network_problems(evaluation.image_log)
 
     @classmethod
-    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
-        shared_extractor(cfg, runtime, resources)  # the network, loaded once
+    def build(cls, evaluation: EvaluationSection, runtime, resources: Dict[str, Any]) -> None:
+        shared_extractor(evaluation, runtime, resources)  # the network, loaded once
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.key = network_key(ctx.cfg.image_log, "inception_score")
-        self.pil = ctx.cfg.eval.is_resize == "pil"
-        self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
+        self.key = network_key(ctx.evaluation.image_log, "inception_score")
+        self.pil = ctx.evaluation.eval.is_resize == "pil"
+        self.extractor = shared_extractor(ctx.evaluation, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "isc")
-        total = ctx.cfg.image_log.num_samples
+        total = ctx.evaluation.image_log.num_samples
         if self.pil:  # torchmetrics' float32 softmax
-            split_of, dtype = pil_split_of(total, SPLITS, ctx.cfg.rand_seed), torch.float32
+            split_of, dtype = pil_split_of(total, SPLITS, ctx.evaluation.rand_seed), torch.float32
         else:  # torch-fidelity's float64
             split_of, dtype = fidelity_split_of(total, SPLITS), torch.float64
         self.statistics = SplitStatistics(split_of, SPLITS, dtype)

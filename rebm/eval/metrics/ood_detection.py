@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed import all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
@@ -23,8 +24,8 @@ from rebm.eval.test_set import describe_test_set, test_set_settings
 PROCEDURAL_OUTDISTS = ("noise", "uniform-noise", "lowfreq-noise")  # rebm.data.pipeline.outdist_source
 
 
-def score_name(cfg) -> str:
-    return "lse" if cfg.logsumexp else "max_softmax"
+def score_name(evaluation: EvaluationSection) -> str:
+    return "lse" if evaluation.logsumexp else "max_softmax"
 
 
 class OODDetection(Metric):
@@ -34,21 +35,22 @@ class OODDetection(Metric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.score = score_name(ctx.cfg)
+        self.score = score_name(ctx.evaluation)
         self.scores: List[torch.Tensor] = []
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        return {"out_distribution": cfg.data.outdist_dataset, "out_dir": cfg.data.outdist_std_dir,
-                "score": score_name(cfg), "ood_images": "as many as test images",
-                **test_set_settings(cfg)}
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        return {"out_distribution": evaluation.data.outdist_dataset,
+                "out_dir": evaluation.data.outdist_std_dir,
+                "score": score_name(evaluation), "ood_images": "as many as test images",
+                **test_set_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
         """The out-distribution's file or folder (none for procedural noise)."""
-        if cfg.data.outdist_dataset in PROCEDURAL_OUTDISTS:
+        if evaluation.data.outdist_dataset in PROCEDURAL_OUTDISTS:
             return {}
-        return {"data.outdist_std_dir": cfg.data.outdist_std_dir}
+        return {"data.outdist_std_dir": evaluation.data.outdist_std_dir}
 
     def update(self, batch: TestBatch) -> None:
         self.scores.append(ood_score(batch.logits(), self.score).double())
@@ -61,7 +63,7 @@ class OODDetection(Metric):
         ctx, rt = self.ctx, self.ctx.runtime
         positives = self._local(self.scores)
         n_test = int(all_reduce_sum(rt, torch.tensor([positives.shape[0]]))[0])
-        loader = build_ood_data(ctx.cfg, rt, ctx.batch_size, num_samples=n_test)
+        loader = build_ood_data(ctx.evaluation, rt, ctx.batch_size, num_samples=n_test)
         negatives = []
         stops = stop_points_all_ranks(rt, len(loader))
         with torch.no_grad():

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_attack
 from rebm.config.evaluation_ood import OOD_SET_NAMES
+from rebm.config.sections import EvaluationSection
 from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import load_outdist, loader_workers
 from rebm.data.sampling import eval_chunks, eval_shard
@@ -59,14 +60,14 @@ class OODAttack:
     step_size: float
 
 
-def ood_image_size(cfg) -> int:
+def ood_image_size(evaluation: EvaluationSection) -> int:
     """The side the OOD sets are read at: eval.ood_image_size, else the original's. The original
     chose it by the in-distribution dataset (eval_ood_detection.py: 32 for CIFAR-10/100, 224 for
     ImageNet whatever the model's own size), so rebm reads them at data.image_size below 128 px
     and at 224 px from 128 px on."""
-    if cfg.eval.ood_image_size is not None:
-        return cfg.eval.ood_image_size
-    size = cfg.data.image_size
+    if evaluation.eval.ood_image_size is not None:
+        return evaluation.eval.ood_image_size
+    size = evaluation.data.image_size
     return ORIGINAL_IMAGENET_OOD_SIZE if size >= LARGE_IMAGE_SIZE else size
 
 
@@ -182,10 +183,10 @@ class OODSettings:
     roots: Optional[Dict[str, str]] = None
 
 
-def ood_settings(cfg) -> OODSettings:
+def ood_settings(evaluation: EvaluationSection) -> OODSettings:
     """The `eval.ood_*` fields; attack budget fields left null take the original's for the
     side the sets are read at (`ood_image_size`)."""
-    ev, default = cfg.eval, original_ood_attack(ood_image_size(cfg))
+    ev, default = evaluation.eval, original_ood_attack(ood_image_size(evaluation))
     attack = OODAttack(
         eps=default.eps if ev.ood_attack_eps is None else ev.ood_attack_eps,
         steps=default.steps if ev.ood_attack_steps is None else ev.ood_attack_steps,
@@ -257,14 +258,14 @@ class _FirstN(Dataset):
         return x, y, index
 
 
-def build_ood_data(cfg, runtime: Runtime, batch_size: int, num_samples: int,
-                   dataset: Optional[Dataset] = None) -> DataLoader:
+def build_ood_data(evaluation: EvaluationSection, runtime: Runtime, batch_size: int,
+                   num_samples: int, dataset: Optional[Dataset] = None) -> DataLoader:
     """This rank's shard (indices rank, rank+W, ...) of the first `num_samples` images of the
     configured out-distribution (`data.outdist_dataset`), un-augmented, or of `dataset`."""
     if dataset is None:
         # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
         # original's OOD evaluation applies to every out-distribution
-        dataset = load_outdist(cfg.inputs, augm="none")
+        dataset = load_outdist(evaluation.inputs, augm="none")
     items = _FirstN(dataset, num_samples)
     return DataLoader(items, batch_size=batch_size,
                       sampler=list(eval_shard(len(items), runtime.rank, runtime.world_size)))
@@ -287,30 +288,31 @@ class OODSets(Metric):
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.ood = ood_settings(ctx.cfg)
+        self.ood = ood_settings(ctx.evaluation)
         self.scores: List[Tensor] = []
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        ood = ood_settings(cfg)
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        ood = ood_settings(evaluation)
         roots = {**DEFAULT_ROOTS, **ood.roots}
         attack = ood.attack
         return {"datasets": list(ood.datasets), "num_samples": ood.num_samples,
                 "roots": {d: roots[d] for d in ood.datasets if d in roots},
-                "score": canonical_score(ood.score), "subset_seed": cfg.rand_seed,
-                "image_size": ood_image_size(cfg), "model_image_size": cfg.data.image_size,
+                "score": canonical_score(ood.score), "subset_seed": evaluation.rand_seed,
+                "image_size": ood_image_size(evaluation),
+                "model_image_size": evaluation.data.image_size,
                 "attack": ({"norm": "L2", "eps": attack.eps, "steps": attack.steps,
                             "step_size": attack.step_size, "objective": attack_objective(
                                 ood.score), "random_start": False}
                            if ood.adversarial else None),
-                **test_set_settings(cfg)}
+                **test_set_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
         """The root of every set (named sets: eval.ood_roots.<set>; folders: the folder)."""
-        roots = {**DEFAULT_ROOTS, **cfg.eval.ood_roots}
+        roots = {**DEFAULT_ROOTS, **evaluation.eval.ood_roots}
         found: Dict[str, Optional[str]] = {}
-        for spec in cfg.eval.ood_datasets:
+        for spec in evaluation.eval.ood_datasets:
             if spec in roots:
                 found[f"eval.ood_roots.{spec}"] = roots[spec]
             elif spec not in OOD_SET_NAMES:  # an image folder
@@ -318,10 +320,11 @@ class OODSets(Metric):
         return found
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
-        roots = {**DEFAULT_ROOTS, **cfg.eval.ood_roots}
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
+        roots = {**DEFAULT_ROOTS, **evaluation.eval.ood_roots}
         return [f"OOD set '{d}': eval.ood_roots.{d} '{roots[d]}' does not exist"
-                for d in cfg.eval.ood_datasets if d in roots and not os.path.exists(roots[d])]
+                for d in evaluation.eval.ood_datasets
+                if d in roots and not os.path.exists(roots[d])]
 
     def update(self, batch: TestBatch) -> None:
         self.scores.append(ood_score(batch.logits(), self.ood.score))
@@ -331,9 +334,9 @@ class OODSets(Metric):
         local = (torch.cat(self.scores) if self.scores
                  else torch.zeros(0, dtype=torch.float64, device=rt.device))
         return evaluate_ood_sets_all_ranks(ctx.model, gather_scores_all_ranks(rt, local), self.ood,
-                                           rt, image_size=ood_image_size(ctx.cfg),
-                                           seed=ctx.cfg.rand_seed, batch_size=ctx.batch_size,
-                                           num_workers=loader_workers(ctx.cfg.data, rt))
+                                           rt, image_size=ood_image_size(ctx.evaluation),
+                                           seed=ctx.evaluation.rand_seed, batch_size=ctx.batch_size,
+                                           num_workers=loader_workers(ctx.evaluation.data, rt))
 
     @classmethod
     def describe(cls, results: Dict[str, Any], settings: Dict[str, Any]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rebm.config.datasets import indist_root_files
+from rebm.config.sections import EvaluationSection
 from rebm.data.pipeline import load_indist
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
@@ -141,28 +142,32 @@ def open_reference_batch(path: str, image_size: int) -> np.ndarray:
         return archive[NPZ_KEY]
 
 
-def num_real(cfg, available: int) -> int:
+def num_real(evaluation: EvaluationSection, available: int) -> int:
     """Real images of the reference: eval.pr_num_real, else all rows of a reference batch or as
     many as samples from a split; at most `available`."""
-    if cfg.eval.pr_num_real:
-        return min(cfg.eval.pr_num_real, available)
-    return available if cfg.eval.pr_reference else min(cfg.image_log.num_samples, available)
+    if evaluation.eval.pr_num_real:
+        return min(evaluation.eval.pr_num_real, available)
+    if evaluation.eval.pr_reference:
+        return available
+    return min(evaluation.image_log.num_samples, available)
 
 
 class _Reference:
     """The reference images by position 0..n-1, as uint8 NCHW."""
 
-    def __init__(self, cfg):
-        self.pixels = cfg.eval.sample_pixels
-        if cfg.eval.pr_reference:
-            self.batch = open_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
-            self.n = num_real(cfg, self.batch.shape[0])
+    def __init__(self, evaluation: EvaluationSection):
+        self.pixels = evaluation.eval.sample_pixels
+        if evaluation.eval.pr_reference:
+            self.batch = open_reference_batch(evaluation.eval.pr_reference,
+                                              evaluation.data.image_size)
+            self.n = num_real(evaluation, self.batch.shape[0])
             return
-        split = cfg.eval.pr_reference_split
+        split = evaluation.eval.pr_reference_split
         self.batch = None
-        self.dataset = load_indist(cfg.data, split, "test")
+        self.dataset = load_indist(evaluation.data, split, "test")
         labels = self.dataset.source.labels(np.arange(len(self.dataset))).numpy()
-        self.indices = reference_indices(labels, num_real(cfg, len(labels)), cfg.rand_seed)
+        self.indices = reference_indices(labels, num_real(evaluation, len(labels)),
+                                         evaluation.rand_seed)
         self.n = len(self.indices)
 
     def images(self, positions: range) -> torch.Tensor:
@@ -177,7 +182,7 @@ def real_features_all_ranks(ctx: EvalContext, extractor, layer: str) -> torch.Te
     """Features of the reference images (position order), on every rank: chunk k on rank
     k % W."""
     rt = ctx.runtime
-    reference = _Reference(ctx.cfg)
+    reference = _Reference(ctx.evaluation)
     rows = FeatureRows()
     chunks = eval_chunks(reference.n, ctx.batch_size, rt.rank, rt.world_size)
     stops = stop_points_all_ranks(rt, len(chunks))
@@ -200,52 +205,55 @@ class PrecisionRecall(Metric):
     protocol = 2
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        ev = cfg.eval
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        ev = evaluation.eval
         if ev.pr_reference:
             reference = {"reference": "npz", "reference_batch": ev.pr_reference}
         else:
             reference = {"reference": "class-balanced random subset",
-                         "reference_dataset": cfg.data.indist_dataset,
-                         "reference_split": ev.pr_reference_split, "reference_seed": cfg.rand_seed}
+                         "reference_dataset": evaluation.data.indist_dataset,
+                         "reference_split": ev.pr_reference_split,
+                         "reference_seed": evaluation.rand_seed}
         return {"library": library_version(), "neighborhood": NEIGHBORHOOD,
-                "features": fidelity_network_name(cfg.image_log), "quantized": "8 bit", **reference,
+                "features": fidelity_network_name(evaluation.image_log), "quantized": "8 bit",
+                **reference,
                 "num_real": ev.pr_num_real or ("all" if ev.pr_reference else "as many as samples"),
-                **sample_settings(cfg)}
+                **sample_settings(evaluation)}
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        reference = ({"eval.pr_reference": cfg.eval.pr_reference} if cfg.eval.pr_reference
-                     else indist_root_files(cfg.data))
-        return {**reference, **sample_files(cfg),
-                **weights_files(cfg.image_log)}
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        ev = evaluation.eval
+        reference = ({"eval.pr_reference": ev.pr_reference} if ev.pr_reference
+                     else indist_root_files(evaluation.data))
+        return {**reference, **sample_files(evaluation),
+                **weights_files(evaluation.image_log)}
 
     @classmethod
-    def problems(cls, cfg) -> List[str]:
-        problems = network_problems(cfg.image_log)
-        if cfg.eval.pr_reference:
+    def problems(cls, evaluation: EvaluationSection) -> List[str]:
+        problems = network_problems(evaluation.image_log)
+        if evaluation.eval.pr_reference:
             try:
-                check_reference_batch(cfg.eval.pr_reference, cfg.data.image_size)
+                check_reference_batch(evaluation.eval.pr_reference, evaluation.data.image_size)
             except EvalError as err:
                 problems.append(str(err))
         return problems
 
     @classmethod
-    def build(cls, cfg, runtime, resources: Dict[str, Any]) -> None:
-        shared_extractor(cfg, runtime, resources)  # the network, loaded once
+    def build(cls, evaluation: EvaluationSection, runtime, resources: Dict[str, Any]) -> None:
+        shared_extractor(evaluation, runtime, resources)  # the network, loaded once
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        self.extractor = shared_extractor(ctx.cfg, ctx.runtime, ctx.resources)
+        self.extractor = shared_extractor(ctx.evaluation, ctx.runtime, ctx.resources)
         self.layer = feature_layer(self.extractor, "prc")
         self.real: Optional[torch.Tensor] = None
         self.rows = FeatureRows()
 
     def start_all_ranks(self) -> None:
         """The real images' features: computed at the run's first evaluation, then kept."""
-        cfg = self.ctx.cfg
-        key = json.dumps(["precision_recall real features", self.settings(cfg),
-                          cfg.image_log.inception_weights], sort_keys=True, default=str)
+        evaluation = self.ctx.evaluation
+        key = json.dumps(["precision_recall real features", self.settings(evaluation),
+                          evaluation.image_log.inception_weights], sort_keys=True, default=str)
         self.real = self.ctx.shared(key, lambda: real_features_all_ranks(
             self.ctx, self.extractor, self.layer))
 
@@ -253,7 +261,7 @@ class PrecisionRecall(Metric):
         self.rows.add(chunk.indices, chunk_features(chunk, self.extractor)[self.layer])
 
     def finish_all_ranks(self) -> Dict[str, Any]:
-        total, n_real = self.ctx.cfg.image_log.num_samples, int(self.real.shape[0])
+        total, n_real = self.ctx.evaluation.image_log.num_samples, int(self.real.shape[0])
         if min(total, n_real) <= NEIGHBORHOOD:
             raise EvalError(f"precision/recall needs more than k = {NEIGHBORHOOD} samples and real "
                             f"images (got {total} and {n_real}); raise image_log.num_samples or "
@@ -261,7 +269,7 @@ class PrecisionRecall(Metric):
         generated = self.rows.gather_all_ranks(self.ctx.runtime, total)[text_order(total)]
         precision, recall = precision_recall_all_ranks(self.ctx.runtime, generated, self.real,
                                                        NEIGHBORHOOD)
-        log = self.ctx.cfg.image_log
+        log = self.ctx.evaluation.image_log
         return {network_key(log, "precision"): precision, network_key(log, "recall"): recall,
                 "n_real": n_real}
 

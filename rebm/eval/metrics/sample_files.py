@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import (
     all_gather_by_index,
     all_reduce_max,
@@ -74,8 +75,8 @@ class SampleFileMetric(Metric):
     summary = ()  # files, no value for the one-line summary
 
     @classmethod
-    def files(cls, cfg) -> Dict[str, Optional[str]]:
-        return sample_files(cfg)
+    def files(cls, evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
+        return sample_files(evaluation)
 
 
 class SampleGrid(SampleFileMetric):
@@ -83,14 +84,14 @@ class SampleGrid(SampleFileMetric):
     protocol = 3  # 3: the original's rows per class, normalisation and names; the seed grid
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        return {"grid_num_samples": cfg.eval.grid_num_samples, **sample_settings(cfg)}
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        return {"grid_num_samples": evaluation.eval.grid_num_samples, **sample_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
-        cfg = ctx.cfg
-        order = grid_indices(cfg.image_log.num_samples, cfg.data.num_classes,
-                             cfg.eval.grid_num_samples)
+        evaluation = ctx.evaluation
+        order = grid_indices(evaluation.image_log.num_samples, evaluation.data.num_classes,
+                             evaluation.eval.grid_num_samples)
         self.position = {index: place for place, index in enumerate(order)}
         self.kept: Dict[str, List[Tensor]] = {kind: [] for kind in GRID_KINDS}
         self.places: List[int] = []
@@ -122,7 +123,7 @@ class SampleGrid(SampleFileMetric):
     def _grid_all_ranks(self, kind: str) -> Tensor:
         """The `kind` grid's uint8 images in grid order, on every rank: normalised over every
         rank's images (the original normalises the whole grid), each rank quantising its own."""
-        runtime, size = self.ctx.runtime, self.ctx.cfg.data.image_size
+        runtime, size = self.ctx.runtime, self.ctx.evaluation.data.image_size
         kept = self.kept[kind]
         mine = torch.cat(kept) if kept else torch.zeros(0, 3, size, size)
         # a rank without grid images takes no part in the minimum and maximum
@@ -146,8 +147,8 @@ class KeepSamples(SampleFileMetric):
     name = "keep_samples"
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        return {"format": "8-bit PNG", **sample_settings(cfg)}
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        return {"format": "8-bit PNG", **sample_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
@@ -214,8 +215,8 @@ class SamplesNpz(SampleFileMetric):
     name = "samples_npz"
 
     @classmethod
-    def settings(cls, cfg) -> Dict[str, Any]:
-        return {"format": "npz arr_0 uint8 NHWC", **sample_settings(cfg)}
+    def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
+        return {"format": "npz arr_0 uint8 NHWC", **sample_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
@@ -224,8 +225,8 @@ class SamplesNpz(SampleFileMetric):
         if self.path is None:
             return
         self.npy = self.path + ".arr_0.npy"
-        size = ctx.cfg.data.image_size
-        self.shape = (ctx.cfg.image_log.num_samples, size, size, 3)
+        size = ctx.evaluation.data.image_size
+        self.shape = (ctx.evaluation.image_log.num_samples, size, size, 3)
         self.row_bytes = size * size * 3
         self.offset = 0
 

@@ -46,6 +46,7 @@ from torchvision.utils import make_grid
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
+from rebm.config.sections import EvaluationSection
 from rebm.data.files import image_tensor_file, list_image_files
 from rebm.data.pipeline import indist_source
 from rebm.data.sampling import sample_keys
@@ -65,12 +66,13 @@ GAUSSIAN_MAX_IMAGE_SIZE = GAUSSIAN_SEED_MAX_IMAGE_SIZE  # also checked with the 
 _GAUSSIANS: dict = {}  # (dataset, root, size) -> (mean, Cholesky factor), fitted once
 
 
-def fitted_gaussian(cfg) -> Tuple[Tensor, Tensor]:
+def fitted_gaussian(evaluation: EvaluationSection) -> Tuple[Tensor, Tensor]:
     """(mean, Cholesky factor of the covariance) of the flattened in-distribution training
     images (the first GAUSSIAN_FIT_IMAGES of them), fitted once per dataset and size."""
-    key = (cfg.data.indist_dataset, cfg.data.indist_ds_dir, cfg.data.image_size)
+    data = evaluation.data
+    key = (data.indist_dataset, data.indist_ds_dir, data.image_size)
     if key not in _GAUSSIANS:
-        source = indist_source(cfg.data, "train")
+        source = indist_source(evaluation.data, "train")
         images = source.images(np.arange(min(GAUSSIAN_FIT_IMAGES, len(source))))
         flat = (images.double() / 255.0 if images.dtype == torch.uint8 else images.double())
         flat = flat.flatten(1)
@@ -90,20 +92,20 @@ def _resize(images: Tensor, size: int) -> Tensor:
                          antialias=True).clamp(0.0, 1.0)
 
 
-def seed_blur_kernel_size(cfg) -> int:
-    """The blur of the evaluation samples' seeds: `blur_kernel_size(cfg)` with
+def seed_blur_kernel_size(evaluation: EvaluationSection) -> int:
+    """The blur of the evaluation samples' seeds: `blur_kernel_size(evaluation)` with
     `image_log.blur_fid_seeds`, else 0 (the original never blurs its FID seeds)."""
-    return blur_kernel_size(cfg) if cfg.image_log.blur_fid_seeds else 0
+    return blur_kernel_size(evaluation) if evaluation.image_log.blur_fid_seeds else 0
 
 
-def blur_kernel_size(cfg) -> int:
+def blur_kernel_size(evaluation: EvaluationSection) -> int:
     """The seeds' Gaussian kernel size: `image_log.blur_kernel_size` (0 = no blur), with
     `adaptive_blur` scaled by data.image_size / 32 and rounded to the nearest odd size (a tie goes
     up): 2 * floor(k * S / 64) + 1, exact in integers. k=5 gives 5 at 32 px and 35 at 224 px."""
-    k = cfg.image_log.blur_kernel_size
-    if k <= 0 or not cfg.image_log.adaptive_blur:
+    k = evaluation.image_log.blur_kernel_size
+    if k <= 0 or not evaluation.image_log.adaptive_blur:
         return max(k, 0)
-    return 2 * (k * cfg.data.image_size // 64) + 1
+    return 2 * (k * evaluation.data.image_size // 64) + 1
 
 
 def gaussian_kernel1d(size: int) -> Tensor:
@@ -171,13 +173,13 @@ class SeedFolder:
 
 class SeedImages:
     """Seed image i (float [0, 1], 3 x S x S) for any index i, from the configured source, blurred
-    when blur_kernel_size > 1 (see `blur_kernel_size(cfg)` for the configured size)."""
+    when blur_kernel_size > 1 (see `blur_kernel_size(evaluation)` for the configured size)."""
 
-    def __init__(self, spec: str, image_size: int, rand_seed: int, cfg=None,
-                 blur_kernel_size: int = 0):
+    def __init__(self, spec: str, image_size: int, rand_seed: int,
+                 evaluation: Optional[EvaluationSection] = None, blur_kernel_size: int = 0):
         self.spec = spec
         self.blur_kernel_size = blur_kernel_size
-        self.cfg = cfg  # "gaussian" seeds are fitted to cfg's in-distribution training images
+        self.evaluation = evaluation  # "gaussian" seeds: fitted to its in-distribution train set
         self.size = image_size
         self.rand_seed = rand_seed
         self._tensor: Optional[Tensor] = None  # tensor-file seeds, loaded once
@@ -242,7 +244,7 @@ class SeedImages:
         """A normal distribution fitted to the training images (mean and full covariance),
         sampled per key: image-like seeds that carry no class, so the ascent on f_y decides
         which digit/object appears."""
-        mean, chol = fitted_gaussian(self.cfg)
+        mean, chol = fitted_gaussian(self.evaluation)
         z = keyed_normal(keys, mean.numel()).double()
         return (mean + z @ chol.T).float().clamp(0, 1).view(-1, 3, self.size, self.size)
 
@@ -254,29 +256,29 @@ def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
 _NOTICES: set = set()  # sampling notices already logged by this process
 
 
-def sampling_mode(cfg) -> Tuple[bool, str]:
+def sampling_mode(evaluation: EvaluationSection) -> Tuple[bool, str]:
     """(unconditional, the reason): `eval.unconditional_samples` when set, else
     `logsumexp_sampling` (the original's compute_fid generates with logsumexp=logsumexp_sampling,
     and run_fid_eval.py --unconditional sets it)."""
-    explicit = cfg.eval.unconditional_samples
+    explicit = evaluation.eval.unconditional_samples
     if explicit is not None:
         return bool(explicit), f"eval.unconditional_samples={str(bool(explicit)).lower()}"
-    if cfg.logsumexp_sampling:
+    if evaluation.logsumexp_sampling:
         return True, "logsumexp_sampling=true"
     return False, "class-conditional by default"
 
 
-def unconditional_samples(cfg) -> bool:
-    return sampling_mode(cfg)[0]
+def unconditional_samples(evaluation: EvaluationSection) -> bool:
+    return sampling_mode(evaluation)[0]
 
 
-def sampling_notice(cfg) -> Optional[str]:
+def sampling_notice(evaluation: EvaluationSection) -> Optional[str]:
     """The line that says the samples' kind where logsumexp_sampling decides it (or an explicit
     eval.unconditional_samples overrules it); None otherwise."""
-    unconditional, _ = sampling_mode(cfg)
-    if not cfg.logsumexp_sampling:
+    unconditional, _ = sampling_mode(evaluation)
+    if not evaluation.logsumexp_sampling:
         return None
-    if unconditional and cfg.eval.unconditional_samples is None:
+    if unconditional and evaluation.eval.unconditional_samples is None:
         return ("samples are unconditional (ascending logsumexp_k f_k) because "
                 "logsumexp_sampling=true, as in the original's compute_fid; set "
                 "eval.unconditional_samples=false for class-conditional samples")
@@ -287,18 +289,18 @@ def sampling_notice(cfg) -> Optional[str]:
 
 
 class SampleGenerator:
-    """Sample i for any index i: seed image i of `seeds` (a SeedImages of cfg), label
+    """Sample i for any index i: seed image i of `seeds` (the SeedImages of `evaluation`), label
     i % num_classes, and `num_steps` PGD steps ascending f_y (conditional) or logsumexp_k f_k
     (unconditional, `sampling_mode`)."""
 
-    def __init__(self, model: nn.Module, cfg, runtime: Runtime, seeds: "SeedImages",
-                 num_steps: Optional[int] = None):
+    def __init__(self, model: nn.Module, evaluation: EvaluationSection, runtime: Runtime,
+                 seeds: "SeedImages", num_steps: Optional[int] = None):
         self.model = unwrap(model)  # defensive: never a rank-local forward through DDP
-        self.cfg, self.runtime = cfg, runtime
-        log = cfg.image_log
+        self.evaluation, self.runtime = evaluation, runtime
+        log = evaluation.image_log
         self.num_steps = log.num_steps if num_steps is None else num_steps
-        self.objective = "lse" if unconditional_samples(cfg) else "logit"
-        notice = sampling_notice(cfg)
+        self.objective = "lse" if unconditional_samples(evaluation) else "logit"
+        notice = sampling_notice(evaluation)
         if notice and runtime.is_main and notice not in _NOTICES:
             _NOTICES.add(notice)
             LOGGER.info(notice)
@@ -306,13 +308,13 @@ class SampleGenerator:
 
     def __call__(self, indices: Tensor) -> SampleChunk:
         """The samples of `indices` (cpu int64) as a SampleChunk; the model must be in eval mode."""
-        log, device = self.cfg.image_log, self.runtime.device
+        log, device = self.evaluation.image_log, self.runtime.device
         x = self.seeds(indices).to(device)
-        labels = balanced_labels(indices, self.cfg.data.num_classes)
+        labels = balanced_labels(indices, self.evaluation.data.num_classes)
         images = pgd_attack(self.model, x, steps=self.num_steps, step_size=log.step_size,
                             eps=log.eps, norm=log.norm, objective=self.objective,
                             y=labels.to(device))
-        return SampleChunk(indices, labels, images.detach(), x, self.cfg.eval.sample_pixels)
+        return SampleChunk(indices, labels, images.detach(), x, self.evaluation.eval.sample_pixels)
 
 
 # The grids of the original's compute_fid (rebm/eval/eval_utils.py:434-551 at fb2ffc7): a row per

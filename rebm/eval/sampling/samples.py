@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from rebm.config.datasets import indist_root_files
+from rebm.config.sections import EvaluationSection
 from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
@@ -27,14 +28,15 @@ from rebm.eval.sampling.generation import (
 )
 
 
-def seed_source(cfg, resources: Dict[str, Any]):
-    """The samples' seed images of `cfg` (rebm.eval.sampling.generation.SeedImages), opened once per
-    Evaluator and kept in its `resources` (SeedImageError, one line, when unusable)."""
-    log, blur = cfg.image_log, seed_blur_kernel_size(cfg)
-    key = f"seeds {log.seed_images} {cfg.data.image_size} {cfg.rand_seed} {blur}"
+def seed_source(evaluation: EvaluationSection, resources: Dict[str, Any]):
+    """The samples' seed images of `evaluation` (rebm.eval.sampling.generation.SeedImages),
+    opened once per Evaluator and kept in its `resources` (SeedImageError, one line, when
+    unusable)."""
+    log, blur = evaluation.image_log, seed_blur_kernel_size(evaluation)
+    key = f"seeds {log.seed_images} {evaluation.data.image_size} {evaluation.rand_seed} {blur}"
     if key not in resources:
-        resources[key] = SeedImages(log.seed_images, cfg.data.image_size, cfg.rand_seed, cfg,
-                                    blur_kernel_size=blur)
+        resources[key] = SeedImages(log.seed_images, evaluation.data.image_size,
+                                    evaluation.rand_seed, evaluation, blur_kernel_size=blur)
     return resources[key]
 
 
@@ -46,7 +48,7 @@ def stream_samples_all_ranks(ctx: EvalContext, seeds, sinks: Sequence[Any], num_
     for ends it: rebm.distributed.signals); the sinks' `finish_all_ranks` combines the ranks.
     Every rank calls this."""
     rt = ctx.runtime
-    generate = SampleGenerator(ctx.model, ctx.cfg, rt, seeds, num_steps)
+    generate = SampleGenerator(ctx.model, ctx.evaluation, rt, seeds, num_steps)
     chunks = eval_chunks(num_samples, ctx.batch_size, rt.rank, rt.world_size)
     stops = stop_points_all_ranks(rt, len(chunks))
     for index, chunk in enumerate(progress(chunks, rt, what, total=len(chunks))):
@@ -64,35 +66,36 @@ def run_sample_pass_all_ranks(ctx: EvalContext, seeds, metrics: List[Metric]
     chosen = [s for s in (m.generation_steps_all_ranks() for m in metrics) if s is not None]
     if len(set(chosen)) > 1:
         raise EvalError(f"sample metrics chose different step counts {sorted(set(chosen))}")
-    stream_samples_all_ranks(ctx, seeds, metrics, ctx.cfg.image_log.num_samples,
+    stream_samples_all_ranks(ctx, seeds, metrics, ctx.evaluation.image_log.num_samples,
                              chosen[0] if chosen else None)
     return [metric.finish_all_ranks() for metric in metrics]
 
 
-def sample_settings(cfg) -> Dict[str, Any]:
+def sample_settings(evaluation: EvaluationSection) -> Dict[str, Any]:
     """How the samples are drawn and quantised (part of every sample metric's settings, so of
     its cache key): what the samples depend on, not why. Whether they are conditional, not the
     setting that decided it: eval.unconditional_samples=true and logsumexp_sampling=true draw
     the same samples (the run's log line says which setting decided)."""
-    log = cfg.image_log
-    unconditional, _ = sampling_mode(cfg)
+    log = evaluation.image_log
+    unconditional, _ = sampling_mode(evaluation)
     return {"num_samples": log.num_samples, "conditional": not unconditional,
-            "pixels": cfg.eval.sample_pixels,
+            "pixels": evaluation.eval.sample_pixels,
             "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
             "norm": log.norm, "seed_images": log.seed_images,
-            "seed_blur_kernel_size": seed_blur_kernel_size(cfg), "seed": cfg.rand_seed,
+            "seed_blur_kernel_size": seed_blur_kernel_size(evaluation),
+            "seed": evaluation.rand_seed,
             # with FID in the pass, its adaptive sweep picks the steps of every sample metric
             "step_sweep": ({"range": log.step_sweep_range, "radius": log.sweep_radius,
                             "num_samples": log.sweep_num_samples}
                            if log.adaptive_steps else None)}
 
 
-def sample_files(cfg) -> Dict[str, Optional[str]]:
+def sample_files(evaluation: EvaluationSection) -> Dict[str, Optional[str]]:
     """The files the samples are generated from: the seed file or folder, and the dataset root
     that 'gaussian' seeds are fitted to."""
-    seeds = cfg.image_log.seed_images
+    seeds = evaluation.image_log.seed_images
     if seeds == "gaussian":
-        return indist_root_files(cfg.data)
+        return indist_root_files(evaluation.data)
     return {} if seeds in NOISE_SEEDS else {"image_log.seed_images": seeds}
 
 

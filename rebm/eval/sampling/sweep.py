@@ -47,7 +47,7 @@ def sweep_steps_all_ranks(ctx: EvalContext, seeds, scorer: FIDScorer
     """(best step count, {step count: FID of its sweep samples}). A candidate whose FID cannot
     be computed counts as +inf; when none can, the configured num_steps stays. Every rank must
     call this."""
-    log = ctx.cfg.image_log
+    log = ctx.evaluation.image_log
     candidates = sweep_candidates(log)
     LOGGER.info("FID step sweep: steps %s, %d samples each", candidates, log.sweep_num_samples)
     fids: Dict[int, float] = {}

@@ -32,6 +32,7 @@ read as one is set aside as `<file>.corrupt` with one warning line, and its metr
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -39,7 +40,8 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from rebm.config import to_dict
+from rebm.config import DataConfig, ModelConfig
+from rebm.config.sections import EvaluationSection
 from rebm.eval.report import jsonable
 from rebm.eval.table.spec import TableError
 
@@ -107,27 +109,29 @@ class FileHashes:
         return f"missing {os.path.abspath(path)}"
 
 
-def model_settings(cfg) -> Dict[str, Any]:
+def model_settings(model: ModelConfig, use_ema: bool) -> Dict[str, Any]:
     """The resolved settings that decide the row's network apart from its weights file."""
-    model = to_dict(cfg)["model"]
-    return {"model": {k: v for k, v in model.items() if k not in MODEL_FIELDS_WITHOUT_EFFECT},
-            "use_ema": cfg.use_ema}
+    fields = dataclasses.asdict(model)  # what the whole config's to_dict holds under "model"
+    return {"model": {k: v for k, v in fields.items() if k not in MODEL_FIELDS_WITHOUT_EFFECT},
+            "use_ema": use_ema}
 
 
-def data_settings(cfg) -> Dict[str, Any]:
+def data_settings(data: DataConfig) -> Dict[str, Any]:
     """The resolved `data` section but the fields that cannot change a value."""
-    data = to_dict(cfg)["data"]
-    return {k: v for k, v in data.items() if k not in DATA_FIELDS_WITHOUT_EFFECT}
+    fields = dataclasses.asdict(data)
+    return {k: v for k, v in fields.items() if k not in DATA_FIELDS_WITHOUT_EFFECT}
 
 
-def metric_key(cfg, metric_cls, checkpoint_sha256: str, batch_size: int,
-               hashes: FileHashes) -> str:
-    """The hash under which `metric_cls`'s value for config `cfg` is stored (module docstring)."""
+def metric_key(evaluation: EvaluationSection, model: ModelConfig, metric_cls,
+               checkpoint_sha256: str, batch_size: int, hashes: FileHashes) -> str:
+    """The hash under which `metric_cls`'s value for the row's `evaluation` section and `model`
+    section is stored (module docstring)."""
     files = {label: hashes.identity(path, label)
-             for label, path in metric_cls.files(cfg).items()}
-    payload = {"checkpoint": checkpoint_sha256, **model_settings(cfg), "data": data_settings(cfg),
-               "files": files, "batch_size": batch_size, "metric": metric_cls.name,
-               "protocol": metric_cls.protocol, "settings": metric_cls.settings(cfg)}
+             for label, path in metric_cls.files(evaluation).items()}
+    payload = {"checkpoint": checkpoint_sha256, **model_settings(model, evaluation.use_ema),
+               "data": data_settings(evaluation.data), "files": files, "batch_size": batch_size,
+               "metric": metric_cls.name, "protocol": metric_cls.protocol,
+               "settings": metric_cls.settings(evaluation)}
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

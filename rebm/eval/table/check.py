@@ -25,7 +25,7 @@ from rebm.eval.table.paths import (
     missing_target,
     rule_line,
 )
-from rebm.eval.table.spec import own_metrics, own_rows, row_configs
+from rebm.eval.table.spec import evaluation_sections, own_metrics, own_rows, row_configs
 
 EXIT_MISSING = 1  # --check found a missing file
 Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that read it
@@ -53,7 +53,7 @@ class Findings:
     lacking: List[RowId] = field(default_factory=list)
 
 
-def row_needs(spec, row, configs, checkpoints: str
+def row_needs(spec, row, sections, checkpoints: str
               ) -> Tuple[Needs, Dict[str, List[str]], Set[str]]:
     """(needs, {problem: metrics}, mentions) of one row: its checkpoint and every file of its
     metrics (`Metric.files`), what its metrics report this machine lacks (`Metric.problems`),
@@ -62,16 +62,16 @@ def row_needs(spec, row, configs, checkpoints: str
     problems: Dict[str, List[str]] = {}
     mentions: Set[str] = set()
     for cls in metric_classes(spec.metrics):
-        cfg = configs[row.name][cls.name]
-        for label, path in cls.files(cfg).items():
+        evaluation = sections[row.name][cls.name]
+        for label, path in cls.files(evaluation).items():
             if path is None:
                 continue
             needs.setdefault((label, str(path)), []).append(cls.name)
             if not os.path.exists(str(path)):
                 mentions.add(str(path))
-                value = config_value(cfg, label)  # a per-class template: '...class{label}.npz'
+                value = config_value(evaluation, label)  # a per-class template: '...class{label}.npz'
                 mentions.update([value] if isinstance(value, str) and "{" in value else [])
-        for problem in cls.problems(cfg):
+        for problem in cls.problems(evaluation):
             problems.setdefault(problem, []).append(cls.name)
     return needs, problems, mentions
 
@@ -101,12 +101,12 @@ def note(found: Dict[str, Wanted], key: str, wanted: Wanted, metrics: List[str],
 
 def check_table(spec, checkpoints: str, verbose: bool, found: Findings) -> None:
     """Collect what every row of `spec` needs into `found`; print its rows under --verbose."""
-    configs = row_configs(spec, checkpoints)
+    sections = evaluation_sections(row_configs(spec, checkpoints))
     print(f"{spec.path} ({spec.stem}: {spec.title}): {len(spec.rows)} row(s); metrics "
           f"{', '.join(spec.metrics)}")
     found.tables[spec.stem] = [row.name for row in spec.rows]
     for row in spec.rows:
-        needs, problems, mentions = row_needs(spec, row, configs, checkpoints)
+        needs, problems, mentions = row_needs(spec, row, sections, checkpoints)
         # what a real run would refuse, but those that repeat a missing file
         problems = {p: m for p, m in problems.items() if not any(f in p for f in mentions)}
         if verbose:

@@ -19,6 +19,7 @@ import os
 from typing import Any, Dict, List, Sequence, Tuple
 
 from rebm.config import replace
+from rebm.config.sections import EvaluationSection
 
 
 def search_folders(root: str) -> Tuple[str, ...]:
@@ -46,7 +47,7 @@ def rooted_config(cfg, classes: Sequence[Any], root: str):
     that exists under `root` read from there: a frozen copy, or `cfg` when nothing moves."""
     moves: Dict[str, Dict[str, str]] = {}  # config key -> {path as written: path under root}
     for cls in classes:
-        for label, path in cls.files(cfg).items():
+        for label, path in cls.files(cfg.evaluation).items():
             if path is None:
                 continue
             chosen, _ = find_data_path(str(path), root)
@@ -95,13 +96,13 @@ def _with_value(obj: Any, parts: List[str], value: Any, top: bool = False) -> An
     return (replace if top else dataclasses.replace)(obj, **{head: new})
 
 
-def missing_data_paths(cfg, classes: Sequence[Any], root: str
+def missing_data_paths(evaluation: EvaluationSection, classes: Sequence[Any], root: str
                        ) -> List[Tuple[str, str, Tuple[str, ...]]]:
     """(key, path, folders looked in) of each relative data path of the metrics' files found
     in none of the folders (after `rooted_config`, such a path is still as written)."""
     missing = []
     for cls in classes:
-        for label, path in cls.files(cfg).items():
+        for label, path in cls.files(evaluation).items():
             if path is None or os.path.exists(str(path)):
                 continue
             _, folders = find_data_path(str(path), root)
@@ -125,10 +126,11 @@ def looked_in(folders: Sequence[str]) -> str:
     return "looked in " + ", then ".join(folders)
 
 
-def config_value(cfg, label: str) -> Any:
+def config_value(evaluation: EvaluationSection, label: str) -> Any:
     """The config value behind a `Metric.files` label ('eval.counterfactual_fid_stats[3]' ->
-    the template it was formatted from); None for a label that is no config key."""
-    return _value(cfg, label.partition("[")[0].split("."))
+    the template it was formatted from), read from the evaluation section; None for a label
+    that is no config key."""
+    return _value(evaluation, label.partition("[")[0].split("."))
 
 
 def missing_target(path: str, root: str) -> Tuple[str, Tuple[str, ...]]:

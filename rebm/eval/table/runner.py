@@ -43,7 +43,7 @@ from rebm.eval.table.cache import (
 )
 from rebm.eval.table.paths import looked_in, missing_data_paths
 from rebm.eval.table.report import write_report
-from rebm.eval.table.spec import own_metrics, own_rows, row_configs
+from rebm.eval.table.spec import evaluation_sections, own_metrics, own_rows, row_configs
 
 LOGGER = logging.getLogger("rebm")
 
@@ -59,7 +59,8 @@ class TableRun:
         self.spec, self.runtime, self.out = spec, runtime, out
         self.checkpoints, self.force = args.checkpoints, args.force
         self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
-        self.configs = row_configs(spec, self.checkpoints)
+        self.configs = row_configs(spec, self.checkpoints)  # {row: {metric: its config}}
+        self.sections = evaluation_sections(self.configs)  # their evaluation sections
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
         self.finished: List[str] = []  # rows whose selected metrics are all cached now
@@ -73,7 +74,8 @@ class TableRun:
 
     def keys(self, row, metrics, checkpoint: str) -> Dict[str, str]:
         """{metric: cache key} of the row for the checkpoint content `checkpoint` (rank 0)."""
-        return {cls.name: metric_key(self.configs[row.name][cls.name], cls, checkpoint,
+        return {cls.name: metric_key(self.sections[row.name][cls.name],
+                                     self.configs[row.name][cls.name].model, cls, checkpoint,
                                      self.spec.batch_size, self.hashes)
                 for cls in metric_classes(metrics)}
 
@@ -102,7 +104,7 @@ class TableRun:
         """Where the row's relative data paths were looked for, when one of them is missing
         (the end of the line that stops the run)."""
         for metric in self.selected.metrics:
-            missing = missing_data_paths(self.configs[row.name][metric],
+            missing = missing_data_paths(self.sections[row.name][metric],
                                          metric_classes([metric]), self.checkpoints)
             if missing:
                 return f" (relative data paths: {looked_in(missing[0][2])})"
@@ -166,23 +168,25 @@ class TableRun:
         ordered = metric_classes(pending)
         for cls in [c for c in ordered if c.source != SAMPLES] + [
                 c for c in ordered if c.source == SAMPLES]:
-            settings = model_settings(self.configs[row.name][cls.name])
+            config = self.configs[row.name][cls.name]
+            settings = model_settings(config.model, config.use_ema)
             by_model.setdefault(json.dumps(settings, sort_keys=True, default=str),
                                 []).append(cls.name)
         return list(by_model.values())
 
     def evaluator(self, row, names: List[str]):
         """The Evaluator of `names` (metrics of one model) of the row: each metric with its own
-        config, files into <out>/<row>/."""
-        configs = self.configs[row.name]
-        return Evaluator(configs[names[0]], self.runtime, names, batch_size=self.spec.batch_size,
-                         run_dir=os.path.join(self.out, row.name), configs=configs)
+        evaluation section, files into <out>/<row>/."""
+        sections = self.sections[row.name]
+        return Evaluator(sections[names[0]], self.runtime, names, batch_size=self.spec.batch_size,
+                         run_dir=os.path.join(self.out, row.name), sections=sections)
 
     def run_metrics_all_ranks(self, row, names: List[str], cache, keys: Dict[str, str],
                               label: str) -> None:
         """Compute and store `names` (metrics of one model) of the row: the test-set metrics
         one by one, the sample metrics in one generation pass per set of samples they draw."""
-        model = load_eval_model(self.configs[row.name][names[0]], self.runtime)
+        config = self.configs[row.name][names[0]]
+        model = load_eval_model(config.model, config.data, config.use_ema, self.runtime)
         evaluator = self.evaluator(row, names)
         for cls in evaluator.classes:
             if cls.source == SAMPLES:
@@ -207,9 +211,9 @@ class TableRun:
         make them differ): one generation pass each."""
         passes: Dict[str, List[str]] = {}
         for name in names:
-            cfg = self.configs[row.name][name]
-            drawn = json.dumps([sample_settings(cfg), data_settings(cfg)], sort_keys=True,
-                               default=str)
+            evaluation = self.sections[row.name][name]
+            drawn = json.dumps([sample_settings(evaluation), data_settings(evaluation.data)],
+                               sort_keys=True, default=str)
             passes.setdefault(drawn, []).append(name)
         return list(passes.values())
 
@@ -219,7 +223,7 @@ class TableRun:
         cls = metric_classes([metric])[0]
         entry = {"key": key, "results": results, "seconds": round(seconds, 3),
                  "world_size": self.runtime.world_size, "protocol": cls.protocol,
-                 "settings": cls.settings(self.configs[row.name][metric])}
+                 "settings": cls.settings(self.sections[row.name][metric])}
         on_main(self.runtime, lambda: store_result(self.out, cache, metric, entry),
                 f"write the table cache of row {row.name}")
         self.stored.append(metric)

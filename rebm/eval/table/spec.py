@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from rebm.config import ConfigError, load_config
+from rebm.config.sections import EvaluationSection
 from rebm.errors import UserError
 from rebm.eval.metric import EvalError
 from rebm.eval.registry import did_you_mean, metric_classes, metric_names
@@ -247,6 +248,16 @@ def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
                                                   classes, checkpoints)
             configs[row.name][metric] = loaded[overrides]
     return configs
+
+
+def evaluation_sections(configs: Dict[str, Dict[str, Any]]
+                        ) -> Dict[str, Dict[str, EvaluationSection]]:
+    """{row: {metric: evaluation section}} of `row_configs`: the metrics that share a config
+    share its section (the Evaluator runs one test pass per section)."""
+    made: Dict[int, EvaluationSection] = {}
+    return {row: {metric: made.setdefault(id(config), config.evaluation)
+                  for metric, config in by_metric.items()}
+            for row, by_metric in configs.items()}
 
 
 def _row_config(spec, row: RowSpec, metric: str, overrides: Tuple[str, ...]):

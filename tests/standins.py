@@ -53,7 +53,7 @@ def generate_samples(model: torch.nn.Module, cfg, runtime=None, num_samples=None
     of `batch_size` samples, as an evaluation on one rank generates them (an evaluation streams
     them and keeps none). Rank-local: under several ranks each computes them all."""
     from rebm.distributed import Runtime
-    from rebm.eval.metrics.accuracy import eval_mode
+    from rebm.eval.passes import eval_mode
     from rebm.eval.sampling.generation import SampleGenerator, balanced_labels
     from rebm.eval.sampling.samples import seed_source
 

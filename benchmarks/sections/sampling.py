@@ -36,7 +36,7 @@ def attack_step_gflop(model: torch.nn.Module, x: torch.Tensor) -> float:
 
 def _sample_pass(name: str, model_type: str, size: int, classes: int, batch: int, args,
                  gemm: float) -> dict:
-    from rebm.eval.metrics.accuracy import eval_mode
+    from rebm.eval.passes import eval_mode
     from rebm.eval.sampling.generation import SampleGenerator
     from rebm.eval.sampling.samples import seed_source
 

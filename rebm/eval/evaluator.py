@@ -37,7 +37,7 @@ from rebm.distributed import Runtime
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.parallel import unwrap
 from rebm.eval.metric import SAMPLES, TEST_SET, EvalContext, EvalError, Metric
-from rebm.eval.metrics.accuracy import eval_mode
+from rebm.eval.passes import eval_mode
 from rebm.eval.registry import metric_classes
 from rebm.eval.sampling.samples import run_sample_pass_all_ranks, seed_source
 from rebm.eval.test_set import TestData, run_test_pass_all_ranks

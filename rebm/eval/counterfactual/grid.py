@@ -36,8 +36,7 @@ from rebm.eval.counterfactual.attack import (
 )
 from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
 from rebm.eval.features.network import feature_network
-from rebm.eval.metrics.accuracy import eval_mode
-from rebm.eval.metrics.ood_sets import chunk_loader
+from rebm.eval.passes import chunk_loader, eval_mode
 
 LOGGER = logging.getLogger("rebm")
 GRID_NUM_IMAGES = 10  # test images explained when eval.counterfactual_num_images is null

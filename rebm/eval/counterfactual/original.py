@@ -45,7 +45,7 @@ from rebm.eval.counterfactual.attack import (
 from rebm.eval.features.fid import MomentSums, feature_extractor
 from rebm.eval.features.network import feature_network
 from rebm.eval.metric import EvalError
-from rebm.eval.metrics.accuracy import eval_mode
+from rebm.eval.passes import eval_mode
 
 LOGGER = logging.getLogger("rebm")
 TARGET_STREAM = "counterfactual"  # key stream of the random target classes

@@ -28,7 +28,7 @@ from rebm.eval.features.fid import (
     write_statistics,
 )
 from rebm.eval.features.network import feature_network
-from rebm.eval.metrics.ood_sets import chunk_loader
+from rebm.eval.passes import chunk_loader
 
 LOGGER = logging.getLogger("rebm")
 

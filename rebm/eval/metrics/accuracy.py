@@ -12,14 +12,13 @@ lands in.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.config.sections import EvaluationSection
@@ -30,18 +29,6 @@ from rebm.eval.test_set import describe_test_set, test_set_files, test_set_setti
 
 # The "epoch" slot of sample_keys separates the random streams of the evaluation attacks.
 ROBUST_EVAL_EPOCH = 0
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode for the duration, then the caller's mode back (the training loop evaluates
-    mid-run and must get its train-mode model back)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def index_keys(seed: int, indices: Tensor, epoch: int = ROBUST_EVAL_EPOCH) -> Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.config.sections import EvaluationSection
 from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import load_outdist, loader_workers
-from rebm.data.sampling import eval_chunks, eval_shard
+from rebm.data.sampling import eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.distributed.logs import progress
@@ -41,7 +41,7 @@ from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
-from rebm.eval.metrics.accuracy import eval_mode
+from rebm.eval.passes import chunk_loader, eval_mode
 from rebm.eval.test_set import test_set_settings
 
 SCORES = ("msp", "lse")
@@ -118,31 +118,6 @@ def fpr_at_tpr(pos_scores: Tensor, neg_scores: Tensor, tpr_percent: int = TPR_PE
 # --------------------------------------------------------------------------------------------
 # Fixed-chunk scoring (the OOD table)
 # --------------------------------------------------------------------------------------------
-class _Chunks(Dataset):
-    """Item j = (images, positions) of this rank's j-th chunk; `read(positions)` gives the
-    float [0, 1] images of those positions."""
-
-    def __init__(self, read: Callable[[np.ndarray], Tensor], chunks: List[range]):
-        self.read = read
-        self.chunks = chunks
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __getitem__(self, j: int):
-        positions = np.arange(self.chunks[j].start, self.chunks[j].stop, dtype=np.int64)
-        return self.read(positions), torch.from_numpy(positions)
-
-
-def chunk_loader(read: Callable[[np.ndarray], Tensor], n: int, batch_size: int,
-                 runtime: Runtime, num_workers: int = 0) -> DataLoader:
-    """This rank's chunks [k·B, (k+1)·B) of positions [0, n), k ≡ rank (mod W): the same
-    batches on any world size (rebm.data.sampling.eval_chunks)."""
-    chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
-    return DataLoader(_Chunks(read, chunks), batch_size=None, num_workers=num_workers,
-                      persistent_workers=False)
-
-
 def chunk_scores_all_ranks(model: nn.Module, loader: DataLoader, n: int, runtime: Runtime,
                            score: str, attack: Optional[OODAttack] = None,
                            label: str = "OOD scores") -> Tensor:

@@ -50,7 +50,7 @@ from rebm.data import (  # noqa: E402
 )
 from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E402
 from rebm.data.imagenet import FullImageSource, PathTable, decode_rgb  # noqa: E402
-from rebm.data.sampling import StreamSchedule  # noqa: E402
+from rebm.data.indexing import StreamSchedule  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
 from tests.fake_data import write_fake_cifar10  # noqa: E402
 
@@ -198,7 +198,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm.distributed.precision import Precision
     from rebm.engine.build import build_model_all_ranks
     from rebm.engine.optimizers import build_optimizer
-    from rebm.methods.dat.step import DAT
+    from rebm.methods.dat.dat import DAT
     from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
     from tests.steps import dat_update
 

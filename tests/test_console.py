@@ -36,12 +36,12 @@ def test_an_error_on_every_rank_is_in_its_log_file(tmp_path):
     script = tmp_path / "broken_train.py"
     script.write_text(textwrap.dedent("""
         import sys
-        from rebm.methods.dat import step
+        from rebm.methods.dat import dat
 
         def broken(self, ctx, batch, index, log_now):
             raise RuntimeError("injected failure in the step")
 
-        step.DAT.micro_loss = broken
+        dat.DAT.micro_loss = broken
         from rebm.training.train import main
         sys.exit(main())
     """))

@@ -1,5 +1,5 @@
-"""Counterfactual explanations (rebm/eval/counterfactuals.py and the counterfactual_* modules
-it uses), both protocols: the original's
+"""Counterfactual explanations (rebm/eval/metrics/counterfactuals/ and the per-class statistics
+command rebm/eval/commands/class_stats.py), both protocols: the original's
 (training images, one seeded random target class each, FID per target class, checked against a
 direct computation) and the grid (test images toward every other class); per-class statistics
 written by the real entry point; the same numbers on 1 and 2 real processes."""
@@ -18,11 +18,11 @@ from PIL import Image
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.eval.counterfactual.attack import CounterfactualSettings
-from rebm.eval.counterfactual.grid import target_classes
-from rebm.eval.counterfactual.original import class_chunks, random_targets, train_image_set
-from rebm.eval.counterfactual.stats import class_image_set
 from rebm.eval.metrics.counterfactuals import Counterfactuals, counterfactual_settings
+from rebm.eval.metrics.counterfactuals.attack import CounterfactualSettings
+from rebm.eval.metrics.counterfactuals.grid import target_classes
+from rebm.eval.metrics.counterfactuals.original import class_chunks, random_targets, train_image_set
+from rebm.eval.metrics.counterfactuals.stats import class_image_set
 from tests.fake_data import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
@@ -91,7 +91,7 @@ def test_class_statistics_are_those_of_the_class_images(setup):
 
 
 def _cf_worker(root: str, stats: str, out: str) -> None:
-    from rebm.data.ood_sets import indist_test_set
+    from rebm.data.ood_datasets import indist_test_set
     from rebm.distributed.signals import PreemptionFlag
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
@@ -237,8 +237,10 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     images toward it, round to 8 bits, features, FID against the class's statistics file."""
     from rebm.attacks.pgd import pgd_attack
     from rebm.distributed import Runtime
-    from rebm.eval.counterfactual.original import evaluate_original_counterfactuals_all_ranks
     from rebm.eval.features.fid import feature_statistics, frechet_distance, load_reference
+    from rebm.eval.metrics.counterfactuals.original import (
+        evaluate_original_counterfactuals_all_ranks,
+    )
     from rebm.models import build_model
     from tests.standins import standin_features
 

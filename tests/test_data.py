@@ -16,6 +16,7 @@ import torch
 from rebm.config import TrainConfig, plan_batches
 from rebm.data.augmentations import augment_batch, build_augmentation
 from rebm.data.files import _UncheckedCIFAR10
+from rebm.data.indexing import KeyedPermutation, rank_positions
 from rebm.data.pipeline import (
     DataError,
     build_eval_data,
@@ -25,7 +26,6 @@ from rebm.data.pipeline import (
     load_outdist,
     loader_workers,
 )
-from rebm.data.sampling import KeyedPermutation, rank_positions
 from rebm.data.sources import TinyImagesSource
 from rebm.data.streams import CLASSIFIER, INDIST, OUTDIST
 from rebm.distributed import Runtime

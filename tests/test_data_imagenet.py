@@ -297,7 +297,7 @@ def test_config_fields_of_the_original_imagenet_configs(tmp_path):
 
 
 def test_metrics_hook_for_replaced_images(corrupt_roots):
-    from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
+    from rebm.engine.metrics_window import MetricsWindow, add_data_counts, pop_data_counts
 
     cfg = make_cfg(corrupt_roots)
     data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
@@ -316,7 +316,7 @@ def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: st
     """One real gloo rank: one epoch of batches, the replaced count through the metrics window's
     all-reduce, and this rank's images."""
     from rebm.distributed import setup_distributed
-    from rebm.engine.metrics import MetricsWindow, add_data_counts, pop_data_counts
+    from rebm.engine.metrics_window import MetricsWindow, add_data_counts, pop_data_counts
 
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),

@@ -13,8 +13,8 @@ from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
-from rebm.methods.dat import step as step_module
-from rebm.methods.dat.step import DAT
+from rebm.methods.dat import dat as dat_module
+from rebm.methods.dat.dat import DAT
 from tests.steps import dat_update
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.numbers]
@@ -32,13 +32,13 @@ def _step(cfg, runtime, monkeypatch=None):
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     attacked = []
     if monkeypatch is not None:
-        real = step_module.pgd_from_config
+        real = dat_module.pgd_from_config
 
         def record(module, *args, **kwargs):
             attacked.append(module)
             return real(module, *args, **kwargs)
 
-        monkeypatch.setattr(step_module, "pgd_from_config", record)
+        monkeypatch.setattr(dat_module, "pgd_from_config", record)
     result = dat_update(model, build_optimizer(cfg.optimization, raw.parameters()), batches, 2, cfg, plan,
                       Precision(cfg.amp, runtime.device))
     return result, attacked, [p.detach().clone() for p in raw.parameters()]
@@ -79,7 +79,7 @@ def test_every_gpu_does_attack_work():
     def attack_peaks(net):
         for device in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(device)
-        step_module.pgd_from_config(net, x, cfg.attack, steps=10, y=y, objective="logit")
+        dat_module.pgd_from_config(net, x, cfg.attack, steps=10, y=y, objective="logit")
         torch.cuda.synchronize()
         return [torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())]
 

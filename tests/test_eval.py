@@ -279,7 +279,7 @@ def test_evaluate_entry_point_prints_json(tmp_path):
 
 
 def test_evaluate_missing_checkpoint_is_one_line_error(tmp_path):
-    from rebm.eval.evaluate import main
+    from rebm.eval.commands.evaluate import main
 
     config = str(REPO / "experiments" / "quickstart" / "digits.yaml")
     with pytest.raises(SystemExit) as exit_info:

@@ -1,4 +1,4 @@
-"""The one-line summary of an evaluation (rebm/eval/report.py `describe_evaluation`, the line
+"""The one-line summary of an evaluation (rebm/eval/results.py `describe_evaluation`, the line
 `python -m rebm.eval.evaluate` logs and training logs at every evaluation) follows the registry:
 each registered metric's `summary_values`, in registry order, a stand-in's or unverified
 weights' values labelled as such."""

@@ -19,7 +19,7 @@ import torch
 
 from rebm.config import load_config
 from rebm.config.schema import ImageLogConfig
-from rebm.data.sampling import eval_chunks
+from rebm.data.indexing import eval_chunks
 from rebm.distributed import Runtime
 from rebm.eval.features import fid
 from rebm.eval.features.network import feature_network
@@ -159,7 +159,7 @@ def stats_file(setup):
 def test_fid_stats_on_2_ranks_equal_one_process_and_load_in_pytorch_fid(setup, stats_file,
                                                                          standin):
     from rebm.data import load_indist
-    from rebm.eval.fid_stats import dataset_statistics_all_ranks
+    from rebm.eval.commands.fid_stats import dataset_statistics_all_ranks
 
     cfg = _cfg(setup)
     with np.load(stats_file) as stats:  # what pytorch-fid reads

@@ -18,7 +18,7 @@ from rebm.distributed import Runtime, compile_cache
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
-from rebm.methods.dat.step import DAT, resolve_fuse_attacks
+from rebm.methods.dat.dat import DAT, resolve_fuse_attacks
 from rebm.models import build_model
 from tests.helpers import (
     CONFIG,

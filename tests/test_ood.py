@@ -1,4 +1,4 @@
-"""OOD detection (rebm/eval/metrics/ood_sets.py, rebm/data/ood_sets.py): the metrics against scikit-learn,
+"""OOD detection (rebm/eval/metrics/ood_sets.py, rebm/data/ood_datasets.py): the metrics against scikit-learn,
 the original's attacks and their budget by the OOD image side, the OOD sets read from real
 on-disk formats (SVHN .mat files written with scipy in torchvision's layout, CIFAR pickles,
 image folders, a 1000-class ImageNet validation folder for restricted_imagenet), the original's
@@ -14,7 +14,7 @@ import torch
 
 from rebm import distributed as rd
 from rebm.config import load_config
-from rebm.data.ood_sets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
+from rebm.data.ood_datasets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
 from rebm.eval.metrics.ood_detection import OODDetection
 from rebm.eval.metrics.ood_sets import (
     OODSets,
@@ -139,7 +139,7 @@ def test_32px_sets_at_224_px_are_the_originals_pil_bilinear_resize(tmp_path):
     from scipy.io import loadmat
     from torchvision import transforms
 
-    from rebm.data.ood_sets import ResizedSource
+    from rebm.data.ood_datasets import ResizedSource
     from rebm.data.sources import TensorSource
 
     original = transforms.Compose([

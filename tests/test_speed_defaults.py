@@ -20,7 +20,7 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.compiling import REPAYING_STEPS, decide_compile
 from rebm.engine.optimizers import build_optimizer
-from rebm.methods.dat.step import DAT
+from rebm.methods.dat.dat import DAT
 from rebm.training.train import make_method
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update

@@ -22,8 +22,8 @@ from rebm.distributed.parallel import strip_parallel, unwrap
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
+from rebm.methods.dat.dat import DAT
 from rebm.methods.dat.objective import dat_loss
-from rebm.methods.dat.step import DAT
 from rebm.models import build_model
 from tests.steps import dat_update
 
@@ -173,7 +173,7 @@ def test_build_model_with_compile_keeps_raw_module_uncompiled():
 def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     """With model.compile the attacks (T + K of the step's T + K + 1 passes) must go through
     the compiled module, not the plain one `unwrap` returns."""
-    from rebm.methods.dat import step as step_module
+    from rebm.methods.dat import dat as dat_module
 
     # fuse_attacks=false: the separate attacks go through pgd_from_config (on a CUDA machine
     # `auto` fuses them into one pass, which tests/test_fused_attacks.py covers)
@@ -191,7 +191,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
         attacked.append(module)
         raise Stop  # before the loss pass, which would start a (slow on CPU) inductor compile
 
-    monkeypatch.setattr(step_module, "pgd_from_config", record)
+    monkeypatch.setattr(dat_module, "pgd_from_config", record)
     plan = plan_batches(cfg, 1)
     batch = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):

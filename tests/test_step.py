@@ -11,7 +11,7 @@ from rebm.data.pipeline import build_train_data
 from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
-from rebm.methods.dat.step import DAT
+from rebm.methods.dat.dat import DAT
 from tests.processes import spawn_ranks
 from tests.steps import dat_update
 

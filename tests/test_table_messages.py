@@ -32,7 +32,7 @@ def tiny(tmp_path_factory):
 
 def _main(capsys, *argv: str):
     """(exit code, stderr) of the real entry function, in process."""
-    from rebm.eval.table.command import main
+    from rebm.eval.commands.table import main
 
     try:
         code = main(list(argv))

@@ -104,7 +104,7 @@ def _write(folder: Path, files: dict) -> Path:
 
 
 def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp_path):
-    from rebm.eval.table.command import load_tables
+    from rebm.eval.commands.table import load_tables
     from rebm.eval.table.spec import row_configs
 
     folder = _write(tmp_path / "model_configs", ORIGINALS)
@@ -289,7 +289,7 @@ def test_rows_pick_the_tables_before_metrics_are_checked(tmp_path):
     CIFAR-10 protocol has works for a CIFAR-10 row, and a wrong one names the selected tables."""
     import argparse
 
-    from rebm.eval.table.command import load_tables, select_all
+    from rebm.eval.commands.table import load_tables, select_all
     from rebm.eval.table.spec import TableError
 
     folder = _write(tmp_path / "model_configs", ORIGINALS)

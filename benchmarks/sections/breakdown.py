@@ -12,7 +12,7 @@ import torch
 from rebm import distributed as rd
 from rebm.attacks.pgd import pgd_from_config
 from rebm.distributed.parallel import micro_step_sync
-from rebm.engine.metrics import MetricsWindow, peak_memory_mib
+from rebm.engine.metrics_window import MetricsWindow, peak_memory_mib
 from rebm.methods.base import MicroOutput, StepResult, mean_terms
 from rebm.methods.dat import dat_loss
 from sections.common import (

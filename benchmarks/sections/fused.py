@@ -1,5 +1,5 @@
 """Section `fused`: the two attacks of one micro-batch (negatives PGD_T and the classifier
-batch's PGD_K^CE, `rebm.methods.dat.step.dat_attacks` as DAT.micro_loss calls it: eval mode,
+batch's PGD_K^CE, `rebm.methods.dat.dat.dat_attacks` as DAT.micro_loss calls it: eval mode,
 the run's autocast) run separately and as one fused pass (`fuse_attacks`), eager and compiled,
 interleaved in one process; medians and the ratio fused / separate (below 1: fusion pays)."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from rebm.data import CLASSIFIER, OUTDIST
-from rebm.methods.dat.step import dat_attacks
+from rebm.methods.dat.dat import dat_attacks
 from sections.common import median, prefetch, section_result, single_process, timed
 
 

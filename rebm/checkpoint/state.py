@@ -5,7 +5,7 @@ A state is a dict of Stateful parts, each under its own key (model, optimizer, s
 scaler, method, progress, rng, tracker), plus metadata (format, stage, step, world size, config).
 `training_state` saves and `load_parts` loads every part by one loop; nothing else knows a part's
 layout. The data position is the step itself, because the samplers seek to any step in O(1)
-(rebm/data/sampling.py). States of the earlier flat layout (format 1: every field at the top
+(rebm/data/indexing.py). States of the earlier flat layout (format 1: every field at the top
 level, the method's merged in) are converted when read (`upgrade_state`, by
 rebm/compat/state_format.py)."""
 

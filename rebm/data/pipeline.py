@@ -7,7 +7,7 @@ independent shuffle of the same images) and the out-distribution stream (docs/de
 `build_train_data` yields, for every optimizer step from `start_step` on, this rank's
 `accumulation_steps` micro-batches.
 
-Guarantees (see sampling.py for the layout):
+Guarantees (see indexing.py for the layout):
 - the union over ranks and micro-steps of step s is exactly the single-process global batch of
   step s, with the same augmentations — a sample's augmentation is seeded from
   (rand_seed, stream, epoch, index), not from a worker or process RNG;
@@ -45,7 +45,7 @@ from rebm.data.augmentations import (
 from rebm.data.files import (
     image_tensor_file,
 )
-from rebm.data.sampling import (
+from rebm.data.indexing import (
     PURPOSE_AUGMENT,
     PURPOSE_SAMPLE,
     StreamSchedule,

@@ -5,7 +5,7 @@ and the fix). The datasets built on them (CIFAR, digits, folders, tensor files) 
 A *source* is indexable storage that returns a batch of images for an array of indices:
 `source.images(idx) -> (k, 3, S, S)` uint8 (or float in [0, 1]) at the configured image size, and
 `source.labels(idx) -> (k,)` int64 (-1 where there are no classes). Samplers and augmentation
-live elsewhere (sampling.py, augmentations.py); `ImageDataset` adapts a source to a torch
+live elsewhere (indexing.py, augmentations.py); `ImageDataset` adapts a source to a torch
 `Dataset` of (float image, label) for evaluation and stage-1 code.
 
 Small sets (CIFAR: 50k x 3 x 32 x 32 uint8 = 150 MB) are decoded once into one tensor in memory;
@@ -27,7 +27,7 @@ from torch import Tensor
 from torchvision.transforms.v2 import functional as TF
 
 from rebm.data.augmentations import Transform, augment_batch
-from rebm.data.sampling import sample_keys
+from rebm.data.indexing import sample_keys
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from rebm.distributed.precision import Precision
 from rebm.distributed.runtime import Runtime
 from rebm.engine.build import build_model_all_ranks, get_compile_cache
 from rebm.engine.ema import build_ema
-from rebm.engine.metrics import MetricsWindow
+from rebm.engine.metrics_window import MetricsWindow
 from rebm.engine.optimizers import build_optimizer
 from rebm.methods.base import Method, StepContext
 

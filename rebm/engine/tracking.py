@@ -21,7 +21,7 @@ from rebm.config.sections import LoggingSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
 from rebm.distributed.logs import progress_enabled
-from rebm.eval.report import jsonable
+from rebm.eval.results import jsonable
 
 LOGGER = logging.getLogger("rebm")
 

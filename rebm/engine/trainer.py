@@ -46,7 +46,12 @@ from rebm.distributed.collectives import (
 from rebm.distributed.logs import setup_logging
 from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
-from rebm.engine.metrics import MetricsWindow, add_data_counts, peak_memory_mib, pop_data_counts
+from rebm.engine.metrics_window import (
+    MetricsWindow,
+    add_data_counts,
+    peak_memory_mib,
+    pop_data_counts,
+)
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
@@ -57,7 +62,7 @@ from rebm.engine.step import update_all_ranks
 from rebm.engine.tracking import Tracker, progress_bar
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
-from rebm.eval.report import describe_evaluation
+from rebm.eval.results import describe_evaluation
 from rebm.methods.base import Method, StepResult
 
 LOGGER = logging.getLogger("rebm")

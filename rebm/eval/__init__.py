@@ -1,16 +1,18 @@
-"""Evaluation, by concern (docs/design.md, "One evaluation"):
+"""Evaluation, by concern (docs/design.md, "One evaluation"); modules import only downwards in
+this order (an import-linter contract, pyproject.toml):
 
+- evaluate.py, fid_stats.py, counterfactuals.py (and table/__main__.py): the documented command
+  paths, two lines each, over commands/: the commands themselves;
+- table/: the paper-table runner;
 - evaluator.py: the `Evaluator`, one per run, that every entry point evaluates through;
-  metric.py (what a metric is), registry.py (the metrics by name), test_set.py (the test
-  images and their pass), report.py (values as written and shown);
-- metrics/: the registered metrics, one module each;
-- sampling/: sample generation, the shared generation pass, FID's step sweep;
+- results.py (values as written and shown), registry.py (the metrics by name);
+- metrics/: the registered metrics, one module (or package: counterfactuals/) each;
+- sampling/ (sample generation, the shared generation pass, FID's step sweep) and test_set.py
+  (the test images and their pass);
 - features/: the feature networks (pytorch-fid's Inception, torch-fidelity's) and FID's
-  statistics; standin.py, the shipped stand-in for them;
-- counterfactual/: the pieces of the counterfactual metric;
-- table/: the paper-table runner (`python -m rebm.eval.table`);
-- the commands: evaluate.py, fid_stats.py, counterfactuals.py; auc.py, the ROC-AUC that DAT's
-  curriculum uses too.
+  statistics;
+- metric.py (what a metric is), passes.py (eval mode, the chunked loader), exact_sums.py,
+  auc.py (the ROC-AUC that DAT's curriculum uses too), standin.py (the shipped stand-in network).
 
 Each rank works on its shard (chunks of one evaluation batch, chunk k on rank k % W — no padding
 duplicates) and the results are combined by collectives, so the numbers equal those of a single
@@ -20,16 +22,15 @@ are the unwrapped modules. Submodules are imported on use, so `import rebm.eval`
 
 __all__ = [
     "auc",
-    "counterfactual",
-    "counterfactuals",
-    "evaluate",
+    "commands",
     "evaluator",
+    "exact_sums",
     "features",
-    "fid_stats",
     "metric",
     "metrics",
+    "passes",
     "registry",
-    "report",
+    "results",
     "sampling",
     "standin",
     "table",

@@ -1,37 +1,9 @@
-"""Per-class FID statistics for the counterfactual FID (metric "counterfactuals",
-rebm/eval/metrics/counterfactuals.py):
-
-    python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE [--split train|test]
-
-writes TEMPLATE.format(label=c) (a pytorch-fid .npz) for every class c of the split
-(rebm/eval/counterfactual/stats.py); point `eval.counterfactual_fid_stats` at TEMPLATE. The work
-is imported once the arguments are good, so `--help` answers at once.
-"""
-
-from __future__ import annotations
+"""`python -m rebm.eval.counterfactuals`: the documented path of the counterfactual FID's
+per-class statistics command (rebm/eval/commands/class_stats.py)."""
 
 import sys
-from typing import List, Optional
 
-from rebm import cli
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = cli.build_parser("rebm.eval.counterfactuals",
-                              "Per-class FID statistics for the counterfactual FID")
-    parser.add_argument("--class-stats", required=True, metavar="TEMPLATE",
-                        help="the .npz files to write, a path with {label}")
-    parser.add_argument("--split", choices=("train", "test"), default="train")
-    parser.add_argument("--batch-size", type=int, default=100, help="images per batch")
-    return cli.run_entry(parser, argv, run)
-
-
-def run(cfg, runtime, args):
-    """Every rank: the per-class statistics (rebm/eval/counterfactual/stats.py)."""
-    from rebm.eval.counterfactual.stats import run_class_stats_all_ranks  # after --help
-
-    return run_class_stats_all_ranks(cfg.evaluation, runtime, args)
-
+from rebm.eval.commands.class_stats import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ associative, so the totals are the same integers whatever the order of the value
 over the ranks (the all-reduce adds integers), and the float64 read at the end is the same on any
 world size. What stays for the metric is to add the same values on any world size: values of one
 sample, or of one evaluation chunk (chunk k holds the same samples on any number of ranks,
-rebm/data/sampling.py `eval_chunks`), computed the same way wherever the chunk runs.
+rebm/data/indexing.py `eval_chunks`), computed the same way wherever the chunk runs.
 
 The arithmetic, and why it is exact:
 - a value v is split as |v| 2^20 = d0 + (d1 + r 2^-32) 2^-32 with d0, d1 integers (floor) and r in

@@ -23,7 +23,7 @@ Adding a metric is one module plus one registration:
    - `describe(results, settings)`: the console table's rows for it; `outputs()`: the files
      it wrote;
    - `summary` (optional): its values in the one-line summary of the training log and of
-     `python -m rebm.eval.evaluate` (rebm/eval/report.py); by default the value under its name.
+     `python -m rebm.eval.evaluate` (rebm/eval/results.py); by default the value under its name.
 2. Add the class to `METRICS` in rebm/eval/registry.py.
 
 Every rank builds the same metrics in the same order and feeds them its own shard, so a metric's
@@ -217,7 +217,7 @@ class Metric:
     def summary_values(cls) -> Tuple[SummaryValue, ...]:
         """(results key, label, format) of each value the one-line summary shows. A value that a
         feature network other than the verified Inception computed, under `<key>_unverified` or
-        `<key>_standin`, is shown too, labelled as such (rebm/eval/report.py)."""
+        `<key>_standin`, is shown too, labelled as such (rebm/eval/results.py)."""
         if cls.summary is None:
             return ((cls.name, cls.name, "{:.4g}"),)
         return cls.summary

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from rebm.data.sampling import eval_chunks
+from rebm.data.indexing import eval_chunks
 from rebm.distributed import Runtime
 
 
@@ -47,7 +47,7 @@ class _Chunks(Dataset):
 def chunk_loader(read: Callable[[np.ndarray], Tensor], n: int, batch_size: int,
                  runtime: Runtime, num_workers: int = 0) -> DataLoader:
     """This rank's chunks [k·B, (k+1)·B) of positions [0, n), k ≡ rank (mod W): the same
-    batches on any world size (rebm.data.sampling.eval_chunks)."""
+    batches on any world size (rebm.data.indexing.eval_chunks)."""
     chunks = eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
     return DataLoader(_Chunks(read, chunks), batch_size=None, num_workers=num_workers,
                       persistent_workers=False)

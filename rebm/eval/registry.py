@@ -5,7 +5,7 @@ defines) and add the class to the list that fills `METRICS` below (a rebm.regist
 whose order is that list's, written down rather than an import order). Its name then works
 everywhere: in an `Evaluator`'s metrics (rebm/eval/evaluator.py), in `--metrics` of `python -m rebm.eval.evaluate`, in `eval.metrics` of a
 config (added to every evaluation, training's included); its settings go to eval.json, its
-rows to the console table and its `summary_values` to the one-line summary (rebm/eval/report.py).
+rows to the console table and its `summary_values` to the one-line summary (rebm/eval/results.py).
 Metrics run, and are reported, in the order of `METRICS`; docs/evaluation.md's table of the
 metrics lists them in that order (tests/test_evaluation_doc.py checks it).
 """

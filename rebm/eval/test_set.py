@@ -5,7 +5,7 @@ line: a 0-based index, or a path relative to the split folder such as RobustBenc
 `n01440764/ILSVRC2012_val_00000293.JPEG`; `robustbench` names the shipped list of the 5000
 ImageNet validation images RobustBench uses, rebm/eval/data/), cut to the first
 `eval.num_images`. They are split
-into chunks of one evaluation batch, chunk k on rank k % W (`rebm.data.sampling.eval_chunks`): a
+into chunks of one evaluation batch, chunk k on rank k % W (`rebm.data.indexing.eval_chunks`): a
 batch holds the same images on any world size, so per-batch attacks (AutoAttack draws its random
 numbers per batch) give the same results on 1, 2 or 3 ranks.
 """
@@ -20,8 +20,8 @@ import torch
 
 from rebm.config.datasets import indist_root_files
 from rebm.config.sections import EvaluationSection
+from rebm.data.indexing import eval_chunks
 from rebm.data.pipeline import build_eval_data, indist_source
-from rebm.data.sampling import eval_chunks
 from rebm.distributed import Runtime, all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks

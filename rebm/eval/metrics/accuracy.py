@@ -22,7 +22,7 @@ from torch import Tensor
 
 from rebm.attacks.pgd import pgd_from_config
 from rebm.config.sections import EvaluationSection
-from rebm.data.sampling import sample_keys
+from rebm.data.indexing import sample_keys
 from rebm.distributed import all_reduce_sum
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.test_set import describe_test_set, test_set_files, test_set_settings

@@ -10,7 +10,7 @@ for CIFAR models and at 224 px for every ImageNet model (`ood_image_size`). In-d
 images are not attacked.
 
 The metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
-shared test pass, then each set of `rebm.data.ood_sets` (`eval.ood_num_samples` images each).
+shared test pass, then each set of `rebm.data.ood_datasets` (`eval.ood_num_samples` images each).
 OOD images go through the model in fixed chunks of the evaluation batch, chunk k on rank k % W,
 and the scores are gathered by position, so every number is the same on any number of
 processes (bit for bit at the same number of threads per process). The loader and the padded
@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 from rebm.attacks.pgd import pgd_attack
 from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.config.sections import EvaluationSection
-from rebm.data.ood_sets import DEFAULT_ROOTS, load_ood_set, ood_set_name
+from rebm.data.indexing import eval_shard
+from rebm.data.ood_datasets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import load_outdist, loader_workers
-from rebm.data.sampling import eval_shard
 from rebm.distributed import Runtime, all_gather_cat, all_reduce_max
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.distributed.logs import progress

@@ -36,8 +36,8 @@ import torch
 
 from rebm.config.datasets import indist_root_files
 from rebm.config.sections import EvaluationSection
+from rebm.data.indexing import eval_chunks
 from rebm.data.pipeline import load_indist
-from rebm.data.sampling import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.features.fid import weights_files

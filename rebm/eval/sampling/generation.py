@@ -48,8 +48,8 @@ from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
 from rebm.config.sections import EvaluationSection
 from rebm.data.files import image_tensor_file, list_image_files
+from rebm.data.indexing import sample_keys
 from rebm.data.pipeline import indist_source
-from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError

@@ -1,7 +1,8 @@
-"""`python -m rebm.eval.table ...`: the table runner's command (rebm/eval/table/command.py)."""
+"""`python -m rebm.eval.table`, the documented path of the paper-table command
+(rebm/eval/commands/table.py)."""
 
 import sys
 
-from rebm.eval.table.command import main
+from rebm.eval.commands.table import main
 
 sys.exit(main())

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.config import DataConfig, ModelConfig
 from rebm.config.sections import EvaluationSection
-from rebm.eval.report import jsonable
+from rebm.eval.results import jsonable
 from rebm.eval.table.spec import TableError
 
 LOGGER = logging.getLogger("rebm")

@@ -25,7 +25,7 @@ Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
 
 def number(value) -> Optional[float]:
     """A cached result as a number: ints and floats, and the "inf" / "-inf" strings that JSON
-    stores infinities as (rebm.eval.report.jsonable); None for anything else."""
+    stores infinities as (rebm.eval.results.jsonable); None for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return float(value) if value in ("inf", "-inf") else None

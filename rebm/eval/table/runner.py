@@ -2,7 +2,7 @@
 every rank (each metric cached as soon as it is computed, rebm/eval/table/cache.py), through one
 Evaluator per row and model (rebm/eval/evaluator.py); `launch_tables` launches the tables'
 processes through the entry points' launch (rebm.cli.launch), each running `run`. The command:
-rebm/eval/table/command.py."""
+rebm/eval/commands/table.py."""
 
 from __future__ import annotations
 

@@ -20,13 +20,15 @@ import torch
 from torch import Tensor, nn
 from torchvision.utils import save_image
 
-from rebm.data.ood_sets import FixedImageSet
+from rebm.data.ood_datasets import FixedImageSet
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.counterfactual.attack import (
+from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
+from rebm.eval.features.network import feature_network
+from rebm.eval.metrics.counterfactuals.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
@@ -34,8 +36,6 @@ from rebm.eval.counterfactual.attack import (
     stats_classes,
     write_per_class,
 )
-from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
-from rebm.eval.features.network import feature_network
 from rebm.eval.passes import chunk_loader, eval_mode
 
 LOGGER = logging.getLogger("rebm")

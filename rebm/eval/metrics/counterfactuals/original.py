@@ -26,15 +26,18 @@ from torchvision.utils import save_image
 
 from rebm.config.sections import EvaluationSection
 from rebm.data.augmentations import build_augmentation
-from rebm.data.ood_sets import FixedImageSet
+from rebm.data.indexing import sample_keys
+from rebm.data.ood_datasets import FixedImageSet
 from rebm.data.pipeline import indist_source
-from rebm.data.sampling import sample_keys
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import decide_on_main, on_main
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.counterfactual.attack import (
+from rebm.eval.features.fid import MomentSums, feature_extractor
+from rebm.eval.features.network import feature_network
+from rebm.eval.metric import EvalError
+from rebm.eval.metrics.counterfactuals.attack import (
     CounterfactualSettings,
     attack_toward,
     class_fid,
@@ -42,9 +45,6 @@ from rebm.eval.counterfactual.attack import (
     stats_classes,
     write_per_class,
 )
-from rebm.eval.features.fid import MomentSums, feature_extractor
-from rebm.eval.features.network import feature_network
-from rebm.eval.metric import EvalError
 from rebm.eval.passes import eval_mode
 
 LOGGER = logging.getLogger("rebm")

@@ -1,21 +1,23 @@
 """Counterfactual explanations: how an image must change for the model to see another class.
-The registered metric "counterfactuals" (`Counterfactuals`; its pieces: rebm/eval/counterfactual/).
+The registered metric "counterfactuals" (`Counterfactuals`), with its pieces beside it: the
+attack and settings (attack.py), the original's protocol (original.py), the grid (grid.py) and the
+per-class statistics (stats.py; the command: python -m rebm.eval.counterfactuals).
 
 Protocols (`eval.counterfactual_protocol`), both by targeted PGD ascent on the target logit with
 the generation threat model by default (`image_log`), counterfactuals rounded to 8 bits as the
 original's `save_image` wrote them:
-- `original` (default; rebm.eval.counterfactual.original): every training image (or the first
+- `original` (default; rebm.eval.metrics.counterfactuals.original): every training image (or the first
   `num_images`) toward ONE random other class drawn from (rand_seed, dataset index); FID per
   target class against that class's statistics, the per-class mean confidence averaged over the
   classes.
-- `grid` (rebm.eval.counterfactual.grid): each of the first `num_images` test images (default
+- `grid` (rebm.eval.metrics.counterfactuals.grid): each of the first `num_images` test images (default
   10) toward every other class (or `num_targets` of them: y+1, y+2, ... mod K).
-Per-class statistics (`fid_stats`, a path with `{label}`; rebm.eval.counterfactual.stats):
-`python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE` (rebm/eval/counterfactuals.py),
+Per-class statistics (`fid_stats`, a path with `{label}`; rebm.eval.metrics.counterfactuals.stats):
+`python -m rebm.eval.counterfactuals CONFIG --class-stats TEMPLATE` (rebm/eval/commands/class_stats.py),
 by default of the training split like the original's reference folders. Classes without a file
 have no FID.
 What both protocols share (settings, the attack, the per-class FID):
-rebm.eval.counterfactual.attack.
+rebm.eval.metrics.counterfactuals.attack.
 """
 
 from __future__ import annotations
@@ -27,22 +29,25 @@ import numpy as np
 
 from rebm.config.datasets import indist_root_files
 from rebm.config.sections import EvaluationSection
-from rebm.data.ood_sets import indist_test_set
+from rebm.data.ood_datasets import indist_test_set
 from rebm.data.pipeline import loader_workers
-from rebm.eval.counterfactual.attack import (
+from rebm.eval.features.fid import weights_files
+from rebm.eval.features.network import network_description, network_key, network_problems
+from rebm.eval.metric import TEST_SET, Metric
+from rebm.eval.metrics.counterfactuals.attack import (
     COUNTERFACTUAL_PIXELS,
     CounterfactualSettings,
     stats_classes,
 )
-from rebm.eval.counterfactual.grid import evaluate_grid_counterfactuals_all_ranks, grid_num_images
-from rebm.eval.counterfactual.original import (
+from rebm.eval.metrics.counterfactuals.grid import (
+    evaluate_grid_counterfactuals_all_ranks,
+    grid_num_images,
+)
+from rebm.eval.metrics.counterfactuals.original import (
     evaluate_original_counterfactuals_all_ranks,
     random_targets,
     train_image_set,
 )
-from rebm.eval.features.fid import weights_files
-from rebm.eval.features.network import network_description, network_key, network_problems
-from rebm.eval.metric import TEST_SET, Metric
 from rebm.eval.test_set import test_indices, test_set_files, test_set_settings
 
 

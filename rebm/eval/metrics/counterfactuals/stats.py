@@ -14,12 +14,11 @@ import torch
 
 from rebm.config.sections import EvaluationSection
 from rebm.data.augmentations import build_augmentation
-from rebm.data.ood_sets import FixedImageSet
+from rebm.data.ood_datasets import FixedImageSet
 from rebm.data.pipeline import indist_source
 from rebm.distributed import Runtime, setup_logging
 from rebm.distributed.collectives import on_main
 from rebm.distributed.logs import progress
-from rebm.eval.counterfactual.attack import COUNTERFACTUAL_PIXELS
 from rebm.eval.features.fid import (
     FIDError,
     feature_extractor,
@@ -28,6 +27,7 @@ from rebm.eval.features.fid import (
     write_statistics,
 )
 from rebm.eval.features.network import feature_network
+from rebm.eval.metrics.counterfactuals.attack import COUNTERFACTUAL_PIXELS
 from rebm.eval.passes import chunk_loader
 
 LOGGER = logging.getLogger("rebm")

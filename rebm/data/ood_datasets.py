@@ -35,8 +35,8 @@ from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.data.augmentations import Transform, build_augmentation
 from rebm.data.files import load_cifar, load_unlabelled_folder
 from rebm.data.imagenet import load_imagenet, load_openimage_o
+from rebm.data.indexing import KeyedPermutation
 from rebm.data.pipeline import indist_source
-from rebm.data.sampling import KeyedPermutation
 from rebm.data.sources import (
     DataError,
     ImageSource,

@@ -2,8 +2,8 @@
 batch of counterfactuals (8-bit pixels, target confidence, success), the per-class FID against a
 class's statistics file, the gather of per-image rows by position and `per_class.json`.
 
-The protocols themselves are rebm.eval.counterfactual.grid and rebm.eval.counterfactual.original;
-the registered metric is rebm.eval.counterfactuals.
+The protocols themselves are rebm.eval.metrics.counterfactuals.grid and rebm.eval.metrics.counterfactuals.original;
+the registered metric is rebm.eval.metrics.counterfactuals.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class CounterfactualSettings:
 
     protocol: str = "original"
     # images explained, the first N of the split; None: original: every training image,
-    # grid: GRID_NUM_IMAGES test images (rebm.eval.counterfactual.grid)
+    # grid: GRID_NUM_IMAGES test images (rebm.eval.metrics.counterfactuals.grid)
     num_images: Optional[int] = None
     num_targets: Optional[int] = None  # grid: None: every other class
     steps: int = 20

@@ -64,6 +64,7 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     """Evaluate the checkpoint of `model` (the model section) on the metrics of `args`;
     eval.json goes to `run_dir`, by default the checkpoint's folder."""
     from rebm.checkpoint.paths import model_file
+    from rebm.checkpoint.run_directory import RunDirectory
     from rebm.distributed import broadcast_object, print_line, setup_logging
     from rebm.distributed.collectives import on_main
     from rebm.eval.evaluator import LOGGER, Evaluator, load_eval_model
@@ -88,7 +89,7 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     metrics = {k: jsonable(v) for k, v in {**values, "world_size": runtime.world_size,
                                            "ckpt_path": os.path.abspath(model.ckpt_path)}.items()}
     metrics["settings"] = jsonable(settings)  # what each value was computed on, by metric
-    path = os.path.join(evaluator.run_dir, "eval.json")
+    path = RunDirectory(evaluator.run_dir).eval_results
 
     def write() -> None:
         os.makedirs(evaluator.run_dir, exist_ok=True)
@@ -107,7 +108,9 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
 def output_notice(run_dir: str, chosen: bool) -> str:
     """Where eval.json goes, said before the evaluation: by default the checkpoint's folder,
     which for a training run is its run directory, next to training's own files."""
-    path = os.path.join(run_dir, "eval.json")
+    from rebm.checkpoint.run_directory import RunDirectory
+
+    path = RunDirectory(run_dir).eval_results
     replacing = ", replacing the one there" if os.path.exists(path) else ""
     if chosen:
         return f"eval.json will be written to {path}{replacing}"

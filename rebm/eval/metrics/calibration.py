@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import on_main
 from rebm.eval.exact_sums import ExactSums
@@ -47,10 +48,7 @@ def ece_from_bins(sums: Tensor) -> float:
     return float((sums[2] - sums[1]).abs().sum()) / total
 
 
-def diagram_path(run_dir: str, step: Optional[int]) -> str:
-    """<run_dir>/reliability.png, reliability_step<8-digit step>.png in training."""
-    name = "reliability.png" if step is None else f"reliability_step{step:08d}.png"
-    return os.path.join(run_dir, name)
+
 
 
 def reliability_diagram(sums: Tensor, ece: float, path: str) -> None:
@@ -115,7 +113,7 @@ class Calibration(Metric):
         sums = torch.zeros(3, N_BINS, dtype=torch.float64) if total is None else total.cpu()
         ece = ece_from_bins(sums)
         if self.ctx.run_dir is not None:
-            path = diagram_path(self.ctx.run_dir, self.ctx.step)
+            path = RunDirectory(self.ctx.run_dir).reliability_diagram(self.ctx.step)
             on_main(self.ctx.runtime, lambda: reliability_diagram(sums, ece, path),
                     f"write {path}")
         return {"ece": ece}
@@ -123,7 +121,7 @@ class Calibration(Metric):
     def outputs(self) -> Dict[str, str]:
         if self.ctx.run_dir is None:
             return {}
-        return {"reliability_diagram": diagram_path(self.ctx.run_dir, self.ctx.step)}
+        return {"reliability_diagram": RunDirectory(self.ctx.run_dir).reliability_diagram(self.ctx.step)}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

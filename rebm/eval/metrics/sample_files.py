@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import (
     all_gather_by_index,
@@ -44,7 +45,6 @@ from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.sampling.generation import (
     GRID_KINDS,
     grid_indices,
-    grid_path,
     grid_pixels,
     save_grid,
 )
@@ -53,10 +53,7 @@ from rebm.eval.sampling.samples import sample_files, sample_settings
 LOGGER = logging.getLogger("rebm")
 
 
-def samples_folder(run_dir: str, step: Optional[int]) -> str:
-    """<run_dir>/samples/step_<8-digit step>, or samples/eval without a step."""
-    name = "eval" if step is None else f"step_{step:08d}"
-    return os.path.join(run_dir, "samples", name)
+
 
 
 def write_pngs(pixels: Tensor, indices: Tensor, folder: str) -> None:
@@ -113,9 +110,9 @@ class SampleGrid(SampleFileMetric):
 
         def write() -> None:
             for kind, pixels in grids.items():
-                save_grid(pixels, grid_path(ctx.run_dir, ctx.step, kind))
+                save_grid(pixels, RunDirectory(ctx.run_dir).sample_grid(ctx.step, kind))
             LOGGER.info("sample and seed grids saved to %s",
-                        os.path.dirname(grid_path(ctx.run_dir, ctx.step)))
+                        os.path.dirname(RunDirectory(ctx.run_dir).sample_grid(ctx.step)))
 
         on_main(ctx.runtime, write, f"write the sample grids into {ctx.run_dir}/samples")
         return {}
@@ -139,8 +136,8 @@ class SampleGrid(SampleFileMetric):
         if self.ctx.run_dir is None or not self.position:
             return {}
         run_dir, step = self.ctx.run_dir, self.ctx.step
-        return {"sample_grid": grid_path(run_dir, step, "gen"),
-                "seed_grid": grid_path(run_dir, step, "seed")}
+        return {"sample_grid": RunDirectory(run_dir).sample_grid(step, "gen"),
+                "seed_grid": RunDirectory(run_dir).sample_grid(step, "seed")}
 
 
 class KeepSamples(SampleFileMetric):
@@ -153,7 +150,7 @@ class KeepSamples(SampleFileMetric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         run_dir = ctx.run_dir
-        self.folder = None if run_dir is None else samples_folder(run_dir, ctx.step)
+        self.folder = None if run_dir is None else RunDirectory(run_dir).samples_folder(ctx.step)
         self.error: Optional[OSError] = None
 
     def update(self, chunk: SampleChunk) -> None:
@@ -182,10 +179,7 @@ class KeepSamples(SampleFileMetric):
         return {} if self.folder is None else {"samples": self.folder}
 
 
-def npz_path(run_dir: str, step: Optional[int]) -> str:
-    """<run_dir>/samples/samples.npz, samples_step<8-digit step>.npz in training."""
-    name = "samples.npz" if step is None else f"samples_step{step:08d}.npz"
-    return os.path.join(run_dir, "samples", name)
+
 
 
 def _create_npy(path: str, shape: tuple) -> int:
@@ -221,7 +215,7 @@ class SamplesNpz(SampleFileMetric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.error: Optional[OSError] = None
-        self.path = None if ctx.run_dir is None else npz_path(ctx.run_dir, ctx.step)
+        self.path = None if ctx.run_dir is None else RunDirectory(ctx.run_dir).samples_npz(ctx.step)
         if self.path is None:
             return
         self.npy = self.path + ".arr_0.npy"

@@ -335,13 +335,7 @@ def grid_indices(num_samples: int, num_classes: int, limit: int) -> List[int]:
     return order[:limit]
 
 
-def grid_path(run_dir: str, step: Optional[int] = None, kind: str = "gen") -> str:
-    """<run_dir>/samples/<kind>_samples.png, <kind>_samples_step<8-digit step>.png in training:
-    the original's gen_samples_/seed_samples_ names without the hash of its sample folder (one
-    run's samples/ holds no other run's grids), with the step so that no evaluation of a run
-    overwrites another's."""
-    name = f"{kind}_samples" if step is None else f"{kind}_samples_step{step:08d}"
-    return os.path.join(run_dir, "samples", name + ".png")
+
 
 
 def grid_pixels(images: Tensor, low: float, high: float) -> Tensor:

@@ -6,12 +6,10 @@ path a README or a script spells out is often one such sibling away."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from rebm.checkpoint.run_directory import RunDirectory, sibling_runs
 from rebm.checkpoint.weights import CheckpointError
-from rebm.config import TrainConfig, freeze
 from rebm.config.schema import ModelConfig
 from rebm.config.sections import RunSection
 
@@ -52,11 +50,3 @@ def check_starting_weights(model: ModelConfig, run: RunSection) -> None:
     if run.run_dir and os.path.isdir(run.run_dir) and RunDirectory(run.run_dir).states():
         return
     model_file(path)
-
-
-def with_model_file(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with `model.ckpt_path` resolved by `model_file` (unchanged when unset)."""
-    if not cfg.model.ckpt_path:
-        return cfg
-    model = dataclasses.replace(cfg.model, ckpt_path=model_file(cfg.model.ckpt_path))
-    return freeze(dataclasses.replace(cfg, model=model), cfg._explicit_keys)

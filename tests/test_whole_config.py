@@ -4,8 +4,8 @@ A function reaches the whole config when it has a parameter named `cfg` (or anno
 TrainConfig), or reads an attribute named `cfg` (`self.cfg`, `ctx.cfg`: a context object that
 carries it). The config package itself, the entry points (each command's `run` and the checks
 it runs before, cli's `--check` and config summary), `train`, `Trainer.__init__` and the builder
-of a run's parts (from six sections) reach it; everything else takes its section (`cfg.schedule`, `cfg.run`, `cfg.data`, ...:
-rebm/config/sections.py). The count may only go down: a new function that takes the whole
+of a run's parts (from six sections) reach it; everything else takes its section
+(`cfg.schedule`, `cfg.run`, `cfg.data`, ...: rebm/config/sections.py). The count may only go down: a new function that takes the whole
 config fails here, naming it.
 """
 

@@ -1,0 +1,143 @@
+"""rebm side by side with the original DAT code (github:xuwangyin/DAT at fb2ffc7): the same
+stage-2 training trajectory, then the speed, each code in its own process (both are `rebm`).
+
+    python -m benchmarks.original_vs_rebm --original PATH trajectory [--write-reference FILE]
+    python -m benchmarks.original_vs_rebm --original PATH speed [--device cuda] [--config cifar]
+
+PATH is a checkout of the original (or REBM_ORIGINAL). Its dependencies (einops, torchmetrics,
+wandb, scikit-learn, omegaconf, timm) must be importable by this interpreter, or lie in
+--original-pythonpath (REBM_ORIGINAL_PYTHONPATH), e.g. a folder made with
+`pip install --target DIR einops torchmetrics`. The names its missing timm fork would provide are
+bridged by benchmarks/original/timm_shim.py. Float32, TF32 off and cudnn.benchmark on are
+pinned equal on both sides and printed. docs/performance.md "Against the original" has the
+results and how they were taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.original import common, speed, trajectory
+
+CONFIGS = {"cpu": common.SPEED_CPU, "cifar": common.SPEED_GPU_CIFAR,
+           "imagenet": common.SPEED_GPU_IMAGENET}
+
+
+def run_trajectory(args) -> int:
+    spec = dict(common.TRAJECTORY, steps=args.steps or common.TRAJECTORY["steps"])
+    job = common.Job(spec=spec, workdir=args.workdir, threads=1)
+    trajectory.prepare(job)
+    original = trajectory.run_original(job, args.original, args.original_pythonpath)
+    runs = {t: trajectory.run_rebm(common.Job(**{**job.__dict__, "threads": t}))
+            for t in (1, 2)}
+    print("settings:", json.dumps({"original": original["describe"]["settings"],
+                                   "rebm": runs[1]["describe"]["settings"]}))
+    print("bridged by the shim:", ", ".join(original["describe"]["bridged"]))
+    weights = {name: torch.load(r["final_weights"]) for name, r in
+               (("original", original), ("rebm1", runs[1]), ("rebm2", runs[2]))}
+    spread = {**trajectory.step_differences(runs[1]["steps"], runs[2]["steps"]),
+              **trajectory.weight_differences(weights["rebm1"], weights["rebm2"])}
+    agreement = {**trajectory.step_differences(original["steps"], runs[1]["steps"]),
+                 **trajectory.weight_differences(weights["original"], weights["rebm1"])}
+    tolerance = tolerances(spread)
+    report = {"T_original": trajectory.trajectory_T(original["steps"]),
+              "T_changes_at_steps": trajectory.T_changes(original["steps"]),
+              "spread_rebm_1_vs_2_threads": spread, "tolerance": tolerance,
+              "original_vs_rebm": agreement,
+              "outside_tolerance": trajectory.check(agreement, tolerance)}
+    print(json.dumps(report, indent=1))
+    if args.write_reference:
+        write_reference(args.write_reference, spec, original, weights, spread, tolerance)
+    return 1 if report["outside_tolerance"] else 0
+
+
+def tolerances(spread: dict) -> dict:
+    """10x the spread between two rebm runs that differ only in thread count (docs/design.md
+    §7), with a floor of 1e-6 where the spread is below float32's resolution of the value."""
+    return {key: max(10 * value, 1e-6) for key, value in spread.items()
+            if isinstance(value, float)}
+
+
+def write_reference(path: str, spec: dict, original: dict, weights: dict, spread: dict,
+                    tolerance: dict) -> None:
+    """The original's run, summarised (trajectory.summarize), with how it was made."""
+    summaries = {name: {part: trajectory.summarize(w[part]) for part in ("model", "ema")}
+                 for name, w in weights.items()}
+    summary_spread = trajectory.summary_differences(summaries["rebm1"], summaries["rebm2"])
+    reference = {
+        "made_by": "python -m benchmarks.original_vs_rebm --original PATH trajectory "
+                   f"--write-reference {path}",
+        "original": "github:xuwangyin/DAT fb2ffc756da1f55321c1bbcbe0727a2e1de114c6",
+        "machine": machine(), "spec": spec, "steps": original["steps"],
+        "final": summaries["original"],
+        "spread_rebm_1_vs_2_threads": {**spread, **summary_spread},
+        "tolerance": {**tolerance, **{k: max(10 * v, 1e-6) for k, v in summary_spread.items()}},
+    }
+    with open(path, "w") as fh:
+        json.dump(reference, fh, indent=1)
+    print(f"reference written to {path}")
+
+
+def machine() -> str:
+    import platform
+
+    return (f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+            f"{os.cpu_count()} cores, threads 1")
+
+
+def run_speed(args) -> int:
+    spec = dict(CONFIGS[args.config], steps=args.warmup + args.rounds * args.steps)
+    job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
+    result = speed.compare_speed(job, args.original, args.original_pythonpath,
+                                 rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                                 variants=tuple(args.variants))
+    print(speed.format_table(result))
+    print("settings:", json.dumps(result["settings"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--original", default=os.environ.get("REBM_ORIGINAL"),
+                        help="a checkout of the original DAT code (default: $REBM_ORIGINAL)")
+    parser.add_argument("--original-pythonpath",
+                        default=os.environ.get("REBM_ORIGINAL_PYTHONPATH"),
+                        help="extra import path for the original's dependencies")
+    parser.add_argument("--workdir", default=None, help="shared files (default: a temp dir)")
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("trajectory", help="50 stage-2 steps on CPU, compared step by step")
+    t.add_argument("--steps", type=int, default=None)
+    t.add_argument("--write-reference", default=None, metavar="FILE")
+    s = sub.add_parser("speed", help="the steps timed interleaved, medians of the rounds")
+    s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    s.add_argument("--config", default=None, choices=tuple(CONFIGS),
+                   help="cpu (WRN-16-4, batch 32), cifar (WRN-34-10, batch 128), imagenet "
+                        "(ResNet-50, 256 px); default: cpu on CPU, cifar on CUDA")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--steps", type=int, default=2, help="steps per side per round")
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--variants", nargs="+", default=["eager", "default", "bf16"])
+    s.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not args.original:
+        parser.error("give --original PATH (a checkout of github:xuwangyin/DAT) or set "
+                     "REBM_ORIGINAL")
+    if args.what == "speed" and args.config is None:
+        args.config = "cifar" if args.device == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory(prefix="rebm_vs_original_") as tmp:
+        args.workdir = args.workdir or tmp
+        return run_trajectory(args) if args.what == "trajectory" else run_speed(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,20 +67,24 @@ class SideProcess:
 
 
 def _env(threads: int, pythonpath: List[str]) -> dict:
+    """The worker's environment: its threads, wandb off, no rank variables, and exactly
+    `pythonpath` as PYTHONPATH (the original's side must not see rebm's repository)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT", "PYTHONPATH")}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                WANDB_MODE="disabled", WANDB_SILENT="true", REBM_NO_PROGRESS="1",
                PYTHONUNBUFFERED="1")
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    if any(pythonpath):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in pythonpath if p)
     return env
 
 
 def start_rebm(job: Job, tag: str = "rebm") -> SideProcess:
     return SideProcess(tag, [os.path.join(HERE, "rebm_side.py"), job.to_json()],
-                       _env(job.threads, [ROOT]), os.path.join(job.workdir, f"{tag}.log"))
+                       # the caller's path after the repository (the test suite's collective guard)
+                       _env(job.threads, [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]),
+                       os.path.join(job.workdir, f"{tag}.log"))
 
 
 def start_original(job: Job, checkout: str, extra_path: Optional[str] = None,

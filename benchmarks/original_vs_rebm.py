@@ -74,25 +74,37 @@ def write_reference(path: str, spec: dict, original: dict, weights: dict, spread
         "made_by": "python -m benchmarks.original_vs_rebm --original PATH trajectory "
                    f"--write-reference {path}",
         "original": "github:xuwangyin/DAT fb2ffc756da1f55321c1bbcbe0727a2e1de114c6",
-        "machine": machine(), "spec": spec, "steps": original["steps"],
-        "final": summaries["original"],
+        "machine": machine(), "spec": spec,
         "spread_rebm_1_vs_2_threads": {**spread, **summary_spread},
         "tolerance": {**tolerance, **{k: max(10 * v, 1e-6) for k, v in summary_spread.items()}},
+        "steps": original["steps"], "final": summaries["original"],
+        # rebm's own EMA (1 thread): the CI twin holds rebm's EMA to it while rebm's EMA warm-up
+        # differs from the original's (tests/test_original_trajectory.py EMA_KEYS)
+        "final_rebm_ema": summaries["rebm1"]["ema"],
     }
-    with open(path, "w") as fh:
-        json.dump(reference, fh, indent=1)
+    with open(path, "w") as fh:  # one line per top-level key: the numbers compact, the rest legible
+        fh.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                                    for k, v in reference.items()) + "\n}\n")
     print(f"reference written to {path}")
 
 
 def machine() -> str:
+    """The CPU model and the kernels ATen dispatches to, torch, cores (docs/design.md §7)."""
     import platform
 
-    return (f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{os.cpu_count()} cores, threads 1")
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh
+                        if line.startswith("model name")), cpu)
+    return (f"{cpu} (ATen {torch.backends.cpu.get_cpu_capability()}), torch "
+            f"{torch.__version__}, {os.cpu_count()} cores, 1 thread per process")
 
 
 def run_speed(args) -> int:
     spec = dict(CONFIGS[args.config], steps=args.warmup + args.rounds * args.steps)
+    if args.quick:  # the same code paths at a fraction of the work: a smoke run, not a figure
+        spec.update(T_start=2, T_cap=2, K=2, batch_size=8)
     job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
     result = speed.compare_speed(job, args.original, args.original_pythonpath,
                                  rounds=args.rounds, steps=args.steps, warmup=args.warmup,
@@ -128,6 +140,8 @@ def main(argv=None) -> int:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--variants", nargs="+", default=["eager", "default", "bf16"])
     s.add_argument("--json", default=None)
+    s.add_argument("--quick", action="store_true",
+                   help="T = K = 2, batch 8: checks that everything runs; its numbers are noise")
     args = parser.parse_args(argv)
     if not args.original:
         parser.error("give --original PATH (a checkout of github:xuwangyin/DAT) or set "

@@ -125,7 +125,7 @@ class Side:
 
         def clf_loss(**kw):
             loss = compute_clf(**kw)
-            records[-1]["clf_loss"] = float(loss)
+            records[-1]["clf_loss"] = loss.detach().item()
             return loss
 
         def keep_model(*a, **kw):

@@ -105,10 +105,13 @@ def micro_batches(batches: Dict[str, torch.Tensor], step: int, device: str) -> l
     }, step=step).to(torch.device(device))]
 
 
-def train_step(trainer, micro: list) -> Dict[str, float]:
-    """One step as the loop takes it; the T it trained with, its AUCs and loss terms."""
+def train_step(trainer, micro: list, log_now: bool = True) -> Dict[str, float]:
+    """One step as the loop takes it; the T it trained with, its AUCs and loss terms.
+    `log_now`: a metrics-log step, which also scores the clean out-distribution batch (the
+    clean AUC; one more forward, no effect on the weights). The loop logs every
+    n_imgs_per_metrics_log images, so a timed step passes False."""
     T = trainer.parts.method.curriculum.T
-    result = trainer.train_step_all_ranks(micro, log_now=True)
+    result = trainer.train_step_all_ranks(micro, log_now=log_now)
     if not (result.applied and all(math.isfinite(float(v)) for v in result.losses.values())):
         raise FloatingPointError(f"rebm's step {trainer.progress.step} is not finite")
     record = {"T": T, "adv_auc": float(result.stats["train_adv_auc"])}

@@ -60,13 +60,16 @@ class Side:
         # the micro-batches are on the device before the clock starts: the loop's loader
         # prefetches them, and the original's side holds its batches on the device too
         micro = {i: self._micro(i) for i in range(first, first + count)}
-        return common.time_calls(lambda i: rebm_adapter.train_step(self.trainer, micro[i]),
-                                 first, count, torch.device(self.job.device))
+        return common.time_calls(
+            lambda i: rebm_adapter.train_step(self.trainer, micro[i], log_now=False),
+            first, count, torch.device(self.job.device))
 
     def flops(self) -> float:
         """GFLOP of one step, counted by FlopCounterMode (the eager variant: a compiled graph
         hides its operations from the counter)."""
-        return common.count_gflop(lambda: rebm_adapter.train_step(self.trainer, self._micro(0)))
+        micro = self._micro(0)
+        return common.count_gflop(
+            lambda: rebm_adapter.train_step(self.trainer, micro, log_now=False))
 
     def peak_memory(self) -> dict:
         return common.peak_memory(self.job.device)

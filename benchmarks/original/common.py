@@ -179,13 +179,27 @@ def time_calls(step, first: int, count: int, device: torch.device) -> list:
 
 
 def count_gflop(step) -> float:
-    """GFLOP of one call of step(), counted by torch's FlopCounterMode (matmuls and
-    convolutions, forward and backward)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """GFLOP of one call of step(), by the formulas of torch's FlopCounterMode (its registry:
+    matmuls and convolutions, forward and backward). FlopCounterMode itself cannot count the
+    original's attacks: its module tracker's hooks fail under `torch.autograd.grad` with a leaf
+    input ("A leaf node was passed to _will_engine_execute_node"), so this dispatch mode applies
+    the same registry without the tracker; on a step both can count, the totals are equal."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
 
-    with FlopCounterMode(display=False) as counter:
+    class Counter(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    with Counter() as counter:
         step()
-    return counter.get_total_flops() / 1e9
+    return counter.total / 1e9
 
 
 def peak_memory(device: str) -> Dict[str, float]:

@@ -212,6 +212,17 @@ def peak_memory(device: str) -> Dict[str, float]:
     return peaks
 
 
+def current_rss_mib() -> float:
+    """This process's resident memory now (Linux /proc), in MiB: the baseline before a side
+    builds its model, so that peak minus baseline is what training holds, comparable with the
+    memory plan (which leaves out the interpreter and its libraries)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
 def gemm_gflops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
     """Median float32 GFLOP/s of an n x n matrix product on `device` at this process's threads:
     the rate the machine's BLAS reaches on the friendliest dense workload."""

@@ -153,6 +153,7 @@ class Side:
 
         cfg = original_config(self.job, self.job.spec["steps"])
         device = torch.device(self.job.device)
+        baseline = common.current_rss_mib()  # its code imported, nothing built yet
         model = modeling.get_model(model_config=cfg.model, device=device,
                                    num_classes=cfg.data.num_classes,
                                    indist_dataset=cfg.data.indist_dataset)
@@ -162,7 +163,8 @@ class Side:
                                            lr=cfg.lr, wd=cfg.wd)
         batches = {k: v.to(device) for k, v in torch.load(self.job.batches_path).items()}
         self.timing = (cfg, model, ema, optimizer, batches)
-        return {"params": sum(p.numel() for p in model.parameters())}
+        return {"params": sum(p.numel() for p in model.parameters()),
+                "baseline_rss_mib": baseline}
 
     def step(self, index: int) -> None:
         """One step of the original's loop body (train.py), the curriculum's T fixed at the cap."""

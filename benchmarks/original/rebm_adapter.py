@@ -73,6 +73,12 @@ def write_initial_weights(job: Job) -> None:
     torch.save(model.state_dict(), job.weights_path)
 
 
+def import_training() -> None:
+    """Import what a training run imports (before a memory baseline is taken)."""
+    import rebm.engine.trainer  # noqa: F401
+    import rebm.methods.dat  # noqa: F401
+
+
 def build_trainer(job: Job, variant: str):
     """A Trainer as `python -m rebm.training.train` builds it, in a fresh run directory."""
     import shutil

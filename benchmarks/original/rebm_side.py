@@ -38,12 +38,12 @@ class Side:
         self.trainer = rebm_adapter.build_trainer(self.job, variant)
         self.batches = torch.load(self.job.batches_path)
 
-    def trajectory(self, variant: str = "eager") -> dict:
+    def trajectory(self, name: str = "rebm", variant: str = "eager") -> dict:
         """The spec's steps through the Trainer's step; per-step records and final weights."""
         self._load(variant)
         records = [rebm_adapter.train_step(self.trainer, self._micro(i))
                    for i in range(self.job.spec["steps"])]
-        path = os.path.join(self.job.workdir, f"rebm_final_{self.job.threads}threads.pt")
+        path = os.path.join(self.job.workdir, f"{name}_final.pt")
         torch.save(rebm_adapter.final_weights(self.trainer), path)
         return {"steps": records, "final_weights": path}
 
@@ -52,8 +52,10 @@ class Side:
                                           self.job.device)
 
     def prepare_timing(self) -> dict:
+        rebm_adapter.import_training()
+        baseline = common.current_rss_mib()  # its code imported, nothing built yet
         self._load(self.job.variant)
-        return {"compiled": rebm_adapter.is_compiled(self.trainer),
+        return {"compiled": rebm_adapter.is_compiled(self.trainer), "baseline_rss_mib": baseline,
                 "memory_plan_mib": rebm_adapter.memory_plan_mib(self.trainer)}
 
     def time_steps(self, first: int, count: int) -> list:

@@ -80,11 +80,11 @@ def _env(threads: int, pythonpath: List[str]) -> dict:
     return env
 
 
-def start_rebm(job: Job, tag: str = "rebm") -> SideProcess:
+def start_rebm(job: Job, tag: str = "rebm", extra_env: Optional[dict] = None) -> SideProcess:
+    # the caller's path after the repository's (the test suite's collective guard)
+    env = _env(job.threads, [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
     return SideProcess(tag, [os.path.join(HERE, "rebm_side.py"), job.to_json()],
-                       # the caller's path after the repository (the test suite's collective guard)
-                       _env(job.threads, [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]),
-                       os.path.join(job.workdir, f"{tag}.log"))
+                       {**env, **(extra_env or {})}, os.path.join(job.workdir, f"{tag}.log"))
 
 
 def start_original(job: Job, checkout: str, extra_path: Optional[str] = None,

@@ -111,7 +111,9 @@ def format_table(result: dict) -> str:
              f"{'row':10s} {'ms/step':>9s} {'x orig':>7s} {'GFLOP':>7s} {'GFLOP/s':>8s} "
              f"{'of peak':>8s} {'peak MiB':>9s} {'plan MiB':>9s}"]
     for name, r in result["rows"].items():
-        mem = r["memory_mib"].get("max_cuda_mib", r["memory_mib"]["max_rss_mib"])
+        # CUDA: peak allocated; CPU: peak RSS above the process's RSS before its model existed
+        mem = r["memory_mib"].get("max_cuda_mib",
+                                  r["memory_mib"]["max_rss_mib"] - r.get("baseline_rss_mib", 0))
         plan = r.get("memory_plan_mib")
 
         def fmt(value, spec):

@@ -30,9 +30,11 @@ def prepare(job: common.Job) -> None:
         side.request("write_initial_weights")
 
 
-def run_rebm(job: common.Job, tag: Optional[str] = None) -> dict:
-    with sides.start_rebm(job, tag or f"rebm_{job.threads}threads") as side:
-        result = side.request("trajectory")
+def run_rebm(job: common.Job, tag: Optional[str] = None, extra_env: Optional[dict] = None
+             ) -> dict:
+    tag = tag or f"rebm_{job.threads}threads"
+    with sides.start_rebm(job, tag, extra_env) as side:
+        result = side.request("trajectory", name=tag)
         result["describe"] = side.request("describe")
     return result
 
@@ -96,6 +98,15 @@ def summary_differences(a: dict, b: dict) -> Dict[str, float]:
     return out
 
 
+def twin_differences(reference_steps: list, expected: dict, steps: list,
+                     weights: dict) -> dict:
+    """What the CI twin compares (tests/test_original_trajectory.py): a rebm run's steps and
+    weight summaries against the stored ones."""
+    summary = {part: summarize(weights[part]) for part in ("model", "ema")}
+    return {**step_differences(reference_steps, steps),
+            **summary_differences(expected, summary)}
+
+
 def trajectory_T(steps: List[dict]) -> List[int]:
     return [s["T"] for s in steps]
 
@@ -104,6 +115,28 @@ def T_changes(steps: List[dict]) -> List[int]:
     """The (0-based) steps whose T differs from the step before's."""
     Ts = trajectory_T(steps)
     return [i for i in range(1, len(Ts)) if Ts[i] != Ts[i - 1]]
+
+
+AUC_KEYS = ("adv_auc", "clean_auc")
+FLOOR = 1e-6  # where a spread is 0: below float32's resolution of the values compared
+# The run's environment of `make test-dispatch`: every library below this machine's own kernels
+FORCED_DISPATCH = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                   "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+
+
+def tolerances(spreads: List[dict], batch_size: int) -> Dict[str, float]:
+    """Per quantity, from the measured spreads (docs/design.md §7): 10x the largest spread
+    (floor 1e-6); for an AUC, the larger of its largest spread and 1/B^2. An AUC over B
+    positives and B negatives moves in steps of 1/B^2 (one pair ordered the other way); a
+    rounding difference can reorder a near-tie pair (measured: one pair at one step under the
+    forced dispatch), and what the AUC decides, T, is compared exactly."""
+    keys = {k for spread in spreads for k, v in spread.items() if isinstance(v, float)}
+    out = {}
+    for key in sorted(keys):
+        largest = max(spread.get(key, 0.0) for spread in spreads)
+        out[key] = (max(largest, 1 / batch_size**2) if key in AUC_KEYS
+                    else max(10 * largest, FLOOR))
+    return out
 
 
 def check(differences: Dict[str, object], tolerance: Dict[str, float]) -> List[str]:

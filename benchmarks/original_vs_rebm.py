@@ -53,7 +53,11 @@ def run_trajectory(args) -> int:
               "outside_tolerance": trajectory.check(agreement, tolerance)}
     print(json.dumps(report, indent=1))
     if args.write_reference:
-        forced = trajectory.run_rebm(job, "rebm_forced_dispatch", trajectory.FORCED_DISPATCH)
+        # the twin as `make test-dispatch` runs it: inputs and run under the forced dispatch
+        forced_job = common.Job(**{**job.__dict__, "workdir": os.path.join(job.workdir, "forced")})
+        trajectory.prepare(forced_job, trajectory.FORCED_DISPATCH)
+        forced = trajectory.run_rebm(forced_job, "rebm_forced_dispatch",
+                                     trajectory.FORCED_DISPATCH)
         weights["forced"] = torch.load(forced["final_weights"])
         write_reference(args.write_reference, spec, original, runs, forced, weights)
     return 1 if report["outside_tolerance"] else 0

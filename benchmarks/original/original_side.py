@@ -161,7 +161,10 @@ class Side:
                                            avg_batchnorm=True, device=device)
         optimizer = modeling.get_optimizer(model=model, optimizer_name=cfg.optimizer,
                                            lr=cfg.lr, wd=cfg.wd)
-        batches = {k: v.to(device) for k, v in torch.load(self.job.batches_path).items()}
+        # on the device as its loop moves them; the in-distribution labels stay on the host, as
+        # its loop leaves them (train.py: `indist_labels_ebm = train_indist_batch[1]`)
+        batches = {k: v if k == "in_labels" else v.to(device)
+                   for k, v in torch.load(self.job.batches_path).items()}
         self.timing = (cfg, model, ema, optimizer, batches)
         return {"params": sum(p.numel() for p in model.parameters()),
                 "baseline_rss_mib": baseline}

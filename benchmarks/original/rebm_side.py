@@ -30,9 +30,13 @@ class Side:
     def describe(self) -> dict:
         return {"settings": self.settings, "code": ROOT}
 
-    def write_initial_weights(self) -> str:
+    def write_inputs(self) -> list:
+        """The shared inputs, made in this process (so under its environment, e.g. the forced
+        dispatch of `make test-dispatch`): the batches and rebm's initial weights."""
+        torch.save(common.make_batches(self.job.spec, self.job.spec["steps"]),
+                   self.job.batches_path)
         rebm_adapter.write_initial_weights(self.job)
-        return self.job.weights_path
+        return [self.job.batches_path, self.job.weights_path]
 
     def _load(self, variant: str) -> None:
         self.trainer = rebm_adapter.build_trainer(self.job, variant)
@@ -84,7 +88,7 @@ def main() -> None:
     channel = common.protocol_stdout()
     side = Side(common.Job.from_json(sys.argv[1]))
     common.serve({name: getattr(side, name) for name in (
-        "describe", "write_initial_weights", "trajectory", "prepare_timing", "time_steps",
+        "describe", "write_inputs", "trajectory", "prepare_timing", "time_steps",
         "flops", "peak_memory", "gemm_gflops")}, channel)
 
 

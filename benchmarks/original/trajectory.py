@@ -21,13 +21,12 @@ STEP_KEYS = ("adv_auc", "clean_auc", "ebm_binary_loss", "clf_loss")
 HEAD = ("fc.weight", "fc.bias")  # stored in full: the layer the losses reach first
 
 
-def prepare(job: common.Job) -> None:
-    """The shared inputs, written once: the batches (here) and the initial weights (rebm's
-    initialisation, by rebm's side)."""
+def prepare(job: common.Job, extra_env: Optional[dict] = None) -> None:
+    """The shared inputs, written once by rebm's side: the batches and the initial weights
+    (rebm's initialisation); `extra_env`: that process's extra environment."""
     os.makedirs(job.workdir, exist_ok=True)
-    torch.save(common.make_batches(job.spec, job.spec["steps"]), job.batches_path)
-    with sides.start_rebm(job, "rebm_init") as side:
-        side.request("write_initial_weights")
+    with sides.start_rebm(job, "rebm_inputs", extra_env) as side:
+        side.request("write_inputs")
 
 
 def run_rebm(job: common.Job, tag: Optional[str] = None, extra_env: Optional[dict] = None

@@ -74,7 +74,7 @@ class FromFile(list):
     the original's loop after exactly that many steps) and iterating yields (images, labels)."""
 
 
-def stored_loaders(job: common.Job, steps: int, device):
+def stored_loaders(job: common.Job, steps: int):
     """A replacement for the original's create_dataloaders: the same Dataloaders container,
     filled with the stored batches of every stream, in step order, forever."""
     import rebm.training.train as original_train
@@ -136,7 +136,7 @@ class Side:
             captured["ema"] = averaged_model(*a, **kw)
             return captured["ema"]
 
-        original_train.create_dataloaders = lambda *a, **kw: stored_loaders(self.job, steps, None)
+        original_train.create_dataloaders = lambda *a, **kw: stored_loaders(self.job, steps)
         original_train.compute_ebm_metrics, original_train.compute_clf_adv_loss = ebm_metrics, clf_loss
         original_train.AveragedModel, modeling.get_model = keep_ema, keep_model
         modeling.save_training_state = lambda **kw: None  # its periodic save: no files here

@@ -15,6 +15,7 @@ TARGETS = {
     "default_vs_old": 0.90,  # channels_last eager dat_step / NCHW eager's, <=
     "prc_ratio": 0.6,  # sharded precision/recall: 2 processes x 1 thread / 1 x 1, <=
     "default_vs_eager": 0.90,  # a long run's default dat_step / the eager unfused one's, <=
+    "vs_original": 0.75,  # rebm default step / the original code's step, same machine, <= (issue 42)
 }
 
 
@@ -29,6 +30,12 @@ def _get(results: dict, key: str, *path, default=None):
 
 def summarize(results: dict) -> dict:
     s: Dict[str, dict] = {}
+    rows = _get(results, "original/wrn", "rows")
+    if rows:
+        ratio = rows["default"]["ratio_to_original"]
+        s["vs_original/wrn"] = {"value": ratio, "target": f"<= {TARGETS['vs_original']}",
+                                "met": ratio <= TARGETS["vs_original"],
+                                "rows_ms": {k: v["ms_per_step"] for k, v in rows.items()}}
     for cfg in ("quickstart", "wrn"):
         ws1 = _get(results, f"ddp/{cfg}/ws1", "images_per_s")
         ws2 = _get(results, f"ddp/{cfg}/ws2", "images_per_s")
@@ -427,6 +434,23 @@ def _fused(results: dict, summary: dict, meta: dict) -> List[str]:
     return lines
 
 
+def _original(results: dict, summary: dict, meta: dict) -> List[str]:
+    """16. Against the original DAT code, run side by side (benchmarks/sections/original.py)."""
+    r = results.get("original/wrn") or {}
+    head = ["16. Against the original DAT code (its step and rebm's, own processes, interleaved)"]
+    if "rows" not in r:
+        return head + [f"  {r.get('skipped') or r.get('error') or 'not run'}"]
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.original.speed import format_table
+
+    return head + ["  " + line for line in format_table(r).splitlines()]
+
+
 TABLE_PARTS = (
     _breakdown,
     _each_config("2. DDP efficiency: loop step, same global batch, 2 ranks x 1 thread vs 1 rank "
@@ -447,6 +471,7 @@ TABLE_PARTS = (
     _sampling,
     _prc,
     _fused,
+    _original,
 )
 
 

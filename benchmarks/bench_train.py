@@ -34,6 +34,8 @@ Sections (the code of each is in benchmarks/sections/):
               compiled
   prc         precision/recall's k-NN (sharded) on 1 and 2 processes x 1 thread, 5000 + 5000
               2048-d rows (benchmarks/sections/fidelity.py)
+  original    the original DAT code's step vs rebm's (eager, default, bf16), interleaved, in
+              their own processes; needs REBM_ORIGINAL (benchmarks/sections/original.py)
   evalshare   seconds per image of a training step, an evaluation forward, a PGD step and an
               Inception forward (FID): the units of the evaluation wall-time share estimate
 
@@ -60,6 +62,7 @@ from sections.ddp import section_ddp
 from sections.evaluation import section_eval
 from sections.fidelity import section_prc
 from sections.fused import section_fused
+from sections.original import section_original
 from sections.peer import section_peer
 from sections.sampling import section_sampling
 from sections.speed import section_breakeven, section_compile, section_evalshare
@@ -81,6 +84,7 @@ SECTIONS = {
     "breakeven": section_breakeven,
     "prc": section_prc,
     "fused": section_fused,
+    "original": section_original,
 }
 
 

@@ -51,6 +51,8 @@ def jobs(quick: bool, cores: int) -> List[tuple]:
         ("steps/quickstart", ["steps", *qs, *r(20, 2), *w(3, 1)], one),
         ("steps/wrn", ["steps", *r(3, 1), *w(1, 1), *wrn], one),
         ("peer/wrn", ["peer", *r(2, 1), *w(1, 1), *wrn], one),
+        # against the original DAT code (REBM_ORIGINAL; reported as skipped without it)
+        ("original/wrn", ["original", *r(5, 1), *w(1, 1), *wrn], one),
         ("fused/wrn", ["fused", *r(4, 1), *w(1, 1), *wrn], one),
         ("ddp/quickstart/ws1", ["ddp", "--world-size", "1", *r(20, 2), *w(3, 1), *qs], one),
         ("ddp/quickstart/ws2", ["ddp", "--world-size", "2", *r(20, 2), *w(3, 1), *qs], half),

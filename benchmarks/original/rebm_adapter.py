@@ -1,0 +1,155 @@
+"""Every call the original-vs-rebm harness makes into rebm, in one place (so a refactor of rebm's
+internals is adapted here and nowhere else). rebm's side and the CI twin of the trajectory test
+use only these functions.
+
+rebm runs as a user's training does: a real `Trainer` (method DAT) built from a config, its
+weights from `model.ckpt_path`, each step its `train_step_all_ranks` (the update, EMA, the
+curriculum's AUC and decision), fed the stored batches instead of its loader's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from benchmarks.original.common import Job
+
+
+def config_overrides(job: Job, variant: str) -> List[str]:
+    """rebm's config of the job's spec: the same model, attacks, optimizer, curriculum, EMA and
+    loss as the original's side. `variant`: "eager" (float32, no compile, attacks in two
+    passes), "default" (what a long run gets: compile and fused attacks on auto), "bf16"."""
+    s = job.spec
+    speed = {
+        "eager": ["model.compile=false", "fuse_attacks=false", "amp=none"],
+        "default": ["model.compile=auto", "fuse_attacks=auto", "amp=none", "max_steps=100000"],
+        "bf16": ["model.compile=auto", "fuse_attacks=auto", "amp=bf16", "max_steps=100000"],
+    }[variant]
+    return [
+        "data.indist_dataset=cifar10", "data.outdist_dataset=noise", "data.num_workers=0",
+        f"data.num_classes={s['num_classes']}", f"data.image_size={s['image_size']}",
+        f"data.indist_ds_dir={fake_cifar(job)}",
+        f"model.model_type={s['model']}", "model.use_batchnorm=false",
+        "model.normalize_input=true", f"model.ckpt_path={job.weights_path}",
+        f"batch_size={s['batch_size']}", f"rand_seed={s['seed']}",
+        f"attack.start_step={s['T_start']}", f"attack.max_steps={s['T_cap']}",
+        f"attack.step_size={s['attack_step_size']}", "attack.norm=L2",
+        f"indist_attack_clf.max_steps={s['K']}", f"indist_attack_clf.start_step={s['K']}",
+        f"indist_attack_clf.step_size={s['clf_step_size']}",
+        f"indist_attack_clf.eps={s['clf_eps']}", "indist_attack_clf.norm=L2",
+        f"optimizer={s['optimizer']}", f"lr={s['lr']}", f"wd={s['wd']}", "r1reg=0.0",
+        "clf_indist_weight=1.0", "clf_outdist_weight=0.0", "clf_adv_weight=1.0",
+        f"AUC_th={s['auc_threshold']}", f"min_imgs_per_threshold={s['window_images']}",
+        "use_ema=true", f"ema_decay={s['ema_decay']}", "logsumexp=true",
+        "logsumexp_sampling=false", "samples_per_attack_step=null",
+        "n_imgs_per_evaluation_log=null", "wandb_disabled=true", "wandb_mode=disabled",
+        f"device={job.device}", f"run_dir={os.path.join(job.workdir, f'rebm_run_{variant}')}",
+        *speed,
+    ]
+
+
+def fake_cifar(job: Job) -> str:
+    """A tiny CIFAR-10 on disk: the Trainer builds its loader (unused: the harness feeds the
+    stored batches) from a real dataset folder."""
+    from tests.fake_data import write_fake_cifar10
+
+    root = os.path.join(job.workdir, "fake_cifar")
+    if not os.path.exists(os.path.join(root, "cifar-10-batches-py", "test_batch")):
+        write_fake_cifar10(root, n_train=max(64, 4 * job.spec["batch_size"]), n_test=16)
+    return root
+
+
+def write_initial_weights(job: Job) -> None:
+    """The spec's model with rebm's initialisation from the spec's seed: the weights both sides
+    start from (the original loads them through its own checkpoint loader)."""
+    from rebm.models import build_model, dataset_stats
+
+    torch.manual_seed(job.spec["seed"])
+    mean, std = dataset_stats("cifar10") if job.spec["image_size"] == 32 else (None, None)
+    model = build_model(job.spec["model"], job.spec["num_classes"], mean=mean, std=std)
+    torch.save(model.state_dict(), job.weights_path)
+
+
+def import_training() -> None:
+    """Import what a training run imports (before a memory baseline is taken)."""
+    import rebm.engine.trainer  # noqa: F401
+    import rebm.methods.dat  # noqa: F401
+
+
+def build_trainer(job: Job, variant: str):
+    """A Trainer as `python -m rebm.training.train` builds it, in a fresh run directory."""
+    import shutil
+
+    from rebm.config import load_config
+    from rebm.distributed import Runtime
+    from rebm.engine.trainer import Trainer
+    from rebm.methods.dat import DAT
+
+    cfg = load_config(None, config_overrides(job, variant))
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    return Trainer(cfg, Runtime(device=torch.device(job.device)), DAT)
+
+
+def micro_batches(batches: Dict[str, torch.Tensor], step: int, device: str) -> list:
+    """Step `step`'s stored batch as rebm's one micro-batch (one process, no accumulation)."""
+    from rebm.data import MicroBatch
+    from rebm.data.streams import StreamBatch
+
+    def stream(images, labels):
+        n = len(images)
+        index = torch.arange(n, dtype=torch.long)
+        return StreamBatch(images=images, labels=labels, keys=index + step * n, indices=index)
+
+    out_images = batches["out_images"][step]
+    return [MicroBatch({
+        "in": stream(batches["in_images"][step], batches["in_labels"][step]),
+        "clf": stream(batches["clf_images"][step], batches["clf_labels"][step]),
+        "out": stream(out_images, torch.full((len(out_images),), -1, dtype=torch.long)),
+    }, step=step).to(torch.device(device))]
+
+
+def train_step(trainer, micro: list, log_now: bool = True) -> Dict[str, float]:
+    """One step as the loop takes it; the T it trained with, its AUCs and loss terms.
+    `log_now`: a metrics-log step, which also scores the clean out-distribution batch (the
+    clean AUC; one more forward, no effect on the weights). The loop logs every
+    n_imgs_per_metrics_log images, so a timed step passes False."""
+    T = trainer.parts.method.curriculum.T
+    result = trainer.train_step_all_ranks(micro, log_now=log_now)
+    if not (result.applied and all(math.isfinite(float(v)) for v in result.losses.values())):
+        raise FloatingPointError(f"rebm's step {trainer.progress.step} is not finite")
+    record = {"T": T, "adv_auc": float(result.stats["train_adv_auc"])}
+    if "train_clean_auc" in result.stats:
+        record["clean_auc"] = float(result.stats["train_clean_auc"])
+    record.update(ebm_binary_loss=float(result.losses["ebm_binary"]),
+                  clf_loss=float(result.losses["clf"]))
+    return record
+
+
+def final_weights(trainer) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The trained weights and the EMA's, under the original's state-dict names."""
+    model = trainer.parts.raw_model
+    model = getattr(model, "_orig_mod", model)  # a compiled model's own module
+    return {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "ema": {k: v.detach().cpu().clone()
+                    for k, v in trainer.parts.ema.ema_model.state_dict().items()}}
+
+
+def memory_plan_mib(trainer) -> Optional[float]:
+    """The `--check` memory plan's total for this run, in MiB (rebm.cli.memory_plan_lines'
+    numbers: rebm.models.memory.plan_memory on the model at the configured batch)."""
+    from rebm.models import model_from_config
+    from rebm.models.memory import plan_memory, uninitialised_copy
+
+    cfg, plan = trainer.cfg, trainer.plan
+    model = uninitialised_copy(lambda: model_from_config(cfg))
+    memory = plan_memory(model, cfg.data.image_size, plan.per_device_batch_size,
+                         type(trainer.parts.method).loss_streams(cfg), cfg.optimizer,
+                         cfg.use_ema, 1, amp=cfg.amp, eval_batch=plan.eval_batch_size)
+    return memory.total / 2**20 if hasattr(memory, "total") else None
+
+
+def is_compiled(trainer) -> bool:
+    return trainer.parts.model is not trainer.parts.raw_model

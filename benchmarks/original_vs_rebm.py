@@ -1,0 +1,167 @@
+"""rebm side by side with the original DAT code (github:xuwangyin/DAT at fb2ffc7): the same
+stage-2 training trajectory, then the speed, each code in its own process (both are `rebm`).
+
+    python -m benchmarks.original_vs_rebm --original PATH trajectory [--write-reference FILE]
+    python -m benchmarks.original_vs_rebm --original PATH speed [--device cuda] [--config cifar]
+
+PATH is a checkout of the original (or REBM_ORIGINAL). Its dependencies (einops, torchmetrics,
+wandb, scikit-learn, omegaconf, timm) must be importable by this interpreter, or lie in
+--original-pythonpath (REBM_ORIGINAL_PYTHONPATH), e.g. a folder made with
+`pip install --target DIR einops torchmetrics`. The names its missing timm fork would provide are
+bridged by benchmarks/original/timm_shim.py. Float32, TF32 off and cudnn.benchmark on are
+pinned equal on both sides and printed. docs/performance.md "Against the original" has the
+results and how they were taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.original import common, speed, trajectory
+
+CONFIGS = {"cpu": common.SPEED_CPU, "cifar": common.SPEED_GPU_CIFAR,
+           "imagenet": common.SPEED_GPU_IMAGENET}
+
+
+def run_trajectory(args) -> int:
+    spec = dict(common.TRAJECTORY, steps=args.steps or common.TRAJECTORY["steps"])
+    job = common.Job(spec=spec, workdir=args.workdir, threads=1)
+    trajectory.prepare(job)
+    original = trajectory.run_original(job, args.original, args.original_pythonpath)
+    runs = {t: trajectory.run_rebm(common.Job(**{**job.__dict__, "threads": t}))
+            for t in (1, 2)}
+    print("settings:", json.dumps({"original": original["describe"]["settings"],
+                                   "rebm": runs[1]["describe"]["settings"]}))
+    print("bridged by the shim:", ", ".join(original["describe"]["bridged"]))
+    weights = {name: torch.load(r["final_weights"]) for name, r in
+               (("original", original), ("rebm1", runs[1]), ("rebm2", runs[2]))}
+    spread = {**trajectory.step_differences(runs[1]["steps"], runs[2]["steps"]),
+              **trajectory.weight_differences(weights["rebm1"], weights["rebm2"])}
+    agreement = {**trajectory.step_differences(original["steps"], runs[1]["steps"]),
+                 **trajectory.weight_differences(weights["original"], weights["rebm1"])}
+    tolerance = trajectory.tolerances([spread], spec["batch_size"])
+    report = {"T_original": trajectory.trajectory_T(original["steps"]),
+              "T_changes_at_steps": trajectory.T_changes(original["steps"]),
+              "spread_rebm_1_vs_2_threads": spread, "tolerance": tolerance,
+              "original_vs_rebm": agreement,
+              "outside_tolerance": trajectory.check(agreement, tolerance)}
+    print(json.dumps(report, indent=1))
+    if args.write_reference:
+        # the twin as `make test-dispatch` runs it: inputs and run under the forced dispatch
+        forced_job = common.Job(**{**job.__dict__, "workdir": os.path.join(job.workdir, "forced")})
+        trajectory.prepare(forced_job, trajectory.FORCED_DISPATCH)
+        forced = trajectory.run_rebm(forced_job, "rebm_forced_dispatch",
+                                     trajectory.FORCED_DISPATCH)
+        weights["forced"] = torch.load(forced["final_weights"])
+        write_reference(args.write_reference, spec, original, runs, forced, weights)
+    return 1 if report["outside_tolerance"] else 0
+
+
+def write_reference(path: str, spec: dict, original: dict, runs: dict, forced: dict,
+                    weights: dict) -> None:
+    """The original's run, summarised (trajectory.summarize), with the spreads the tolerances
+    come from: rebm at 1 vs 2 threads, and the twin's own comparison run under the forced
+    dispatch of `make test-dispatch` (docs/design.md §7)."""
+    final = {part: trajectory.summarize(weights["original"][part]) for part in ("model", "ema")}
+    rebm_ema = trajectory.summarize(weights["rebm1"]["ema"])
+    expected = {"model": final["model"], "ema": rebm_ema}
+    threads_spread = trajectory.twin_differences(runs[1]["steps"], {
+        "model": trajectory.summarize(weights["rebm1"]["model"]), "ema": rebm_ema},
+        runs[2]["steps"], weights["rebm2"])
+    forced_spread = trajectory.twin_differences(original["steps"], expected, forced["steps"],
+                                     weights["forced"])
+    native = trajectory.twin_differences(original["steps"], expected, runs[1]["steps"], weights["rebm1"])
+    reference = {
+        "made_by": "python -m benchmarks.original_vs_rebm --original PATH trajectory "
+                   f"--write-reference {path}",
+        "original": "github:xuwangyin/DAT fb2ffc756da1f55321c1bbcbe0727a2e1de114c6",
+        "machine": machine(), "spec": spec,
+        "spread_rebm_1_vs_2_threads": threads_spread,
+        "spread_forced_dispatch": forced_spread,
+        "twin_here_native_dispatch": native,
+        "tolerance": trajectory.tolerances([threads_spread, forced_spread],
+                                           spec["batch_size"]),
+        "steps": original["steps"], "final": final,
+        # rebm's own EMA (1 thread): the CI twin holds rebm's EMA to it while rebm's EMA warm-up
+        # differs from the original's (tests/test_original_trajectory.py EMA_KEYS)
+        "final_rebm_ema": rebm_ema,
+    }
+    with open(path, "w") as fh:  # one line per top-level key: the numbers compact, the rest legible
+        fh.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                                    for k, v in reference.items()) + "\n}\n")
+    print(f"reference written to {path}")
+
+
+def machine() -> str:
+    """The CPU model and the kernels ATen dispatches to, torch, cores (docs/design.md §7)."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh
+                        if line.startswith("model name")), cpu)
+    return (f"{cpu} (ATen {torch.backends.cpu.get_cpu_capability()}), torch "
+            f"{torch.__version__}, {os.cpu_count()} cores, 1 thread per process")
+
+
+def run_speed(args) -> int:
+    spec = dict(CONFIGS[args.config], steps=args.warmup + args.rounds * args.steps)
+    if args.quick:  # the same code paths at a fraction of the work: a smoke run, not a figure
+        spec.update(T_start=2, T_cap=2, K=2, batch_size=8)
+    job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
+    result = speed.compare_speed(job, args.original, args.original_pythonpath,
+                                 rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                                 variants=tuple(args.variants))
+    print(speed.format_table(result))
+    print("settings:", json.dumps(result["settings"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--original", default=os.environ.get("REBM_ORIGINAL"),
+                        help="a checkout of the original DAT code (default: $REBM_ORIGINAL)")
+    parser.add_argument("--original-pythonpath",
+                        default=os.environ.get("REBM_ORIGINAL_PYTHONPATH"),
+                        help="extra import path for the original's dependencies")
+    parser.add_argument("--workdir", default=None, help="shared files (default: a temp dir)")
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("trajectory", help="50 stage-2 steps on CPU, compared step by step")
+    t.add_argument("--steps", type=int, default=None)
+    t.add_argument("--write-reference", default=None, metavar="FILE")
+    s = sub.add_parser("speed", help="the steps timed interleaved, medians of the rounds")
+    s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    s.add_argument("--config", default=None, choices=tuple(CONFIGS),
+                   help="cpu (WRN-16-4, batch 32), cifar (WRN-34-10, batch 128), imagenet "
+                        "(ResNet-50, 256 px); default: cpu on CPU, cifar on CUDA")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--steps", type=int, default=2, help="steps per side per round")
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--variants", nargs="+", default=["eager", "default", "bf16"])
+    s.add_argument("--json", default=None)
+    s.add_argument("--quick", action="store_true",
+                   help="T = K = 2, batch 8: checks that everything runs; its numbers are noise")
+    args = parser.parse_args(argv)
+    if not args.original:
+        parser.error("give --original PATH (a checkout of github:xuwangyin/DAT) or set "
+                     "REBM_ORIGINAL")
+    if args.what == "speed" and args.config is None:
+        args.config = "cifar" if args.device == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory(prefix="rebm_vs_original_") as tmp:
+        args.workdir = args.workdir or tmp
+        return run_trajectory(args) if args.what == "trajectory" else run_speed(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@ stage-2 training trajectory, then the speed, each code in its own process (both 
 
     python -m benchmarks.original_vs_rebm --original PATH trajectory [--write-reference FILE]
     python -m benchmarks.original_vs_rebm --original PATH speed [--device cuda] [--config cifar]
+    python -m benchmarks.original_vs_rebm --original PATH samples [--device cuda]
 
 PATH is a checkout of the original (or REBM_ORIGINAL). Its dependencies (einops, torchmetrics,
 wandb, scikit-learn, omegaconf, timm) must be importable by this interpreter, or lie in
@@ -23,7 +24,7 @@ import tempfile
 
 import torch
 
-from benchmarks.original import common, speed, trajectory
+from benchmarks.original import common, samples, speed, trajectory
 
 CONFIGS = {"cpu": common.SPEED_CPU, "cifar": common.SPEED_GPU_CIFAR,
            "imagenet": common.SPEED_GPU_IMAGENET}
@@ -127,6 +128,26 @@ def run_speed(args) -> int:
     return 0
 
 
+def run_samples(args) -> int:
+    """The sample pass of the ImageNet row (benchmarks/original/samples.py), both codes."""
+    spec = dict(samples.SAMPLES_IMAGENET, **(samples.QUICK if args.quick else {}))
+    spec.update({k: v for k, v in (("num_samples", args.num_samples),
+                                   ("num_workers", args.num_workers)) if v is not None})
+    job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
+    result = samples.compare_samples(job, args.original, args.original_pythonpath,
+                                     rounds=args.rounds, warmup=args.warmup,
+                                     variants=tuple(args.variants))
+    print(samples.format_table(result))
+    print("settings:", json.dumps(result["settings"]))
+    print("timed on the original's side: evaluate_image_generation -> compute_fid with "
+          "pytorch-fid and the Inception Score stubbed (stub calls over the run: "
+          f"{json.dumps(result['describe']['original']['samples']['stubbed_calls'])})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--original", default=os.environ.get("REBM_ORIGINAL"),
@@ -152,6 +173,21 @@ def main(argv=None) -> int:
     s.add_argument("--json", default=None)
     s.add_argument("--quick", action="store_true",
                    help="T = K = 2, batch 8: checks that everything runs; its numbers are noise")
+    m = sub.add_parser("samples", help="the ImageNet row's sample pass (50 images at 256 px, "
+                       "14 steps), the original's PNG-writing path vs rebm's, interleaved")
+    m.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    m.add_argument("--threads", type=int, default=2)
+    m.add_argument("--rounds", type=int, default=5)
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--num-samples", type=int, default=None, help="default 50")
+    m.add_argument("--num-workers", type=int, default=None,
+                   help="the original's loader workers and PNG threads (default 16, its "
+                        "ImageNet FID template's data.num_workers)")
+    m.add_argument("--variants", nargs="+", default=list(samples.VARIANTS),
+                   choices=samples.VARIANTS)
+    m.add_argument("--json", default=None)
+    m.add_argument("--quick", action="store_true",
+                   help="64 px, 4 samples, 2 steps: checks that everything runs; noise")
     args = parser.parse_args(argv)
     if not args.original:
         parser.error("give --original PATH (a checkout of github:xuwangyin/DAT) or set "
@@ -160,7 +196,8 @@ def main(argv=None) -> int:
         args.config = "cifar" if args.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory(prefix="rebm_vs_original_") as tmp:
         args.workdir = args.workdir or tmp
-        return run_trajectory(args) if args.what == "trajectory" else run_speed(args)
+        run = {"trajectory": run_trajectory, "speed": run_speed, "samples": run_samples}
+        return run[args.what](args)
 
 
 if __name__ == "__main__":

@@ -101,9 +101,11 @@ class Side:
         wandb.init(mode="disabled")  # what the original's entry point does with wandb_disabled
         self.settings = common.Settings(**job.settings).apply()
         self.timing = None
+        self.samples = None
 
     def describe(self) -> dict:
-        return {"settings": self.settings, "bridged": self.bridged, "code": ORIGINAL}
+        samples = {"samples": self.samples.describe()} if self.samples else {}
+        return {"settings": self.settings, "bridged": self.bridged, "code": ORIGINAL, **samples}
 
     def trajectory(self) -> dict:
         """The original's train() over the stored batches; per-step records and final weights."""
@@ -197,13 +199,111 @@ class Side:
     def peak_memory(self) -> dict:
         return common.peak_memory(self.job.device)
 
+    def prepare_samples(self) -> dict:
+        baseline = common.current_rss_mib()
+        self.samples = SampleSide(self.job)
+        return {"baseline_rss_mib": baseline, **self.samples.describe()}
+
+    def time_samples(self, variant: str = "original") -> float:
+        return self.samples.time_pass()
+
+    def keep_samples(self) -> str:
+        return self.samples.keep_samples()
+
+
+# ---------------------------------------------------------------------------------------------
+# The sample pass (benchmarks/original/samples.py): the original's FID evaluation path,
+# evaluate_image_generation -> compute_fid, with pytorch-fid and the Inception Score stubbed.
+# ---------------------------------------------------------------------------------------------
+def sample_config(job: common.Job):
+    """The original's TrainConfig for the sample spec: its image_log as the ImageNet FID
+    template sets it (PGD, L2 steps, no radius, PNG files), seeds from the shared seed file
+    (compute_fid reads a file with torch.load), the spec's batch and data.num_workers (its loader
+    workers and PNG-writing threads), keep_samples on so that no clean-up runs in the timer."""
+    s = job.spec
+    cfg = original_config(job, s["steps"])
+    log = cfg.image_log
+    log.attack_type, log.num_steps, log.step_size = "pgd", s["sample_steps"], s["sample_step_size"]
+    log.eps, log.norm, log.log_fid, log.adaptive_steps = math.inf, "L2", True, False
+    log.num_samples, log.img_extension = s["num_samples"], "png"
+    log.ood_data_dir = os.path.join(job.workdir, "seeds.pt")
+    log.data_dir = os.path.join(job.workdir, "no_fid_statistics.npz")  # read by the stub only
+    log.save_dir = os.path.join(job.workdir, "original_samples", "pngs")
+    cfg.batch_size, cfg.data.num_workers = s["sample_batch"], s["num_workers"]
+    cfg.keep_samples, cfg.logsumexp_sampling = True, False
+    return cfg
+
+
+class SampleSide:
+    """The original's sample pass on the shared weights and seeds (`Side` holds one)."""
+
+    def __init__(self, job: common.Job):
+        import rebm.eval.eval_utils as eval_utils
+
+        import rebm.training.modeling as modeling
+
+        self.job, self.eval_utils = job, eval_utils
+        self.stubbed = {"calculate_fid_given_paths": 0, "compute_inception_score": 0}
+
+        def no_fid(*a, **kw):
+            self.stubbed["calculate_fid_given_paths"] += 1
+            return float("nan")
+
+        def no_is(*a, **kw):
+            self.stubbed["compute_inception_score"] += 1
+            return float("nan"), float("nan")
+
+        eval_utils.calculate_fid_given_paths, eval_utils.compute_inception_score = no_fid, no_is
+        self.cfg = sample_config(job)
+        self.model = modeling.get_model(model_config=self.cfg.model,
+                                        device=torch.device(job.device),
+                                        num_classes=self.cfg.data.num_classes,
+                                        indist_dataset=self.cfg.data.indist_dataset)
+        self.model.eval()  # as eval_fid.run_fid_evaluation leaves it
+
+    def describe(self) -> dict:
+        return {"generation_device": str(self.cfg.device), "save_dir": self.cfg.image_log.save_dir,
+                "stubbed_calls": dict(self.stubbed)}
+
+    def time_pass(self) -> float:
+        import shutil
+        import time
+
+        shutil.rmtree(self.cfg.image_log.save_dir, ignore_errors=True)
+        device = torch.device(self.job.device)
+        common.sync(device)
+        started = time.perf_counter()
+        self.eval_utils.evaluate_image_generation(self.model, self.cfg)
+        common.sync(device)
+        return time.perf_counter() - started
+
+    def keep_samples(self) -> str:
+        """One untimed pass whose generated images (float, index order) are kept in a file."""
+        generate, kept = self.eval_utils.generate_images, []
+
+        def keep(**kw):
+            images = generate(**kw)
+            kept.append(images.detach().float().cpu())
+            return images
+
+        self.eval_utils.generate_images = keep
+        try:
+            self.time_pass()
+        finally:
+            self.eval_utils.generate_images = generate
+        path = os.path.join(self.job.workdir, "original_samples.pt")
+        torch.save(torch.cat(kept), path)
+        return path
+
 
 def main() -> None:
     channel = common.protocol_stdout()
     side = Side(common.Job.from_json(sys.argv[2]))
     common.serve({"describe": side.describe, "trajectory": side.trajectory,
                   "prepare_timing": side.prepare_timing, "time_steps": side.time_steps,
-                  "flops": side.flops, "peak_memory": side.peak_memory}, channel)
+                  "flops": side.flops, "peak_memory": side.peak_memory,
+                  "prepare_samples": side.prepare_samples, "time_samples": side.time_samples,
+                  "keep_samples": side.keep_samples}, channel)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,90 @@ def memory_plan_mib(trainer) -> Optional[float]:
 
 def is_compiled(trainer) -> bool:
     return trainer.parts.model is not trainer.parts.raw_model
+
+
+# ---------------------------------------------------------------------------------------------
+# The sample pass (benchmarks/original/samples.py): the Evaluator's shared generation pass, as
+# `python -m rebm.eval.evaluate ... --samples` runs it, without FID (its Inception weights are
+# not here): the sample grid (which the original's compute_fid also writes) and, with `pngs`,
+# keep_samples (every sample as a PNG, as the original's compute_fid always writes them).
+# ---------------------------------------------------------------------------------------------
+def sample_overrides(job: Job) -> List[str]:
+    """rebm's config of the sample spec: the model and weights of the job, the ImageNet row's
+    generation (image_log.*), seeds from the job's seed file, the plain (non-EMA) weights."""
+    s = job.spec
+    # ImageNet: its normalisation statistics, which the original's timm ResNet always applies
+    # (no file of the dataset is read: the pass reads only the seed file)
+    return [
+        "data.indist_dataset=ImageNet", "data.outdist_dataset=noise", "data.num_workers=0",
+        f"data.num_classes={s['num_classes']}", f"data.image_size={s['image_size']}",
+        f"data.indist_ds_dir={os.path.join(job.workdir, 'no_imagenet')}",
+        f"model.model_type={s['model']}", "model.use_batchnorm=false",
+        "model.normalize_input=true", f"model.ckpt_path={job.weights_path}",
+        "use_ema=false", f"rand_seed={s['seed']}", f"batch_size={s['sample_batch']}",
+        f"per_device_eval_batch_size={s['sample_batch']}",
+        f"image_log.num_samples={s['num_samples']}", f"image_log.num_steps={s['sample_steps']}",
+        f"image_log.step_size={s['sample_step_size']}", "image_log.eps=.inf",
+        "image_log.norm=L2", "image_log.adaptive_steps=false", "image_log.log_fid=false",
+        f"image_log.seed_images={seeds_path(job)}", "logsumexp_sampling=false",
+        "keep_samples=false", "wandb_disabled=true", "wandb_mode=disabled",
+        f"device={job.device}", f"run_dir={os.path.join(job.workdir, 'rebm_samples')}",
+    ]
+
+
+def seeds_path(job: Job) -> str:
+    return os.path.join(job.workdir, "seeds.pt")
+
+
+def build_sampler(job: Job):
+    """(An Evaluator of the sample grid and keep_samples, started; the model with the job's
+    weights, as the evaluate command loads it; the config)."""
+    from rebm.config import load_config
+    from rebm.distributed import Runtime
+    from rebm.eval.evaluator import Evaluator, load_eval_model
+
+    cfg = load_config(None, sample_overrides(job))
+    runtime = Runtime(device=torch.device(job.device))
+    evaluator = Evaluator(cfg.evaluation, runtime, ["sample_grid", "keep_samples"],
+                          batch_size=job.spec["sample_batch"], run_dir=cfg.run_dir)
+    evaluator.start_all_ranks()  # the seed file is read here, once per run
+    network = load_eval_model(cfg.model, cfg.evaluation.data, False, runtime)
+    return evaluator, network, cfg
+
+
+def sample_metrics(pngs: bool) -> List[str]:
+    return ["sample_grid", "keep_samples"] if pngs else ["sample_grid"]
+
+
+def sample_pass(evaluator, network, pngs: bool) -> None:
+    """One evaluation's generation pass: every sample, the grids, and with `pngs` every PNG."""
+    evaluator.evaluate_all_ranks(network, metrics=sample_metrics(pngs))
+
+
+def sample_files_written(evaluator) -> Dict[str, str]:
+    """Where the pass writes: the grids' folder and keep_samples' PNG folder."""
+    from rebm.checkpoint.run_directory import RunDirectory
+
+    run = RunDirectory(evaluator.run_dir)
+    return {"grids": os.path.dirname(run.sample_grid(None)), "pngs": run.samples_folder(None)}
+
+
+def generated_samples(evaluator, network) -> torch.Tensor:
+    """Every sample of the pass as float images (cpu, index order), from the same generation
+    pass (stream_samples_all_ranks) with a sink that keeps them: the numbers to compare."""
+    from rebm.eval.metric import EvalContext
+    from rebm.eval.passes import eval_mode
+    from rebm.eval.sampling.samples import seed_source, stream_samples_all_ranks
+
+    evaluation = evaluator.sections["sample_grid"]
+    kept: List[torch.Tensor] = []
+
+    class Keep:
+        def update(self, chunk) -> None:
+            kept.append(chunk.images.detach().float().cpu())
+
+    ctx = EvalContext(network, evaluation, evaluator.runtime, evaluator.batch_size)
+    with eval_mode(network):
+        stream_samples_all_ranks(ctx, seed_source(evaluation, evaluator.resources), [Keep()],
+                                 evaluation.image_log.num_samples)
+    return torch.cat(kept)

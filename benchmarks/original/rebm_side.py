@@ -26,6 +26,7 @@ class Side:
         self.settings = common.Settings(**job.settings).apply()
         self.trainer = None
         self.batches = None
+        self.sampler = None
 
     def describe(self) -> dict:
         return {"settings": self.settings, "code": ROOT}
@@ -83,13 +84,55 @@ class Side:
     def gemm_gflops(self) -> float:
         return common.gemm_gflops(torch.device(self.job.device))
 
+    # the sample pass (benchmarks/original/samples.py)
+    def write_sample_inputs(self) -> list:
+        """The shared seed file and the initial weights, made in this process."""
+        from benchmarks.original.samples import make_seeds
+
+        os.makedirs(self.job.workdir, exist_ok=True)
+        torch.save(make_seeds(self.job.spec), rebm_adapter.seeds_path(self.job))
+        rebm_adapter.write_initial_weights(self.job)
+        return [rebm_adapter.seeds_path(self.job), self.job.weights_path]
+
+    def prepare_samples(self) -> dict:
+        import rebm.eval.evaluator  # noqa: F401  (imported before the baseline, as training's)
+
+        baseline = common.current_rss_mib()
+        self.sampler = rebm_adapter.build_sampler(self.job)
+        return {"baseline_rss_mib": baseline,
+                **rebm_adapter.sample_files_written(self.sampler[0])}
+
+    def time_samples(self, variant: str = "rebm") -> float:
+        """Seconds of one pass: "rebm" (no PNGs, rebm's default), "rebm_pngs" (keep_samples)."""
+        import shutil
+        import time
+
+        evaluator, network, _ = self.sampler
+        shutil.rmtree(rebm_adapter.sample_files_written(evaluator)["pngs"], ignore_errors=True)
+        device = torch.device(self.job.device)
+        common.sync(device)
+        started = time.perf_counter()
+        rebm_adapter.sample_pass(evaluator, network, pngs=variant == "rebm_pngs")
+        common.sync(device)
+        return time.perf_counter() - started
+
+    def keep_samples(self) -> str:
+        """Untimed: one pass that writes the PNGs (left in place for the comparison), and one
+        generation pass whose float samples are kept in a file."""
+        evaluator, network, _ = self.sampler
+        self.time_samples("rebm_pngs")
+        path = os.path.join(self.job.workdir, "rebm_samples.pt")
+        torch.save(rebm_adapter.generated_samples(evaluator, network), path)
+        return path
+
 
 def main() -> None:
     channel = common.protocol_stdout()
     side = Side(common.Job.from_json(sys.argv[1]))
     common.serve({name: getattr(side, name) for name in (
         "describe", "write_inputs", "trajectory", "prepare_timing", "time_steps",
-        "flops", "peak_memory", "gemm_gflops")}, channel)
+        "flops", "peak_memory", "gemm_gflops", "write_sample_inputs", "prepare_samples",
+        "time_samples", "keep_samples")}, channel)
 
 
 if __name__ == "__main__":

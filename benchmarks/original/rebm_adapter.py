@@ -80,17 +80,18 @@ def import_training() -> None:
 
 
 def build_trainer(job: Job, variant: str):
-    """A Trainer as `python -m rebm.training.train` builds it, in a fresh run directory."""
+    """(A Trainer as `python -m rebm.training.train` builds it, in a fresh run directory, and its
+    config)."""
     import shutil
 
     from rebm.config import load_config
     from rebm.distributed import Runtime
     from rebm.engine.trainer import Trainer
-    from rebm.methods.dat import DAT
+    from rebm.training.train import make_method
 
     cfg = load_config(None, config_overrides(job, variant))
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return Trainer(cfg, Runtime(device=torch.device(job.device)), DAT)
+    return Trainer(cfg, Runtime(device=torch.device(job.device)), make_method), cfg
 
 
 def micro_batches(batches: Dict[str, torch.Tensor], step: int, device: str) -> list:
@@ -137,16 +138,16 @@ def final_weights(trainer) -> Dict[str, Dict[str, torch.Tensor]]:
                     for k, v in trainer.parts.ema.ema_model.state_dict().items()}}
 
 
-def memory_plan_mib(trainer) -> Optional[float]:
+def memory_plan_mib(trainer, cfg) -> Optional[float]:
     """The `--check` memory plan's total for this run, in MiB (rebm.cli.memory_plan_lines'
     numbers: rebm.models.memory.plan_memory on the model at the configured batch)."""
     from rebm.models import model_from_config
     from rebm.models.memory import plan_memory, uninitialised_copy
 
-    cfg, plan = trainer.cfg, trainer.plan
-    model = uninitialised_copy(lambda: model_from_config(cfg))
+    plan = trainer.plan
+    model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     memory = plan_memory(model, cfg.data.image_size, plan.per_device_batch_size,
-                         type(trainer.parts.method).loss_streams(cfg), cfg.optimizer,
+                         type(trainer.parts.method).loss_streams(cfg.method), cfg.optimizer,
                          cfg.use_ema, 1, amp=cfg.amp, eval_batch=plan.eval_batch_size)
     return memory.total / 2**20 if hasattr(memory, "total") else None
 

@@ -40,7 +40,7 @@ class Side:
         return [self.job.batches_path, self.job.weights_path]
 
     def _load(self, variant: str) -> None:
-        self.trainer = rebm_adapter.build_trainer(self.job, variant)
+        self.trainer, self.config = rebm_adapter.build_trainer(self.job, variant)
         self.batches = torch.load(self.job.batches_path)
 
     def trajectory(self, name: str = "rebm", variant: str = "eager") -> dict:
@@ -61,7 +61,7 @@ class Side:
         baseline = common.current_rss_mib()  # its code imported, nothing built yet
         self._load(self.job.variant)
         return {"compiled": rebm_adapter.is_compiled(self.trainer), "baseline_rss_mib": baseline,
-                "memory_plan_mib": rebm_adapter.memory_plan_mib(self.trainer)}
+                "memory_plan_mib": rebm_adapter.memory_plan_mib(self.trainer, self.config)}
 
     def time_steps(self, first: int, count: int) -> list:
         # the micro-batches are on the device before the clock starts: the loop's loader

@@ -171,7 +171,7 @@ class TrainConfig(LegacyTrainFields, Frozen):
 
     # Model averaging / precision
     use_ema: bool = False  # keep an EMA of the weights; evaluate and export it (the original's default is false)
-    ema_decay: float = 0.999  # EMA decay (warmed up from 0)
+    ema_decay: float = 0.999  # EMA decay, reached by the original's warm-up: min(ema_decay, (1 + n) / (10 + n)) at the n-th average
     amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
     fuse_attacks: Union[bool, str] = "auto"  # DAT: run the negatives' and the classifier batch's PGD as one batched pass while both run: true, false or auto (see docs/performance.md)
 

@@ -28,10 +28,14 @@ def config_overrides(job: Job, variant: str) -> List[str]:
         "default": ["model.compile=auto", "fuse_attacks=auto", "amp=none", "max_steps=100000"],
         "bf16": ["model.compile=auto", "fuse_attacks=auto", "amp=bf16", "max_steps=100000"],
     }[variant]
+    # the dataset names the model's input normalisation: CIFAR-10's statistics for the
+    # WideResNets, ImageNet's for ResNet-50 (the original's timm models always use ImageNet's)
+    dataset, root = (("ImageNet", fake_imagenet(job)) if s["num_classes"] == 1000
+                     else ("cifar10", fake_cifar(job)))
     return [
-        "data.indist_dataset=cifar10", "data.outdist_dataset=noise", "data.num_workers=0",
+        f"data.indist_dataset={dataset}", "data.outdist_dataset=noise", "data.num_workers=0",
         f"data.num_classes={s['num_classes']}", f"data.image_size={s['image_size']}",
-        f"data.indist_ds_dir={fake_cifar(job)}",
+        f"data.indist_ds_dir={root}",
         f"model.model_type={s['model']}", "model.use_batchnorm=false",
         "model.normalize_input=true", f"model.ckpt_path={job.weights_path}",
         f"batch_size={s['batch_size']}", f"rand_seed={s['seed']}",
@@ -59,6 +63,16 @@ def fake_cifar(job: Job) -> str:
     root = os.path.join(job.workdir, "fake_cifar")
     if not os.path.exists(os.path.join(root, "cifar-10-batches-py", "test_batch")):
         write_fake_cifar10(root, n_train=max(64, 4 * job.spec["batch_size"]), n_test=16)
+    return root
+
+
+def fake_imagenet(job: Job) -> str:
+    """A tiny ImageNet on disk (1,000 classes, one small JPEG each), for the ImageNet row."""
+    from tests.fake_data import write_fake_imagenet
+
+    root = os.path.join(job.workdir, "fake_imagenet")
+    if not os.path.exists(os.path.join(root, "meta.bin")):
+        write_fake_imagenet(root, num_classes=1000, n_train=1, n_val=1, height=16, width=16)
     return root
 
 

@@ -6,10 +6,13 @@ original's two products), so the comparison has a float32 tolerance."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rebm.config import TrainConfig
 from rebm.engine.ema import build_ema
+
+pytestmark = pytest.mark.numbers
 
 
 def original_average(weights, ema_decay):

@@ -168,6 +168,7 @@ def section_breakeven(args) -> dict:
     timed once, then the steady steps of both, interleaved. compile_s = first compiled step -
     steady compiled step; saved_s = eager step - compiled step; the run repays the compile
     after compile_s / saved_s steps."""
+    from rebm.checkpoint.run_directory import RunDirectory
     from sections.common import loop_step
 
     # a fresh local inductor cache, as on a new node: a warm one (an earlier section or run on
@@ -175,7 +176,8 @@ def section_breakeven(args) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.workdir, "breakeven_inductor")
     shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     eager = single_process(args, ["model.compile=false"])
-    shutil.rmtree(os.path.join(eager.cfg.run_dir, "compile_cache"), ignore_errors=True)
+    shutil.rmtree(RunDirectory(eager.cfg.run_dir).file(RunDirectory.COMPILE_CACHE),
+                  ignore_errors=True)
     compiled = single_process(args, ["model.compile=true"])
     device = eager.runtime.device
     batches = prefetch(eager, 1 + args.warmup + args.reps)

@@ -1,7 +1,7 @@
 """The DAT losses (docs/design.md §1, steps 2-3) as pure functions of (model, tensors).
 
 Adding a loss term is a change here — compute it in `dat_loss`, add it to the total and to
-`DATLoss.terms` — plus its config field; the step (step.py) logs every term.
+`DATLoss.terms` — plus its config field; the method (dat.py) logs every term.
 
 Every loss is a mean over the micro-batch it is given, so with equal micro-batches
 `sum(loss_i) / accumulation_steps` has exactly the gradient of the full-batch loss.

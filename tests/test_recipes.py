@@ -248,7 +248,8 @@ _CHOICES = {"sgd": "adam", "adamw": "sgd", "autoaugment_cutout": "none", "origin
             "tinyimages": "noise", "OpenImageO": "noise", "cifar10-conditional": "cifar10",
             "cifar100-conditional": "cifar100", "ImageNet": "imagefolder",
             "WideResNet34x10": "WideResNet28x10", "ResNet50ImageNet": "WideResNet50x4ImageNet",
-            "WideResNet50x4ImageNet": "ResNet50ImageNet", "convnext_large": "convnext_base"}
+            "WideResNet50x4ImageNet": "ResNet50ImageNet", "convnext_large": "convnext_base",
+            "auto": "gloo"}
 # one valid value in rebm (any other is refused at load), so no recipe can differ there
 _FIXED = {"attack.attack_type", "indist_attack_clf.attack_type", "image_log.attack_type",
           "fixed_lr"}

@@ -23,7 +23,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CONFIG = os.path.join(ROOT, "experiments", "cifar10", "dat_wrn34x10_seed0.yaml")
+CONFIG = os.path.join(ROOT, "experiments", "cifar10",
+                      "cifar10-dat-WideResNet34x10-T40-seed0.yaml")
 
 
 def cpu(fn, repeat: int = 1) -> float:

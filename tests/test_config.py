@@ -46,7 +46,7 @@ def test_every_experiment_passes_check(capsys, path):
 
 
 def test_original_format_keeps_fields(tmp_path):
-    cfg = load_config(str(REPO / "experiments/cifar10/dat_wrn34x10_seed0.yaml"))
+    cfg = load_config(str(REPO / "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml"))
     assert math.isinf(cfg.attack.eps) and cfg.tags == ["dat", "cifar10", "wrn34x10"]
     assert cfg.data.indist_dataset == "cifar10-conditional" and cfg.batch_size == 128
     assert ignored_fields_notice(cfg) is None  # shipped configs set no field without effect
@@ -125,7 +125,7 @@ def test_missing_config_file(capsys):
 
 
 def test_check_warns_about_missing_paths_but_passes(capsys):
-    code, out, err = run_main(capsys, "experiments/cifar10/dat_wrn34x10_seed0.yaml", "--check",
+    code, out, err = run_main(capsys, "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml", "--check",
                               "data.indist_ds_dir=/nonexistent/cifar", "ddp_backend=nccl")
     assert code == 0
     assert "warning: data.indist_ds_dir '/nonexistent/cifar' does not exist" in err

@@ -206,7 +206,7 @@ def test_check_shows_what_the_user_set_and_what_differs_and_all_shows_every_key(
     from rebm.config import to_dict
     from rebm.config.identity import flatten as flat_values
 
-    shipped = (REPO / "experiments/imagenet/dat_wrn50x4_256px_ddp.yaml").read_text()
+    shipped = (REPO / "experiments/imagenet/imagenet-dat-WideResNet50x4ImageNet-T30-256x256.yaml").read_text()
     config = tmp_path / "no_image_size.yaml"  # the ImageNet default (256) fills it in
     config.write_text(shipped.replace("  image_size: 256\n", ""))
     tiny = ["lr=0.0123", "model.model_type=TinyResNetImageNet"]  # a cheap memory plan

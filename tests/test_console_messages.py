@@ -26,7 +26,7 @@ from tests.wandb_files import offline_runs, read_run
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONFIG = str(REPO / "experiments" / "quickstart" / "digits.yaml")
-CIFAR_STAGE2 = str(REPO / "experiments" / "cifar10" / "dat_wrn34x10_seed0.yaml")
+CIFAR_STAGE2 = str(REPO / "experiments" / "cifar10" / "cifar10-dat-WideResNet34x10-T40-seed0.yaml")
 TINY = ["batch_size=32", "attack.max_steps=1", "attack.start_step=1",
         "indist_attack_clf.max_steps=1", "n_imgs_per_evaluation_log=null",
         "n_imgs_per_metrics_log=32"]

@@ -29,7 +29,7 @@ from tests.steps import dat_update
 pytestmark = [pytest.mark.timeout(120), pytest.mark.numbers]
 
 DIGITS = "experiments/quickstart/digits.yaml"
-CIFAR = "experiments/cifar10/dat_wrn34x10_seed0.yaml"
+CIFAR = "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml"
 
 
 @dataclass

@@ -67,7 +67,7 @@ def _convstem_checkpoint(path):
 FAMILIES = {  # config, model type, checkpoint writer, the layout the loader must report
     "resnet": ("dat_resnet50_224px.yaml", "TinyResNetImageNet", _resnet_checkpoint,
                "['model'] > module. > robustness (model.*)"),
-    "convnext": ("dat_convnext_large_convstem_256px.yaml", "convnext_test", _convstem_checkpoint,
+    "convnext": ("imagenet-dat-ConvNeXtLarge-convst-256x256-stepsize3.yaml", "convnext_test", _convstem_checkpoint,
                  "module."),
 }
 

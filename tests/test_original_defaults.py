@@ -9,7 +9,8 @@ from rebm.config.loading import load_config
 from rebm.config.schema import TrainConfig
 from tests.helpers import REPO
 
-CONVNEXT = REPO / "experiments" / "imagenet" / "dat_convnext_large_convstem_256px.yaml"
+CONVNEXT = REPO / "experiments" / "imagenet" / \
+    "imagenet-dat-ConvNeXtLarge-convst-256x256-stepsize3.yaml"
 
 
 def _without(tmp_path, source, *lines: str):

@@ -226,7 +226,7 @@ def project(tmp_path_factory):
     folder = _write(tmp / "model_configs", {
         "cifar10-dat-WideResNet34x10-T40-seed0.yaml": CIFAR10_T40_SEED0,
         "cifar10-dat-WideResNet34x10-T40-seed1.yaml": CIFAR10_T40_SEED1})
-    cfg = load_config(str(REPO / "experiments/cifar10/dat_wrn34x10_seed0.yaml"),
+    cfg = load_config(str(REPO / "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml"),
                       ["model.model_type=WideResNet10x1", "model.ckpt_path=null"])
     for seed, run in ((0, "run-20250506_140002-4oni26z2"), (1, "run-20250502_142218-q4ccywk7")):
         torch.manual_seed(seed)

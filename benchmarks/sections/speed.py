@@ -94,8 +94,8 @@ def _model_gflop(model_type: str, image_size: int = 32) -> float:
     return counter.get_total_flops() / 1e9
 
 
-SHIPPED = ("experiments/cifar10/dat_wrn34x10_seed0.yaml",
-           "experiments/cifar100/dat_wrn34x10_seed0.yaml")
+SHIPPED = ("experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml",
+           "experiments/cifar100/cifar100-dat-WideResNet34x10-T45-seed0.yaml")
 CIFAR_TEST_IMAGES = 10_000
 
 

@@ -41,12 +41,14 @@ PROTOCOL_TABLES = {"cifar10": "experiments/paper/cifar10.yaml",
                    "cifar100": "experiments/paper/cifar100.yaml",
                    "imagenet": "experiments/paper/imagenet256.yaml"}
 # the rebm config each (dataset, model_type) row is read with: its model, data and attacks
-CIFAR_CONFIGS = {"cifar10": "experiments/cifar10/dat_wrn34x10_seed0.yaml",
-                 "cifar100": "experiments/cifar100/dat_wrn34x10_seed0.yaml"}
+CIFAR_CONFIGS = {"cifar10": "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml",
+                 "cifar100": "experiments/cifar100/cifar100-dat-WideResNet34x10-T45-seed0.yaml"}
 CIFAR_MODELS = ("WideResNet34x10",)
-IMAGENET_CONFIGS = {"ResNet50ImageNet": "experiments/imagenet/dat_resnet50_224px.yaml",
-                    "WideResNet50x4ImageNet": "experiments/imagenet/dat_wrn50x4_256px_ddp.yaml"}
-CONVNEXT_CONFIG = "experiments/imagenet/dat_convnext_large_convstem_256px.yaml"
+IMAGENET_CONFIGS = {
+    "ResNet50ImageNet": "experiments/imagenet/dat_resnet50_224px.yaml",
+    "WideResNet50x4ImageNet":
+        "experiments/imagenet/imagenet-dat-WideResNet50x4ImageNet-T30-256x256.yaml"}
+CONVNEXT_CONFIG = "experiments/imagenet/imagenet-dat-ConvNeXtLarge-convst-256x256-stepsize3.yaml"
 CONVNEXTS = ("convnext_small", "convnext_base", "convnext_large")
 # evaluate_imagenet_robustbench.py load_custom_model builds resnet50, wide_resnet50_4 and
 # convnext_large only; run_acc_eval.py submit_job raises "Unsupported ImageNet model type" for

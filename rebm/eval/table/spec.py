@@ -12,7 +12,7 @@
       - name: dat-t40-seed0                   # unique; --rows takes names or groups
         group: DAT (T=40)                     # rows of one group are averaged (default: name)
         seed: 0
-        config: experiments/cifar10/dat_wrn34x10_seed0.yaml
+        config: experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml
         checkpoint: wandb/.../model_bestfid.pth   # relative to --checkpoints DIR
         overrides: [image_log.num_steps=33]
         baseline: false                       # true: a baseline, evaluated but not trained here

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_data import write_fake_cifar10, write_tiny_images
+from tests.fake_data import write_fake_cifar10, write_tiny_images, write_tinyimages_exclusion_lists
 from tests.helpers import BIN, REPO, base_env, finish, torchrun_cmd
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
@@ -43,6 +43,7 @@ def test_cifar10_recipe_stage1_stage2_evaluate(tmp_path):
     """The user's directory holds data/ (as the configs expect) and gets runs/."""
     write_fake_cifar10(str(tmp_path / "data" / "CIFAR10"), n_train=96, n_test=40)
     write_tiny_images(str(tmp_path / "data" / "tiny_images.bin"), n_records=200)
+    write_tinyimages_exclusion_lists(str(tmp_path / "data" / "TinyImagesExclusionIdcs"), 200)
     _run([sys.executable, "-m", "rebm.eval.fid_stats", STAGE2, "--out",
           "data/fid_stats/fid_stats_cifar10_train.npz"], tmp_path)
     _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", TRAIN_AT, STAGE1, *SIZES,

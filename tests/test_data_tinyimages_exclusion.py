@@ -24,6 +24,7 @@ from tests.fake_data import (
 from tests.helpers import make_cfg
 
 N_RECORDS = 400
+pytestmark = pytest.mark.numbers
 
 
 def _originals_reading(lists: str) -> np.ndarray:

@@ -6,7 +6,7 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
 - `autoaugment_cutout`: crop + flip + the original's AutoAugment CIFAR-10 policy
   (autoaugment.py: black fill of shears and translations, gray 128 corners of rotations) +
   Cutout of image_size // 2 px (16 at 32) with black fill ("mean0": the crop, policy and Cutout
-  fills are 0, as the original's cifar_augmentation.py:54-60, 104-106 with the DAT mean (0, 0, 0));
+  fills are 0, as the original's cifar_augmentation.py:54-60, 102-106 with the DAT mean (0, 0, 0));
 - `none` / `test`: nothing (on full-resolution images, ImageNet and OpenImage-O: the fixed
   resizes below);
 - the ImageNet names, which take an image of any size to image_size S (the original DAT

@@ -120,3 +120,20 @@ def test_wrong_list_is_a_one_line_error(tiny, name, lines, expected):
     (lists / name).write_text(lines)
     message = _error(_cfg(data, tinyimages_exclusion_dir=str(lists)))
     assert str(lists / name) in message and expected in message, message
+
+
+ORIGINAL = os.environ.get("REBM_ORIGINAL")  # a checkout of github:xuwangyin/DAT at fb2ffc7
+
+
+@pytest.mark.skipif(not ORIGINAL, reason="needs a checkout of the original: REBM_ORIGINAL=PATH")
+def test_the_originals_own_lists_exclude_200470_records(tmp_path):
+    """With the original's lists (its InNOutRobustness/TinyImagesExclusionIdcs) on a sparse
+    full-length file: 79,302,017 - 200,470 records, as its loader prints."""
+    with open(tmp_path / "tiny_images.bin", "wb") as f:
+        f.truncate(79_302_017 * 3072)  # sparse: nothing is written
+    lists = os.path.join(ORIGINAL, "InNOutRobustness", "TinyImagesExclusionIdcs")
+    source = load_outdist(_cfg(tmp_path, tinyimages_exclusion_dir=lists).inputs).source
+    excluded = _originals_reading(lists)
+    assert (source.num_excluded, len(source)) == (len(excluded), 79_101_547) == (200_470, 79_101_547)
+    records = source.record_numbers(np.arange(0, len(source), 997))
+    assert not np.isin(records, excluded).any() and np.all(np.diff(records) > 0)

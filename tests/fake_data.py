@@ -8,7 +8,8 @@
   see rebm/training/datasets.py).
 - `write_fake_cifar100(root)`: `root/cifar-100-python/{train, test, meta}` with `fine_labels` /
   `coarse_labels`.
-- `write_image_folder`, `write_tiny_images`, `write_tensor_file` for the other sources.
+- `write_image_folder`, `write_tiny_images` (and `write_tinyimages_exclusion_lists`),
+  `write_tensor_file` for the other sources.
 - `write_fake_imagenet(root)`: torchvision's ImageNet layout — `root/meta.bin` (torch.save of
   (wnid -> class names, val wnids), as torchvision's devkit parser writes it) and
   `root/{train,val}/<wnid>/*.JPEG`; `write_fake_openimage_o(root)`: a folder of JPEGs;
@@ -116,6 +117,23 @@ def write_tiny_images(path: str, n_records: int, seed: int = 0) -> np.ndarray:
     records = chw.transpose(0, 1, 3, 2).reshape(n_records, 3072)
     records.tofile(path)
     return chw
+
+
+def write_tinyimages_exclusion_lists(folder: str, n_records: int, seed: int = 0) -> np.ndarray:
+    """The original's six exclusion lists (their names; 80mn_cifar_idxs.txt counted from 1, the
+    others from 0) for a file of `n_records`, one number per line, with duplicates and overlaps
+    between lists as in the real ones; returns the records they exclude, 0-based and sorted."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    one_based = np.concatenate([[1, n_records, 1], rng.integers(1, n_records + 1, n_records // 8)])
+    zero_based = {name: rng.integers(0, n_records, n_records // 20) for name in (
+        "80mn_cifar10_test_idxs.txt", "80mn_cifar100_test_idxs.txt",
+        "80mn_cifar10_train_idxs.txt", "80mn_cifar100_train_idxs.txt", "80mn_cifar101_idxs.txt")}
+    zero_based["80mn_cifar10_test_idxs.txt"][:2] = [0, one_based[3] - 1]  # shared with the 1-based
+    for name, values in {"80mn_cifar_idxs.txt": one_based, **zero_based}.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.writelines(f"{int(v)}\n" for v in values)
+    return np.unique(np.concatenate([one_based - 1, *zero_based.values()]))
 
 
 def write_tensor_file(path: str, n: int = 40, layout: str = "NHWC", seed: int = 0) -> np.ndarray:

@@ -350,7 +350,8 @@ def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
     excluded = np.array([0, 5, 6, 299])
     np.savetxt(tmp_path / "exclude.txt", excluded, fmt="%d")
     cfg = make_cfg(cifar_root, outdist_dataset="tinyimages", outdist_std_dir=str(tmp_path),
-                   outdist_exclude_index=str(tmp_path / "exclude.txt"))
+                   outdist_exclude_index=str(tmp_path / "exclude.txt"),
+                   tinyimages_exclusion_dir=None)  # the original's lists: their own test file
     cfg.augm_type_generation = "none"
     out = load_outdist(cfg.inputs).source
     assert len(out) == 296

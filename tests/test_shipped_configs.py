@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_data import write_fake_cifar10, write_tensor_file, write_tiny_images
+from tests.fake_data import (write_fake_cifar10, write_tensor_file, write_tiny_images,
+                             write_tinyimages_exclusion_lists)
 from tests.helpers import BIN, REPO, base_env, finish, torchrun_cmd
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
@@ -51,6 +52,7 @@ def test_cifar10_recipe_stage1_stage2_evaluate(tmp_path):
     write_tiny_images(str(tmp_path / "data" / "tiny_images.bin"), n_records=200)
     # the recipe's seed images of its samples (image_log.seed_images, the original's file name)
     write_tensor_file(str(tmp_path / "data" / "cifar_fid_imgs_50K.pt"), n=20, layout="NCHW")
+    write_tinyimages_exclusion_lists(str(tmp_path / "data" / "TinyImagesExclusionIdcs"), 200)
     _run([sys.executable, "-m", "rebm.eval.fid_stats", STAGE2, "--out",
           "data/fid_stats/fid_stats_cifar10_train.npz"], tmp_path)
     _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", TRAIN_AT, STAGE1, *SIZES,

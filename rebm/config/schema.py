@@ -111,7 +111,8 @@ class DataConfig(LegacyDataFields, Frozen):
     num_classes: int = 10  # classes of the in-distribution (unset: the dataset's, e.g. 100 for cifar100, 1000 for ImageNet)
     image_size: int = 32  # side of the images fed to the model and of the samples (ImageNet: 256 unless set, the original's default)
     download: bool = False  # let torchvision download CIFAR if it is missing
-    outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip
+    tinyimages_exclusion_dir: Optional[str] = "./data/TinyImagesExclusionIdcs"  # TinyImages: folder of the original's six exclusion lists (a copy of its InNOutRobustness/TinyImagesExclusionIdcs; 200,470 records, mostly CIFAR near-duplicates); null: exclude none of them
+    outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip, besides the lists of tinyimages_exclusion_dir
 
 
 @dataclass

@@ -3,8 +3,10 @@
 Names (config keys `augm_type_generation`, `augm_type_classification`, `openimages_augm`):
 - `original`: RandomCrop(image_size, padding image_size // 8 — 4 px at 32 — zero fill) +
   horizontal flip;
-- `autoaugment_cutout`: crop + flip + AutoAugment (CIFAR-10 policy, black fill) + Cutout of
-  image_size // 2 px (16 at 32) with black fill ("mean0": every fill colour is 0);
+- `autoaugment_cutout`: crop + flip + the original's AutoAugment CIFAR-10 policy
+  (autoaugment.py: black fill of shears and translations, gray 128 corners of rotations) +
+  Cutout of image_size // 2 px (16 at 32) with black fill ("mean0": the crop, policy and Cutout
+  fills are 0, as the original's cifar_augmentation.py:54-60, 102-106 with the DAT mean (0, 0, 0));
 - `none` / `test`: nothing (on full-resolution images, ImageNet and OpenImage-O: the fixed
   resizes below);
 - the ImageNet names, which take an image of any size to image_size S (the original DAT
@@ -20,8 +22,8 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
 Transforms take one CHW image tensor (uint8, or float in [0, 1]) and return the same dtype; the
 batch is converted to float [0, 1] once after stacking.
 
-Reproducibility: the v2 transforms used here (crops, flips, AutoAugment, ColorJitter) and `Cutout`
-and `Lighting` below draw only from
+Reproducibility: the v2 transforms used here (crops, flips, ColorJitter), the AutoAugment policy
+(autoaugment.py) and `Cutout` and `Lighting` below draw only from
 torch's global CPU generator (torch.rand / torch.randint), so seeding that generator with a
 per-sample seed right before the transform fixes the sample's augmentation, whatever the world
 size, worker count or resume point. `augment_batch` does this inside `torch.random.fork_rng`
@@ -36,6 +38,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 from torchvision.transforms import v2
+
+from rebm.data.autoaugment import CIFAR10Policy
 
 IMAGENET_AUGMENTATIONS = ("madry", "default", "generation_id", "generation_id_randomcrop",
                           "generation_od", "generation_od_randomcrop")
@@ -163,7 +167,7 @@ def build_augmentation(name: str, image_size: int, full_images: bool = False
         return v2.Compose(
             _crop_flip(image_size)
             + [
-                v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10, fill=0),
+                CIFAR10Policy(fill=0),
                 Cutout(max(1, image_size // 2)),
             ]
         )

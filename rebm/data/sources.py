@@ -160,21 +160,19 @@ class TinyImagesSource(ImageSource):
     column-major — byte c*1024 + x*32 + y holds pixel (row y, column x) of channel c. So
     `record.reshape(3, 32, 32)` is (C, W, H) and one transpose gives CHW.
 
-    Optional exclusion (e.g. records that overlap CIFAR): a sorted array `excluded` of record
-    numbers; virtual index v maps to record v + #{k : excluded[k] - k <= v} (binary search), so
+    Optional exclusion (records that overlap CIFAR, the original's lists by default, read and
+    checked by rebm/data/sets/tinyimages.py): a sorted array `excluded` of record numbers;
+    virtual index v maps to record v + #{k : excluded[k] - k <= v} (binary search), so
     nothing proportional to the 80M records is ever materialised.
     """
 
     name = "tinyimages"
 
-    def __init__(self, path: str, size: int, exclude_path: Optional[str] = None):
+    def __init__(self, path: str, size: int, excluded: Optional[np.ndarray] = None):
         self.path = path
         self.size = size
-        self.num_records = _tinyimages_record_count(path)
-        excluded = (
-            _load_exclusion(exclude_path, self.num_records) if exclude_path
-            else np.zeros(0, np.int64)
-        )
+        self.num_records = tinyimages_record_count(path)
+        excluded = np.zeros(0, np.int64) if excluded is None else excluded
         self.num_excluded = len(excluded)
         # kept records before each excluded one; searchsorted on it maps virtual -> record
         self._kept_before = excluded - np.arange(len(excluded), dtype=np.int64)
@@ -267,7 +265,7 @@ class ImageDataset(torch.utils.data.Dataset):
         return batch.images[0], int(batch.labels[0])
 
 
-def _tinyimages_record_count(path: str) -> int:
+def tinyimages_record_count(path: str) -> int:
     if not os.path.isfile(path):
         raise DataError(f"80M TinyImages file {path} does not exist; put tiny_images.bin in "
                         "data.outdist_std_dir")
@@ -278,22 +276,3 @@ def _tinyimages_record_count(path: str) -> int:
                         "tiny_images.bin")
     return size // TINY_RECORD_BYTES
 
-
-def _load_exclusion(path: str, num_records: int) -> np.ndarray:
-    """Sorted unique 0-based record numbers to skip, from a .npy or a whitespace text file."""
-    if not os.path.isfile(path):
-        raise DataError(f"exclusion index {path} does not exist (data.outdist_exclude_index)")
-    try:
-        if path.lower().endswith(".npy"):
-            values = np.load(path, allow_pickle=False)
-        else:
-            values = np.loadtxt(path, dtype=np.int64, ndmin=1, comments="#")
-    except Exception as err:
-        raise DataError(f"{path}: cannot read exclusion index ({one_line(err)}); use a .npy "
-                        "or a text file of integers") from None
-    values = np.unique(np.asarray(values, dtype=np.int64).ravel())
-    if values.size and (values[0] < 0 or values[-1] >= num_records):
-        raise DataError(f"{path}: record numbers must lie in [0, {num_records}) (0-based), found "
-                        f"[{values[0]}, {values[-1]}]; a 1-based list (like the original "
-                        "80mn_cifar_idxs.txt) needs 1 subtracted")
-    return values

@@ -163,14 +163,19 @@ DATA_SOURCES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "torchvision builds: docs/data.md, ImageNet"),
     (("data/OpenImage-O-large/*",),
      "the original's data/OpenImage-O-large/README.md (README.md:13): its scripts download "
-     "train/ and val/ by Open Images file id, make_openimages_50K_val_fideval.py makes "
-     "fid_eval/ from val/"),
+     "train/ and val/ by Open Images file id, make_openimages_50K_val_fideval.py writes "
+     "OpenImagesO_fid_eval/ from val/ (rename it fid_eval/; docs/data.md, OpenImage-O)"),
     (("data/CIFAR10", "data/CIFAR100"),
      "torchvision: .venv/bin/python -c \"import torchvision; "
-     "torchvision.datasets.CIFAR10('DIR', download=True)\" (CIFAR100 alike; docs/data.md)"),
+     "torchvision.datasets.CIFAR10('DIR', download=True)\" (CIFAR100 alike; the original "
+     "keeps them in ./datasets: docs/data.md)"),
     (("data/tiny_images.bin",),
-     "archive.org (the original's README.md:15): "
+     "archive.org, the copy the original's README.md:15 names (80M TinyImages was withdrawn by "
+     "its authors in 2020; rebm does not download it; docs/data.md): "
      "http://www.archive.org/download/80-million-tiny-images-2-of-2/tiny_images.bin"),
+    (("data/TinyImagesExclusionIdcs", "data/TinyImagesExclusionIdcs/*"),
+     "the original's repository, its folder InNOutRobustness/TinyImagesExclusionIdcs "
+     "(https://github.com/xuwangyin/DAT; docs/data.md, 80M TinyImages)"),
     (("*VIRTUAL_imagenet256_labeled.npz",),
      "OpenAI's guided-diffusion reference batch (the original's README.md:75): https://"
      "openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet/256/"

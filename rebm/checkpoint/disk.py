@@ -6,6 +6,7 @@ Importing this module imports no torch."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 
@@ -42,6 +43,9 @@ def reason(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)  # torch's C++ check
+    if text.startswith("unexpected pos"):  # torch.save's writer: fewer bytes written than asked
+        text = f"a short write: {text}"
     return text if len(text) <= 120 else text[:117] + "..."
 
 

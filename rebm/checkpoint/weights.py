@@ -281,13 +281,18 @@ def load_checkpoint(
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
+# torch.save's zip writer reports a failed write (a disk that filled, a file-size limit) as a
+# RuntimeError: "unexpected pos N vs M" or "PytorchStreamWriter failed writing file ...".
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|PytorchStreamWriter failed|file write failed")
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     """torch.save that never leaves a partial file at `path`: write a temp file in the same
     directory (same filesystem, so os.replace is atomic), fsync it, then rename over `path`.
     The file gets the permissions of any file the process creates (0644 under umask 022; a
-    mkstemp file would be 0600). Any failure, torch.save's own RuntimeError on a full disk
-    ("unexpected pos ...") included, is a WriteError naming the file and the free space; the
-    temp file is removed and whatever `path` held is untouched."""
+    mkstemp file would be 0600). A failed write, torch.save's own RuntimeError on a full disk
+    ("unexpected pos ...") included, is a WriteError naming the file and the free space; after
+    any failure the temp file is removed and whatever `path` held is untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
@@ -302,7 +307,8 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(err, (OSError, RuntimeError)):
+        if isinstance(err, OSError) or (isinstance(err, RuntimeError)
+                                        and _TORCH_WRITE_FAILED.search(str(err))):
             raise WriteError(path, err) from None
         raise
     try:  # persist the rename itself (best effort: not every filesystem allows it)

@@ -23,6 +23,8 @@ from rebm.checkpoint.state import (
     load_parts,
 )
 from rebm.config import TrainConfig
+from rebm.config.schema import DataConfig, ModelConfig
+from rebm.config.sections import EmaSection, OptimizerSection
 from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import attack_view, has_sync_batchnorm, scoring_view
 from rebm.distributed.precision import Precision
@@ -156,16 +158,18 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                  max_grad_norm=cfg.max_grad_norm)
 
 
-def state_fit_check(cfg: TrainConfig, stage: int) -> Callable[[Dict[str, Any]], None]:
-    """The check a state must pass before a run of `cfg` (training stage `stage`) trusts it:
-    its stage and model_type are the run's (else StateOfAnotherRun: no earlier state of that
-    run is better), and its model, EMA and optimizer tensors have the shapes of the parts this
-    run builds, built on the meta device for the check (no memory, no random numbers)."""
+def state_fit_check(model: ModelConfig, data: DataConfig, optimization: OptimizerSection,
+                    ema: EmaSection, stage: int) -> Callable[[Dict[str, Any]], None]:
+    """The check a state must pass before a run (training stage `stage`, its model, data,
+    optimizer and EMA sections) trusts it: its stage and model_type are the run's (else
+    StateOfAnotherRun: no earlier state of that run is better), and its model, EMA and
+    optimizer tensors have the shapes of the parts this run builds, built on the meta device
+    for the check (no memory, no random numbers)."""
     def fits(state: Dict[str, Any]) -> None:
         check_stage(state, stage)
-        check_model_type(state, cfg.model.model_type)
+        check_model_type(state, model.model_type)
         with torch.device("meta"):
-            model = model_from_config(cfg.model, cfg.data)
-            check_fits(state, model, build_optimizer(cfg.optimization, model.parameters()),
-                       build_ema(model, cfg.ema))
+            network = model_from_config(model, data)
+            check_fits(state, network, build_optimizer(optimization, network.parameters()),
+                       build_ema(network, ema))
     return fits

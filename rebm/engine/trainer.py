@@ -147,7 +147,9 @@ class Trainer:
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
         state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage,
-                                       fits=state_fit_check(cfg, method.stage))
+                                       fits=state_fit_check(cfg.model, cfg.data,
+                                                            cfg.optimization, cfg.ema,
+                                                            method.stage))
         self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)

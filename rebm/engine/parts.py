@@ -23,8 +23,9 @@ from rebm.checkpoint.state import (
     load_parts,
 )
 from rebm.config import TrainConfig
+from rebm.config.optimizers import OptimizerSection
 from rebm.config.schema import DataConfig, ModelConfig
-from rebm.config.sections import EmaSection, OptimizerSection
+from rebm.config.sections import EmaSection
 from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import attack_view, has_sync_batchnorm, scoring_view
 from rebm.distributed.precision import Precision

@@ -213,8 +213,10 @@ def test_resume_force_with_another_model_type_is_one_line(five_states, tmp_path)
 # 5 (weights). A weights file with a NaN weight
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
-def nan_model(five_states, tmp_path):
-    weights = torch.load(five_states / "model_final.pth", map_location="cpu", weights_only=True)
+def nan_model(tmp_path):
+    """The quickstart model's weights file with one NaN weight."""
+    cfg = load_config(CONFIG)
+    weights = model_from_config(cfg.model, cfg.data).state_dict()
     weights["block1.layer.0.conv1.weight"][1, 0, 2, 0] = float("nan")
     path = tmp_path / "nan_model.pth"
     torch.save(weights, path)
@@ -262,6 +264,7 @@ def test_a_run_dir_that_is_a_file_is_named(tmp_path):
     assert path.read_text() == "a file\n"
 
 
+@pytest.mark.slow
 def test_states_and_models_have_the_permissions_of_other_run_files(five_states):
     mode = (five_states / "config.yaml").stat().st_mode & 0o777
     umask = os.umask(0)

@@ -126,7 +126,9 @@ def verify_state(path: str, state: Dict[str, Any]) -> None:
 def check_model_type(state: Dict[str, Any], model_type: str) -> None:
     """StateOfAnotherRun when the state's run trained another `model.model_type` (resume=force
     continues changed settings, never another architecture)."""
-    found = (state.get("config") or {}).get("model", {}).get("model_type")
+    config = state.get("config")
+    model = config.get("model") if isinstance(config, Mapping) else None
+    found = model.get("model_type") if isinstance(model, Mapping) else None
     if found is not None and found != model_type:
         raise StateOfAnotherRun(
             f"'{state.get('_path', 'the training state')}' holds a {found} model and this run "

@@ -14,13 +14,26 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from rebm.checkpoint.run_directory import RunDirectory, state_step
-from rebm.checkpoint.state import StateError, read_state
+from rebm.checkpoint.state import StateError, StateOfAnotherRun, read_state, verify_state
 from rebm.checkpoint.weights import atomic_torch_save, save_model
 from rebm.config.batch import BatchPlan
 from rebm.distributed import Runtime, consensus, decide_on_main
 from rebm.distributed.collectives import on_main
 
 LOGGER = logging.getLogger("rebm")
+
+
+StateCheck = Callable[[Dict[str, Any]], None]  # raises StateError when a state does not fit
+
+
+def trusted(path: str, fits: Optional[StateCheck] = None) -> Dict[str, Any]:
+    """The state in `path`, read, verified (`verify_state`: the zip's CRC-32s, finite weights)
+    and, given `fits`, checked against the run (StateError otherwise)."""
+    state = read_state(path)
+    verify_state(path, state)
+    if fits is not None:
+        fits(state | {"_path": path})
+    return state
 
 
 class CheckpointManager:
@@ -46,7 +59,7 @@ class CheckpointManager:
         try:
             os.makedirs(run.checkpoints, exist_ok=True)
             atomic_torch_save(state, path)
-        except OSError as err:
+        except OSError as err:  # WriteError: torch.save's RuntimeError on a full disk too
             previous = run.states()
             raise StateError(
                 f"cannot write training state '{path}' ({err.strerror or err}); free disk space "
@@ -72,10 +85,12 @@ class CheckpointManager:
         if consensus(self.runtime, failed=failure is not None)["failed"]:
             raise StateError(failure or "rank 0 could not write the training state (see its log)")
 
-    def find_resumable(self, explicit: Optional[str], auto: bool = True) -> Optional[Tuple]:
-        """(path, state) of the newest readable state: the explicit path if given (a state
+    def find_resumable(self, explicit: Optional[str], auto: bool = True,
+                       fits: Optional[StateCheck] = None) -> Optional[Tuple]:
+        """(path, state) of the newest trusted state: the explicit path if given (a state
         file, a run directory or its checkpoints/), else (when `auto`) the newest in the run's
-        checkpoints/, skipping (with a warning) any that is unreadable."""
+        checkpoints/, skipping (with a warning) any that is unreadable, damaged, not finite or
+        does not fit (`trusted`)."""
         if explicit:
             target = explicit
             if os.path.isdir(explicit):
@@ -84,30 +99,34 @@ class CheckpointManager:
                 if not candidates:
                     raise StateError(f"resume_from_state '{explicit}' holds no state_*.pt files")
                 target = candidates[0]
-            return target, read_state(target)
+            return target, trusted(target, fits)
         if not auto:
             return None
         candidates = self.run.states()
         for path in candidates:
             try:
-                return path, read_state(path)
+                return path, trusted(path, fits)
+            except StateOfAnotherRun:
+                raise
             except StateError as err:
                 LOGGER.warning("%s; trying the previous state", err)
         if candidates:
             raise StateError(
                 f"none of the {len(candidates)} training states in '{self.run.checkpoints}' is "
-                "readable; delete them to start afresh, or pass resume_from_state=PATH"
+                "usable (see the lines above); delete them to start afresh, or pass "
+                "resume_from_state=PATH"
             )
         return None
 
-    def resume_state_all_ranks(self, explicit: Optional[str], allow_auto: bool
-                               ) -> Optional[Dict[str, Any]]:
-        """Rank 0 picks the state to resume from (or none); every rank then loads that same
-        file (its path under "_path"). Called by every rank: the decision is a broadcast."""
+    def resume_state_all_ranks(self, explicit: Optional[str], allow_auto: bool,
+                               fits: Optional[StateCheck] = None) -> Optional[Dict[str, Any]]:
+        """Rank 0 picks the state to resume from (or none), checked by `trusted` (`fits`: the
+        run's own check that a state fits its parts); every rank then loads that same file (its
+        path under "_path"). Called by every rank: the decision is a broadcast."""
         def choose() -> Optional[str]:
-            found = self.find_resumable(explicit, auto=allow_auto)
+            found = self.find_resumable(explicit, auto=allow_auto, fits=fits)
             if allow_auto and not explicit:
-                return found[0] if found else None  # the newest readable state: none is newer
+                return found[0] if found else None  # the newest usable state: none is newer
             # resume=never or an explicit state: the run must not start behind run_dir's states
             # (saving would prune the new states, and a later auto-resume would jump to the old).
             start = int(found[1]["step"]) if found else 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import logging
 import os
 import re
@@ -35,13 +34,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from rebm.checkpoint.disk import reason, room_for
 from rebm.config import training_diff
 from rebm.distributed import Runtime, decide_on_main, setup_logging
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
-STATE_PATTERN = re.compile(r"state_(\d+)\.pt$")
+STATE_PATTERN = re.compile(r"state_(\d+)\.pt")  # a state file's name (fullmatch)
 _HASHED = re.compile(r"^(?P<name>.+)-[0-9a-f]{8}$")
 
 
@@ -125,9 +125,11 @@ class RunDirectory:
         return os.path.join(self.checkpoints, f"state_{step:09d}.pt")
 
     def states(self) -> List[str]:
-        """Saved states of the run, newest first."""
-        paths = glob.glob(os.path.join(self.checkpoints, "state_*.pt"))
-        paths = [p for p in paths if STATE_PATTERN.search(p)]
+        """Saved states of the run, newest first. The folder is listed and its names matched:
+        a pattern built from the path would read `[`, `*`, `?` in a run_dir's name as wildcards
+        and find another run's states."""
+        paths = [os.path.join(self.checkpoints, name) for name in _names(self.checkpoints)
+                 if STATE_PATTERN.fullmatch(name)]
         return sorted(paths, key=state_step, reverse=True)
 
     @property
@@ -191,10 +193,13 @@ class RunDirectory:
 
     def remove_stale_temp_files(self) -> None:
         """Temp files of writes a killed job never finished (`atomic_torch_save`, metrics
-        rewrite). Only the lock holder calls this, so no live writer owns them."""
-        for pattern in ("*.tmp", os.path.join(self.CHECKPOINTS, "*.tmp")):
-            for path in glob.glob(self.file(pattern)) + glob.glob(
-                    os.path.join(self.path, os.path.dirname(pattern), ".*.tmp")):
+        rewrite) in the run directory and its checkpoints/ (listed, never globbed: see
+        `states`). Only the lock holder calls this, so no live writer owns them."""
+        for folder in (self.path, self.checkpoints):
+            for name in _names(folder):
+                path = os.path.join(folder, name)
+                if not name.endswith(".tmp") or not os.path.isfile(path):
+                    continue
                 try:
                     os.remove(path)
                     LOGGER.info("removed %s, left by an interrupted write", path)
@@ -218,7 +223,15 @@ class RunDirectory:
 
 def state_step(path: str) -> int:
     """The step of a state file, from its name."""
-    return int(STATE_PATTERN.search(path).group(1))
+    return int(STATE_PATTERN.fullmatch(os.path.basename(path)).group(1))
+
+
+def _names(folder: str) -> List[str]:
+    """The names in `folder` ([] when it does not exist or cannot be listed)."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def config_run_name(run_dir: str) -> str:
@@ -234,7 +247,8 @@ def sibling_runs(run_dir: str) -> List[str]:
     parent = os.path.dirname(os.path.normpath(run_dir))
     name = config_run_name(run_dir)
     candidates = [os.path.join(parent, name)]
-    candidates += glob.glob(os.path.join(parent, glob.escape(name) + "-*"))
+    candidates += [os.path.join(parent, other) for other in _names(parent or ".")
+                   if other.startswith(name + "-")]
     same = os.path.abspath(run_dir)
     return sorted(path for path in candidates
                   if (path == os.path.join(parent, name) or _HASHED.match(os.path.basename(path)))
@@ -250,8 +264,8 @@ class RunDirLock:
         try:
             self._file = open(self.path, "a+")
         except OSError as err:
-            raise RunDirError(f"cannot write '{self.path}' ({err.strerror}); choose a writable "
-                              "run_dir=PATH") from None
+            raise RunDirError(f"cannot write '{self.path}' ({reason(err)}; "
+                              f"{room_for(self.path)}); choose a writable run_dir=PATH") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -267,11 +281,25 @@ class RunDirLock:
             raise RunDirError(
                 f"run_dir '{run_dir}' is in use by {holder}; wait for that job to end, or "
                 "choose another run_dir=PATH") from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self._file.flush()
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            self._file.flush()
+        except OSError as err:  # a full disk, a file-size limit
+            self._abandon()
+            raise RunDirError(f"cannot write '{self.path}' ({reason(err)}; "
+                              f"{room_for(self.path)}); free disk space, or choose a run_dir "
+                              "on another filesystem") from None
+
+    def _abandon(self) -> None:
+        """Unlock and close after a failed write (closing flushes, and may fail again)."""
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
     def release(self) -> None:
         if not self._file.closed:
@@ -299,6 +327,23 @@ def new_run_notice(run_dir: str, config: Dict[str, Any]) -> Optional[str]:
             f"training keys (run_dir={nearest} continues that one instead)")
 
 
+def create_run_dir(path: str) -> None:
+    """Create the run directory `path` (absolute), or RunDirError in one line: a file (or a
+    file on its way) in the place of a folder is named as such."""
+    blocking = path
+    while blocking != os.path.dirname(blocking) and not os.path.lexists(blocking):
+        blocking = os.path.dirname(blocking)
+    if os.path.lexists(blocking) and not os.path.isdir(blocking):
+        where = "is a file" if blocking == path else f"cannot be created: '{blocking}' is a file"
+        raise RunDirError(f"run_dir '{path}' {where}, not a directory; choose another "
+                          "run_dir=PATH") from None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create run_dir '{path}' ({err.strerror}); choose a "
+                          "writable run_dir=PATH") from None
+
+
 def resolve_run_dir_all_ranks(run_dir: Optional[str], config: Dict[str, Any], runtime: Runtime
                               ) -> Tuple[RunDirectory, Optional[RunDirLock]]:
     """Rank 0 creates and locks the run directory `run_dir` (the config's key: runs/run when
@@ -315,16 +360,18 @@ def resolve_run_dir_all_ranks(run_dir: Optional[str], config: Dict[str, Any], ru
             run_dir and new_run_notice(run_dir, config))
         if notice:
             LOGGER.info("%s", notice)
-        try:
-            os.makedirs(chosen, exist_ok=True)
-        except OSError as err:
-            raise RunDirError(f"cannot create run_dir '{chosen}' ({err.strerror}); choose a "
-                              "writable run_dir=PATH") from None
+        create_run_dir(chosen)
         held.append(RunDirLock(chosen))
         run.remove_stale_temp_files()
         token = secrets.token_hex(8)
-        with open(run.shared_check_file, "w") as fh:
-            fh.write(token + "\n")
+        try:
+            with open(run.shared_check_file, "w") as fh:
+                fh.write(token + "\n")
+        except OSError as err:
+            held.pop().release()
+            raise RunDirError(f"cannot write '{run.shared_check_file}' ({reason(err)}; "
+                              f"{room_for(run.shared_check_file)}); free disk space, or choose "
+                              "a run_dir on another filesystem") from None
         return chosen, token
 
     chosen, token = decide_on_main(runtime, choose, "create the run directory")

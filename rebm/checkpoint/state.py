@@ -12,7 +12,8 @@ rebm/compat/state_format.py)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, Mapping, Protocol, Sequence, Tuple
+import zipfile
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -27,6 +28,11 @@ OPTIONAL_PARTS = ("ema",)  # absent from a state: the EMA restarts from the load
 
 class StateError(UserError, RuntimeError):
     """No usable training state, or one could not be written."""
+
+
+class StateOfAnotherRun(StateError):
+    """A state of another stage or architecture: the previous states of the run are no better,
+    so there is no falling back to them."""
 
 
 def read_state(path: str) -> Dict[str, Any]:
@@ -87,9 +93,106 @@ def check_stage(state: Dict[str, Any], stage: int) -> None:
     """A state of the other training stage is refused (one line)."""
     found = state.get("stage", 2)  # states written before the field existed are DAT's
     if found != stage:
-        raise StateError(
+        raise StateOfAnotherRun(
             f"'{state.get('_path', 'the training state')}' is a stage-{found} training state, "
             f"but this is a stage-{stage} run; give each stage its own run_dir")
+
+
+def verify_state(path: str, state: Dict[str, Any]) -> None:
+    """StateError in one line unless the state file `path` (read as `state`) is intact and its
+    weights are finite: every record's CRC-32 in the zip archive torch.save writes is checked
+    against its data (torch.load does not: a flipped bit in a tensor would load silently), and
+    the model's and EMA's floating-point tensors must hold no NaN/Inf."""
+    if zipfile.is_zipfile(path):  # torch.save's format since torch 1.6 (older states: no CRC)
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as err:
+            raise StateError(f"training state '{path}' is unreadable ({type(err).__name__}: "
+                             f"{err})") from None
+        if damaged:
+            raise StateError(f"training state '{path}' is damaged (the CRC-32 of its record "
+                             f"'{damaged}' does not match its data)")
+    for part in ("model", "ema"):
+        weights = state.get(part)
+        if isinstance(weights, Mapping):
+            for name, value in weights.items():
+                if torch.is_tensor(value) and value.is_floating_point() and \
+                        not bool(torch.isfinite(value).all()):
+                    raise StateError(f"training state '{path}' holds NaN/Inf in its {part} "
+                                     f"tensor '{name}'")
+
+
+def check_model_type(state: Dict[str, Any], model_type: str) -> None:
+    """StateOfAnotherRun when the state's run trained another `model.model_type` (resume=force
+    continues changed settings, never another architecture)."""
+    config = state.get("config")
+    model = config.get("model") if isinstance(config, Mapping) else None
+    found = model.get("model_type") if isinstance(model, Mapping) else None
+    if found is not None and found != model_type:
+        raise StateOfAnotherRun(
+            f"'{state.get('_path', 'the training state')}' holds a {found} model and this run "
+            f"builds a {model_type} (model.model_type): a training state continues only its "
+            f"own architecture; choose another run_dir, or model.model_type={found}")
+
+
+def _shape(value: Any) -> Tuple[int, ...]:
+    return tuple(value.shape)
+
+
+def _weights_misfit(part: str, saved: Any, own: Mapping[str, Any]) -> Optional[str]:
+    """How the state dict `saved` of the part `part` differs from `own` (the run's), or None."""
+    if not isinstance(saved, Mapping):
+        return f"its '{part}' part is not a state dict"
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    if missing or unexpected:
+        return (f"its {part} lacks {len(missing)} and adds {len(unexpected)} tensors "
+                f"(e.g. {(missing or unexpected)[0]!r})")
+    for name, value in own.items():
+        if torch.is_tensor(value) and (not torch.is_tensor(saved[name])
+                                       or _shape(saved[name]) != _shape(value)):
+            found = _shape(saved[name]) if torch.is_tensor(saved[name]) else type(saved[name])
+            return f"its {part} tensor '{name}' is {found}, the run's {_shape(value)}"
+    return None
+
+
+def _optimizer_misfit(saved: Any, optimizer: torch.optim.Optimizer,
+                      names: Dict[int, str]) -> Optional[str]:
+    """How the optimizer state `saved` does not fit `optimizer` (groups, parameter counts, the
+    shape of each per-parameter tensor such as momentum), or None. `names`: id(parameter) ->
+    its name."""
+    if not isinstance(saved, Mapping) or "param_groups" not in saved:
+        return "its optimizer part is not an optimizer state"
+    groups = saved["param_groups"]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g.get("params", ())) for g in groups] != sizes:
+        return (f"its optimizer has parameter groups of {[len(g.get('params', ())) for g in groups]}"
+                f" parameters, the run's {sizes}")
+    per_parameter = saved.get("state", {})
+    for group, own in zip(groups, optimizer.param_groups, strict=True):
+        for index, param in zip(group["params"], own["params"], strict=True):
+            for key, value in per_parameter.get(index, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and _shape(value) != _shape(param):
+                    return (f"its optimizer's '{key}' of '{names.get(id(param), index)}' is "
+                            f"{_shape(value)}, the parameter's {_shape(param)}")
+    return None
+
+
+def check_fits(state: Dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               ema: Optional[torch.nn.Module]) -> None:
+    """StateError in one line naming the first tensor of `state` that does not fit the run's
+    parts (shapes only: they may live on the meta device): the model's weights, the EMA's, and
+    the optimizer's per-parameter tensors (momentum, moments)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    problems: List[Optional[str]] = [_weights_misfit("model", state.get("model"), model.state_dict())]
+    if ema is not None and state.get("ema") is not None:
+        problems.append(_weights_misfit("ema", state["ema"], ema.state_dict()))
+    problems.append(_optimizer_misfit(state.get("optimizer"), optimizer, names))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise StateError(f"training state '{state.get('_path', '?')}' does not fit this run: "
+                         f"{problem}")
 
 
 def _weights_digest(modules: Sequence[torch.nn.Module]) -> int:

@@ -24,7 +24,7 @@ import logging
 import os
 import pickle
 import re
-import tempfile
+import secrets
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from rebm.checkpoint.disk import WriteError
 from rebm.checkpoint.layouts import check_normaliser, split_normaliser
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
@@ -204,6 +205,18 @@ def extract_state_dict(
     return sd, " > ".join(trail) or "plain"
 
 
+def non_finite(sd: Mapping[str, Any]) -> Optional[str]:
+    """None when every floating-point tensor of the state dict `sd` is finite, else e.g.
+    "NaN/Inf in tensor 'fc.weight' (3 of 640 values)" for the first that is not."""
+    for name, value in sd.items():
+        if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
+            finite = torch.isfinite(value)
+            if not bool(finite.all()):
+                bad = int(finite.numel() - finite.sum())
+                return f"NaN/Inf in tensor '{name}' ({bad} of {finite.numel()} values)"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Loading into a model
 # --------------------------------------------------------------------------------------------
@@ -227,6 +240,10 @@ def load_checkpoint(
     own = target.state_dict()
     sd, layout = extract_state_dict(read_checkpoint(path, trust), set(own), prefer_ema, path,
                                     model=target)
+    bad = non_finite(sd)
+    if bad:
+        raise CheckpointError(f"checkpoint '{path}' holds {bad}; these weights cannot be "
+                              "used: take an earlier checkpoint of that run")
 
     # num_batches_tracked is absent from very old checkpoints; BatchNorm fills it in itself.
     missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]
@@ -264,22 +281,35 @@ def load_checkpoint(
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
+# torch.save's zip writer reports a failed write (a disk that filled, a file-size limit) as a
+# RuntimeError: "unexpected pos N vs M" or "PytorchStreamWriter failed writing file ...".
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|PytorchStreamWriter failed|file write failed")
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     """torch.save that never leaves a partial file at `path`: write a temp file in the same
-    directory (same filesystem, so os.replace is atomic), fsync it, then rename over `path`."""
+    directory (same filesystem, so os.replace is atomic), fsync it, then rename over `path`.
+    The file gets the permissions of any file the process creates (0644 under umask 022; a
+    mkstemp file would be 0600). A failed write, torch.save's own RuntimeError on a full disk
+    ("unexpected pos ...") included, is a WriteError naming the file and the free space; after
+    any failure the temp file is removed and whatever `path` held is untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as fh:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) or (isinstance(err, RuntimeError)
+                                        and _TORCH_WRITE_FAILED.search(str(err))):
+            raise WriteError(path, err) from None
         raise
     try:  # persist the rename itself (best effort: not every filesystem allows it)
         dir_fd = os.open(directory, os.O_RDONLY)

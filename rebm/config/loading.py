@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import fields, is_dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -132,6 +133,29 @@ def _read_overrides(overrides: Sequence[str], source: str = "command line") -> D
         raise ConfigError(f"{source}: cannot parse overrides: {err}") from None
 
 
+# `${oc.env:NAME}` (OmegaConf's resolver) copies an environment variable into the config, and rebm
+# records every resolved value (config.yaml, each training state, wandb): variables whose name says
+# they hold a secret are refused (docs/checkpoints.md).
+_ENV_READ = re.compile(r"\$\{oc\.env:\s*([^,}\s]+)")
+_SECRET_WORDS = {"TOKEN", "SECRET", "KEY", "APIKEY", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL",
+                 "CREDENTIALS", "AUTH", "PRIVATE"}
+
+
+def _refuse_secrets(raw: Any, source: str, prefix: str = "") -> None:
+    """ConfigError naming the key whose value reads a secret-looking environment variable."""
+    items = raw.items() if isinstance(raw, dict) else enumerate(raw) if isinstance(raw, list) else ()
+    for key, value in items:
+        if isinstance(value, (dict, list)):
+            _refuse_secrets(value, source, f"{prefix}{key}.")
+            continue
+        for name in _ENV_READ.findall(value) if isinstance(value, str) else ():
+            if set(re.split(r"[^A-Z0-9]+", name.upper())) & _SECRET_WORDS:
+                raise ConfigError(
+                    f"{source}: '{prefix}{key}' reads the environment variable {name}, whose "
+                    "name says it holds a secret; rebm records every resolved value in "
+                    "config.yaml, each training state and wandb, so a config may not read it")
+
+
 def load_config(path: Optional[str], overrides: Sequence[str] = (),
                 overrides_source: str = "command line") -> TrainConfig:
     """YAML file + dot-list overrides -> validated TrainConfig (raises ConfigError).
@@ -144,6 +168,7 @@ def load_config(path: Optional[str], overrides: Sequence[str] = (),
     for source, raw in sources:
         apply_aliases(raw, source)
         explicit += _explicit_keys(OmegaConf.to_container(raw))
+        _refuse_secrets(OmegaConf.to_container(raw), source)
         schema = _merge(schema, raw, source)
     _dependent_defaults(schema, explicit)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -16,10 +16,16 @@ from rebm.checkpoint.state import (
     ProcessRNG,
     StateError,
     Stateful,
+    check_fits,
+    check_model_type,
+    check_stage,
     check_weights_all_ranks,
     load_parts,
 )
 from rebm.config import TrainConfig
+from rebm.config.optimizers import OptimizerSection
+from rebm.config.schema import DataConfig, ModelConfig
+from rebm.config.sections import EmaSection
 from rebm.distributed.compile_cache import CompileCache
 from rebm.distributed.parallel import attack_view, has_sync_batchnorm, scoring_view
 from rebm.distributed.precision import Precision
@@ -29,6 +35,7 @@ from rebm.engine.ema import build_ema
 from rebm.engine.metrics_window import MetricsWindow
 from rebm.engine.optimizers import build_optimizer
 from rebm.methods.base import Method, StepContext
+from rebm.models import model_from_config
 
 LOGGER = logging.getLogger("rebm")
 
@@ -150,3 +157,20 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                  compile_cache=get_compile_cache(cfg.model, cfg.data, cfg.distributed,
                                                  cfg.run_dir, runtime, last_step),
                  max_grad_norm=cfg.max_grad_norm)
+
+
+def state_fit_check(model: ModelConfig, data: DataConfig, optimization: OptimizerSection,
+                    ema: EmaSection, stage: int) -> Callable[[Dict[str, Any]], None]:
+    """The check a state must pass before a run (training stage `stage`, its model, data,
+    optimizer and EMA sections) trusts it: its stage and model_type are the run's (else
+    StateOfAnotherRun: no earlier state of that run is better), and its model, EMA and
+    optimizer tensors have the shapes of the parts this run builds, built on the meta device
+    for the check (no memory, no random numbers)."""
+    def fits(state: Dict[str, Any]) -> None:
+        check_stage(state, stage)
+        check_model_type(state, model.model_type)
+        with torch.device("meta"):
+            network = model_from_config(model, data)
+            check_fits(state, network, build_optimizer(optimization, network.parameters()),
+                       build_ema(network, ema))
+    return fits

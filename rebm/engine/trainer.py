@@ -52,7 +52,7 @@ from rebm.engine.metrics_window import (
     peak_memory_mib,
     pop_data_counts,
 )
-from rebm.engine.parts import Parts, Progress, build_parts_all_ranks
+from rebm.engine.parts import Parts, Progress, build_parts_all_ranks, state_fit_check
 from rebm.engine.saving import (
     TrainingDiverged,
     patient_collectives,
@@ -96,12 +96,15 @@ def planned_last_step(schedule: ScheduleSection, steps_per_epoch: int) -> float:
 
 
 def resume_point_all_ranks(run: RunSection, config: Dict[str, Any],
-                           checkpoints: CheckpointManager, stage: int) -> Optional[dict]:
+                           checkpoints: CheckpointManager, stage: int,
+                           fits: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
     """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
     other stage, or when the run it belongs to trained with another config than `config` (the
-    run's, as to_dict gives it) unless resume=force."""
+    run's, as to_dict gives it) unless resume=force. `fits`: a state that fails it is passed
+    over for the previous one (`CheckpointManager.find_resumable`)."""
     state = checkpoints.resume_state_all_ranks(run.resume_from_state,
-                                               allow_auto=run.resume in ("auto", "force"))
+                                               allow_auto=run.resume in ("auto", "force"),
+                                               fits=fits)
     if state is not None:
         check_stage(state, stage)
     if state is None or run.resume == "force":
@@ -143,7 +146,10 @@ class Trainer:
             self.evaluator.start_all_ranks()
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage)
+        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage,
+                                       fits=state_fit_check(cfg.model, cfg.data,
+                                                            cfg.optimization, cfg.ema,
+                                                            method.stage))
         self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)

@@ -207,8 +207,10 @@ class SeedImages:
                 images = image_tensor_file(path)
             except ValueError as err:  # DataError: bad shape / dtype / extension
                 raise SeedImageError(f"image_log.seed_images: {err}") from None
-            if images.shape[0] == 0:
-                raise SeedImageError(f"image_log.seed_images: '{path}' holds no images")
+            if images.numel() == 0:  # no images, or images without pixels: (N, 3, 0, W)
+                what = "no images" if images.shape[0] == 0 else \
+                    f"images without pixels (shape {tuple(images.shape)})"
+                raise SeedImageError(f"image_log.seed_images: '{path}' holds {what}")
             self._tensor = _resize(images, self.size)
         else:
             raise SeedImageError(

@@ -24,6 +24,7 @@ from tests.helpers import REPO, RunResult, base_env, finish, rebm_traceback_line
 from tests.processes import popen
 from tests.standins import STANDIN, write_standin_statistics
 
+STAGE1 = "experiments/quickstart/digits.yaml"
 STAGE2 = "experiments/quickstart/digits_stage2.yaml"
 CHEAP = ["eval.num_images=24", "data.num_workers=0", "robust_eval_steps=2", "image_log.num_steps=2",
          "image_log.seed_images=noise", "--no-ece"]
@@ -217,8 +218,8 @@ def test_a_non_finite_setting_is_one_line_before_anything_is_written(tmp_path, o
     `wd: .inf` passed their range checks: training would start. Refused in one line naming the
     key, before the run directory exists."""
     run_dir = tmp_path / "run"
-    result = run_command([sys.executable, "-m", "rebm.training.train", STAGE2, override,
-                          f"run_dir={run_dir}"], timeout=120, env=_env())
+    result = run_command([sys.executable, "-m", "rebm.training.train", STAGE1, override,
+                          "max_steps=1", f"run_dir={run_dir}"], timeout=120, env=_env())
     _one_line_error(result, key, "not a finite number")
     assert not run_dir.exists()
 

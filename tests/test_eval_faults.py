@@ -331,3 +331,25 @@ def test_cached_values_of_the_wrong_type_or_depth_are_computed_again(table_folde
     assert _computing(rerun.output, "a") == ["accuracy"]
     assert (out / "rows" / "a.json.corrupt").stat().st_size == 400_000
     assert json.loads(cache.read_text())["metrics"]["accuracy"]["results"]["test_acc"] == value
+
+
+def test_a_table_into_a_folder_another_evaluation_holds_is_one_line(table_folder, tmp_path):
+    """A table owns its --out folder as an evaluation owns its run_dir: while another process
+    holds it, the table stops at start-up with one line and computes nothing."""
+    ckpts, out = table_folder / "ckpts", tmp_path / "out"
+    (tmp_path / "stats.npz").write_bytes((table_folder / "stats.npz").read_bytes())
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; "
+                               "f = open(sys.argv[1], 'a+'); f.write('pid 1 on elsewhere'); "
+                               "f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+                               "time.sleep(120)", str(out / ".eval.lock")],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = _run_table(_table(tmp_path, ["accuracy"]), ckpts, out)
+    finally:
+        holder.kill()
+        holder.wait()
+    _one_line_error(result, f"output folder '{out}' is in use by another evaluation "
+                            "(pid 1 on elsewhere)", "--out DIR")
+    assert not (out / "rows").exists() and not (out / "table.md").exists()

@@ -7,8 +7,9 @@
   temporary file, leaves the previous file as it was, and raises OSError naming `path` (its strerror names the
   file too: the one-line messages quote only the strerror).
 - `OutputFolderLock`: an evaluation holds an exclusive lock (flock) on `<folder>/.eval.lock` of
-  its output folder for as long as it runs; a second evaluation into the same folder stops at
-  start-up with one line naming the holder, before it writes anything. The kernel releases the
+  its output folder for as long as it runs (`rebm.eval.evaluate` on its run_dir, a table on its
+  --out folder); a second evaluation into the same folder stops at start-up with one line naming
+  the holder, before it writes anything. The kernel releases the
   lock when the process ends, however it ends.
 """
 
@@ -76,14 +77,14 @@ class OutputFolderLock:
     """An exclusive flock on `<folder>/.eval.lock` (module docstring); the file names the
     holder. Taken by rank 0 only; `release()` at the end, or the process's exit."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, elsewhere: str = "run_dir=PATH"):
         self.path = RunDirectory(folder).eval_lock_file
         try:
             os.makedirs(folder, exist_ok=True)
             self._file = open(self.path, "a+")
         except OSError as err:
             raise EvalFolderBusy(f"cannot write '{self.path}' ({err.strerror or err}); choose "
-                                 "a writable output folder with run_dir=PATH") from None
+                                 f"a writable output folder with {elsewhere}") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -97,7 +98,7 @@ class OutputFolderLock:
             self._file.close()
             raise EvalFolderBusy(
                 f"output folder '{folder}' is in use by another evaluation ({holder}); wait "
-                "for it to end, or write elsewhere with run_dir=PATH") from None
+                f"for it to end, or write elsewhere with {elsewhere}") from None
         self._say_holder()
 
     def _say_holder(self) -> None:

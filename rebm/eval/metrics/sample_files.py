@@ -35,10 +35,10 @@ from torch import Tensor
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import (
+    WriteFailed,
     all_gather_by_index,
     all_reduce_max,
     all_reduce_min,
-    WriteFailed,
     decide_on_main,
     on_every_rank,
     on_main,

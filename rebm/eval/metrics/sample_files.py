@@ -171,8 +171,9 @@ class KeepSamples(SampleFileMetric):
 
         def check() -> None:
             if self.error is not None:
-                raise OSError(f"cannot write the samples into {self.folder} "
-                              f"({self.error.strerror or self.error})")
+                raise WriteFailed(f"cannot write the samples into {self.folder} "
+                                  f"({self.error.strerror or self.error}); free disk space or "
+                                  "write elsewhere with run_dir=PATH")
 
         on_every_rank(self.ctx.runtime, check, f"write the samples into {self.folder}")
         if self.ctx.runtime.is_main:
@@ -266,7 +267,8 @@ class SamplesNpz(SampleFileMetric):
 
         def check() -> None:
             if self.error is not None:
-                raise OSError(f"cannot write {self.npy} ({self.error.strerror or self.error})")
+                raise WriteFailed(f"cannot write {self.npy} ({self.error.strerror or self.error})"
+                                  "; free disk space or write elsewhere with run_dir=PATH")
 
         try:
             on_every_rank(self.ctx.runtime, check, f"write the samples into {self.npy}")

@@ -140,7 +140,8 @@ def test_a_failed_results_write_keeps_the_previous_files_and_leaves_nothing_behi
                                                                                    tmp_path):
     """A first evaluation writes eval.json and samples/samples.npz (reusing the .partial and
     .arr_0.npy a killed one left). Then, with a file-size limit: eval.json cannot be written
-    (200 bytes), then samples.npz cannot (4096 bytes). Each is one line naming the file, the
+    (200 bytes), then the samples' .npy cannot be made (4096 bytes), then the npz cannot be
+    assembled around a finished .npy (40 bytes short). Each is one line naming the file, the
     earlier files stay byte for byte, and no temporary file remains."""
     out = tmp_path / "out"
     ckpt = run_folder / "model_final.pth"
@@ -161,6 +162,12 @@ def test_a_failed_results_write_keeps_the_previous_files_and_leaves_nothing_behi
 
     failed = _limited(_evaluate(ckpt, *npz, f"run_dir={out}"), 4096)
     _one_line_error(failed, str(samples / "samples.npz"), "File too large")
+    assert _contents(out) == before
+
+    # room for the .npy (every row written) but not for the npz around it: the .partial fails
+    failed = _limited(_evaluate(ckpt, *npz, f"run_dir={out}"), len(before["samples/samples.npz"])
+                      - 40)
+    _one_line_error(failed, f"cannot write {samples / 'samples.npz'}", "File too large")
     assert _contents(out) == before
 
 

@@ -295,20 +295,3 @@ def test_a_config_may_not_read_a_secret_from_the_environment(tmp_path, monkeypat
     monkeypatch.setenv("REBM_TEST_DATA_ROOT", "/data")
     assert load_config(CONFIG, ["wandb_dir=${oc.env:REBM_TEST_DATA_ROOT}"]).logging.wandb_dir \
         == "/data"
-
-
-@pytest.mark.slow
-def test_a_seed_file_of_images_without_pixels_is_one_line(five_states, tmp_path):
-    """A (40, 3, 0, 16) seed tensor: `python -m rebm.eval.evaluate --samples` names the file and
-    the shape (the seed loader, rebm/eval/sampling/generation.py)."""
-    seeds = tmp_path / "seeds.pt"
-    torch.save(torch.rand(40, 3, 0, 16), seeds)
-    result = run_command([sys.executable, "-m", "rebm.eval.evaluate", CONFIG,
-                          f"model.ckpt_path={five_states / 'model_final.pth'}",
-                          f"image_log.seed_images={seeds}", "robust_eval_steps=1",
-                          "image_log.num_samples=20", "image_log.num_steps=2",
-                          f"run_dir={tmp_path / 'eval'}", "--samples"], timeout=240)
-    assert result.returncode == 2, result.output[-4000:]
-    assert error_lines(result.output) == [
-        f"error: image_log.seed_images: '{seeds}' holds images without pixels (shape "
-        "(40, 3, 0, 16))"], result.output[-4000:]

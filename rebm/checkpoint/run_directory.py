@@ -220,6 +220,11 @@ class RunDirectory:
                 f"{socket.gethostname()} is not the directory rank 0 created: put run_dir on a "
                 "filesystem shared by all nodes")
 
+    @property
+    def eval_lock_file(self) -> str:
+        """.eval.lock: the evaluation writing into this folder (rebm/eval/files.py)."""
+        return self.file(".eval.lock")
+
 
 def state_step(path: str) -> int:
     """The step of a state file, from its name."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import fields, is_dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -199,10 +200,29 @@ def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> 
         )
 
 
+def _non_finite(obj: Any, prefix: str = "") -> Optional[Tuple[str, float]]:
+    """The first (key, value) of a float setting that is NaN, or infinite where the key is not
+    a radius (`eps`, `*_eps`: `.inf` means no radius); None when there is none."""
+    for field in fields(obj):
+        value, key = getattr(obj, field.name), f"{prefix}{field.name}"
+        if is_dataclass(value):
+            found = _non_finite(value, f"{key}.")
+            if found:
+                return found
+        elif isinstance(value, float) and not math.isfinite(value):
+            if math.isnan(value) or not (field.name == "eps" or field.name.endswith("_eps")):
+                return key, value
+    return None
+
+
 def validate(cfg: TrainConfig, source: str = "config") -> None:
     """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
     from rebm.models.registry import MODELS
 
+    found = _non_finite(cfg)
+    if found:  # the range checks below let NaN through: every comparison with it is false
+        raise ConfigError(f"{source}: '{found[0]}: {found[1]}' is not a finite number; set a "
+                          "finite value (only a radius, *eps, may be .inf)")
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
     OPTIMIZERS.check(cfg.optimizer.lower(), source)

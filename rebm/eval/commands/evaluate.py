@@ -7,7 +7,10 @@ of the values with what each was computed on, prints the metrics as one JSON obj
 stdout line and writes them to <run_dir>/eval.json (with "settings": each metric's settings;
 an infinite value, e.g. a radius `.inf`, as the string "inf"), where run_dir is `run_dir` if
 set, else the checkpoint's folder (a training run's own folder); the log says where, before the
-evaluation starts. Heavy modules are imported once the arguments are good, so `--help` answers
+evaluation starts. The evaluation owns that folder while it runs (rank 0 holds `.eval.lock`
+there: a second evaluation into it stops with one line), and every file it writes there goes
+through a temporary file and a rename (rebm/eval/files.py), so a failed write keeps the previous
+file. Heavy modules are imported once the arguments are good, so `--help` answers
 at once.
 """
 
@@ -66,8 +69,9 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     from rebm.checkpoint.paths import model_file
     from rebm.checkpoint.run_directory import RunDirectory
     from rebm.distributed import broadcast_object, print_line, setup_logging
-    from rebm.distributed.collectives import on_main
+    from rebm.distributed.collectives import decide_on_main, on_main
     from rebm.eval.evaluator import LOGGER, Evaluator, load_eval_model
+    from rebm.eval.files import OutputFolderLock, write_text_replacing
     from rebm.eval.results import describe_evaluation, evaluation_table, jsonable
 
     setup_logging(runtime)
@@ -82,6 +86,9 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     network = load_eval_model(model, evaluation.data, evaluation.use_ema, runtime)
     folder = run_dir or os.path.dirname(os.path.abspath(model.ckpt_path))
     evaluator.run_dir = broadcast_object(runtime, folder)  # one folder for all ranks
+    held: List[OutputFolderLock] = []  # rank 0's: no other evaluation writes into the folder
+    decide_on_main(runtime, lambda: held.append(OutputFolderLock(evaluator.run_dir)),
+                   f"lock the output folder {evaluator.run_dir}")
     LOGGER.info("%s", output_notice(evaluator.run_dir, chosen=run_dir is not None))
     found = evaluator.evaluate_all_ranks(network)
     values, settings = found.values, found.settings
@@ -91,10 +98,8 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     metrics["settings"] = jsonable(settings)  # what each value was computed on, by metric
     path = RunDirectory(evaluator.run_dir).eval_results
 
-    def write() -> None:
-        os.makedirs(evaluator.run_dir, exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(metrics, fh, indent=2)
+    def write() -> None:  # through a temporary file: a failed write keeps the previous one
+        write_text_replacing(path, json.dumps(metrics, indent=2))
         LOGGER.info("%s", describe_evaluation(values))
         LOGGER.info("evaluation of %s:\n%s", model.ckpt_path, table)
         LOGGER.info("metrics written to %s", path)
@@ -102,6 +107,8 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
         print_line(json.dumps(metrics))  # the last stdout line, for scripts
 
     on_main(runtime, write, f"write {path}")
+    for lock in held:
+        lock.release()
     return metrics
 
 

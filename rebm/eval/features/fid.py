@@ -290,6 +290,11 @@ def load_reference(path: Optional[str], network: Optional[FeatureNetwork] = None
         expect = f"({dims},) and ({dims}, {dims})" if dims else "(D,) and (D, D)"
         raise FIDError(f"{key} '{path}' holds mu {mu.shape} and sigma "
                        f"{sigma.shape}, expected {expect}; {_make_stats_hint(path)}")
+    for name, array in (("mu", mu), ("sigma", sigma)):
+        bad = int((~np.isfinite(array)).sum())
+        if bad:  # FID would be NaN, stored as null
+            raise FIDError(f"{key} '{path}' holds {bad} NaN or infinite value(s) in '{name}'; "
+                           f"{_make_stats_hint(path)}")
     if network is not None:
         made_with, computes = statistics_network(path, stats), network.describe()
         if made_with != computes:

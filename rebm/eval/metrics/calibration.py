@@ -13,7 +13,6 @@ With a run directory, rank 0 also draws the reliability diagram of the same bins
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -23,6 +22,7 @@ from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import on_main
 from rebm.eval.exact_sums import ExactSums
+from rebm.eval.files import write_replacing
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.test_set import describe_test_set, test_set_files, test_set_settings
 
@@ -81,8 +81,7 @@ def reliability_diagram(sums: Tensor, ece: float, path: str) -> None:
                edgecolor="black")
     bottom.set(xlabel="confidence (max softmax)", ylabel="share of images")
     figure.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    figure.savefig(path, dpi=100)
+    write_replacing(path, lambda tmp: figure.savefig(tmp, dpi=100, format="png"))
 
 
 class Calibration(Metric):

@@ -15,7 +15,8 @@ from the generation pass without holding every sample.
 - samples_npz: every sample in one <run_dir>/samples/samples.npz (samples_step<step>.npz), arr_0
   uint8 N x S x S x 3 in index order, for OpenAI's evaluator; ranks write their rows into one
   shared .npy as they go, rank 0 stores it in the npz at the end (needs twice its size on disk
-  for a moment).
+  for a moment) through `samples.npz.partial` and a rename. A failed write removes the .npy and
+  the .partial and leaves an earlier samples.npz as it was; the next run reuses both names.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import Tensor
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import (
+    WriteFailed,
     all_gather_by_index,
     all_reduce_max,
     all_reduce_min,
@@ -41,6 +43,7 @@ from rebm.distributed.collectives import (
     on_every_rank,
     on_main,
 )
+from rebm.eval.files import remove_quietly, write_replacing
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk
 from rebm.eval.sampling.generation import (
     GRID_KINDS,
@@ -58,10 +61,11 @@ LOGGER = logging.getLogger("rebm")
 
 def write_pngs(pixels: Tensor, indices: Tensor, folder: str) -> None:
     """uint8 NCHW images as <folder>/<index>.png."""
-    os.makedirs(folder, exist_ok=True)
     for index, image in zip(indices.tolist(), pixels.permute(0, 2, 3, 1).cpu().numpy(),
                             strict=True):
-        Image.fromarray(image).save(os.path.join(folder, f"{index}.png"))
+        png = Image.fromarray(image)
+        write_replacing(os.path.join(folder, f"{index}.png"),
+                        lambda tmp, png=png: png.save(tmp, format="PNG"))
 
 
 class SampleFileMetric(Metric):
@@ -167,8 +171,9 @@ class KeepSamples(SampleFileMetric):
 
         def check() -> None:
             if self.error is not None:
-                raise OSError(f"cannot write the samples into {self.folder} "
-                              f"({self.error.strerror or self.error})")
+                raise WriteFailed(f"cannot write the samples into {self.folder} "
+                                  f"({self.error.strerror or self.error}); free disk space or "
+                                  "write elsewhere with run_dir=PATH")
 
         on_every_rank(self.ctx.runtime, check, f"write the samples into {self.folder}")
         if self.ctx.runtime.is_main:
@@ -183,21 +188,34 @@ class KeepSamples(SampleFileMetric):
 
 
 def _create_npy(path: str, shape: tuple) -> int:
-    """An empty (sparse) uint8 .npy of `shape`; returns the data offset."""
+    """An empty (sparse) uint8 .npy of `shape` (replacing one an earlier run left); returns
+    the data offset. Removed again when it cannot be made (a file-size limit, a full disk)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
+    try:
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
+    except OSError as err:
+        remove_quietly(path)
+        raise WriteFailed(f"cannot create {path} ({err.strerror or err}); free disk space or "
+                          "write elsewhere with run_dir=PATH") from None
     offset = int(array.offset)
     del array
     return offset
 
 
 def _npy_into_npz(npy: str, path: str) -> None:
-    """`npy` as the arr_0 of an uncompressed .npz at `path` (streamed; then removed)."""
+    """`npy` as the arr_0 of an uncompressed .npz at `path` (streamed through `path`.partial,
+    then renamed: a samples.npz is always a finished one); the .npy is removed either way."""
     partial = path + ".partial"
-    with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        archive.write(npy, "arr_0.npy")
-    os.replace(partial, path)
-    os.remove(npy)
+    try:
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            archive.write(npy, "arr_0.npy")
+        os.replace(partial, path)
+    except OSError as err:
+        raise OSError(err.errno, f"{err.strerror or err}, writing {os.path.basename(path)}",
+                      path) from None
+    finally:
+        remove_quietly(partial)
+        remove_quietly(npy)
 
 
 class SamplesNpz(SampleFileMetric):
@@ -249,9 +267,15 @@ class SamplesNpz(SampleFileMetric):
 
         def check() -> None:
             if self.error is not None:
-                raise OSError(f"cannot write {self.npy} ({self.error.strerror or self.error})")
+                raise WriteFailed(f"cannot write {self.npy} ({self.error.strerror or self.error})"
+                                  "; free disk space or write elsewhere with run_dir=PATH")
 
-        on_every_rank(self.ctx.runtime, check, f"write the samples into {self.npy}")
+        try:
+            on_every_rank(self.ctx.runtime, check, f"write the samples into {self.npy}")
+        except Exception:  # nothing half-written stays behind (rank 0's files)
+            if self.ctx.runtime.is_main:
+                remove_quietly(self.npy)
+            raise
         on_main(self.ctx.runtime, lambda: _npy_into_npz(self.npy, self.path),
                 f"write {self.path}")
         if self.ctx.runtime.is_main:

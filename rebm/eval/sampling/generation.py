@@ -53,6 +53,7 @@ from rebm.data.pipeline import indist_source
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
+from rebm.eval.files import write_replacing
 from rebm.eval.metric import SampleChunk
 
 LOGGER = logging.getLogger("rebm")
@@ -207,10 +208,16 @@ class SeedImages:
                 images = image_tensor_file(path)
             except ValueError as err:  # DataError: bad shape / dtype / extension
                 raise SeedImageError(f"image_log.seed_images: {err}") from None
-            if images.numel() == 0:  # no images, or images without pixels: (N, 3, 0, W)
-                what = "no images" if images.shape[0] == 0 else \
-                    f"images without pixels (shape {tuple(images.shape)})"
-                raise SeedImageError(f"image_log.seed_images: '{path}' holds {what}")
+            if images.shape[0] == 0:
+                raise SeedImageError(f"image_log.seed_images: '{path}' holds no images")
+            if images.numel() == 0:  # (40, 3, 0, 16): no pixels to resize
+                raise SeedImageError(f"image_log.seed_images: '{path}' holds images of shape "
+                                     f"{tuple(images.shape[1:])}, with no pixels; save "
+                                     "(N, 3, H, W) images with H, W >= 1")
+            bad = int((~torch.isfinite(images)).sum())
+            if bad:  # the [0, 1] check lets NaN through (every comparison with it is false)
+                raise SeedImageError(f"image_log.seed_images: '{path}' holds {bad} NaN or "
+                                     "infinite pixel value(s); save finite images in [0, 1]")
             self._tensor = _resize(images, self.size)
         else:
             raise SeedImageError(
@@ -351,7 +358,6 @@ def grid_pixels(images: Tensor, low: float, high: float) -> Tensor:
 def save_grid(pixels: Tensor, path: str) -> str:
     """uint8 images in grid order as one PNG, GRID_PER_CLASS a row with 1 black pixel between
     them (make_grid's layout; rank 0 only calls this)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    grid = make_grid(pixels.cpu(), nrow=GRID_PER_CLASS, padding=1)
-    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
-    return path
+    grid = Image.fromarray(make_grid(pixels.cpu(), nrow=GRID_PER_CLASS, padding=1)
+                           .permute(1, 2, 0).numpy())
+    return write_replacing(path, lambda tmp: grid.save(tmp, format="PNG"))

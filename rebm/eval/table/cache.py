@@ -15,7 +15,9 @@ recompute; each is taken off as its new value is stored, and the entry goes with
 `force` entry found later is a `--force` run that was stopped: its metrics still hold values
 from before it, and the next run recomputes them, saying so (`unfinished_force`).
 
-A metric's entry counts as computed when its key equals the key of the current run. The key
+A metric's entry counts as computed when its key equals the key of the current run and its
+results are numbers (`cached_value_problem`: a string, list or null under a valid key is
+computed again). The key
 (`metric_key`) is a hash of everything the value depends on:
 - the checkpoint's content (sha256 of the file, not its name, size or modification time);
 - the row's model settings (the `model` section but its path, and `use_ema`) and data settings
@@ -42,6 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.config import DataConfig, ModelConfig
 from rebm.config.sections import EvaluationSection
+from rebm.eval.files import write_text_replacing
 from rebm.eval.results import jsonable
 from rebm.eval.table.spec import TableError
 
@@ -168,7 +171,7 @@ def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
     except OSError as err:  # a permission, a folder in its place: not something to set aside
         raise TableError(f"table cache {path} cannot be read ({err.strerror or err}); fix its "
                          "permissions or remove it") from None
-    except ValueError as err:  # not JSON, not UTF-8
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep
         problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if problem is None:
         return cache
@@ -178,11 +181,26 @@ def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
     return {"metrics": {}}
 
 
+def cached_value_problem(results: Dict[str, Any]) -> Optional[str]:
+    """Why stored results are not a metric's values (None: they are): every value is a number,
+    or "inf" / "-inf" (how JSON stores an infinity); a string, list, mapping, boolean or null
+    (a NaN) was not written by a finished computation, or is no value to show."""
+    for name, value in results.items():
+        if value in ("inf", "-inf"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"'{name}' holds {json.dumps(value)[:40]}, not a number"
+    return None
+
+
 def cached_results(cache: Dict[str, Any], metric: str, key: str) -> Optional[Dict[str, Any]]:
-    """The stored results of `metric` when they were computed under `key`, else None."""
+    """The stored results of `metric` when they were computed under `key` and are numbers
+    (`cached_value_problem`), else None: not computed."""
     entry = cache["metrics"].get(metric)
     if isinstance(entry, dict) and entry.get("key") == key:
-        return entry.get("results")
+        results = entry.get("results")
+        if isinstance(results, dict) and cached_value_problem(results) is None:
+            return results
     return None
 
 
@@ -221,12 +239,7 @@ def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[s
 
 def write_cache(out_dir: str, cache: Dict[str, Any]) -> None:
     """Write the row's cache atomically (rank 0): a run killed at any point leaves it readable."""
-    path = cache_path(out_dir, cache["row"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(cache, fh, indent=1)
-    os.replace(tmp, path)
+    write_text_replacing(cache_path(out_dir, cache["row"]), json.dumps(cache, indent=1))
 
 
 def _json_safe(value: Any) -> Any:

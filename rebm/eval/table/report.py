@@ -1,7 +1,10 @@
 """table.md and table.csv of a paper table: one line per seed group, mean ± std over its rows.
 
 The standard deviation is the sample standard deviation (ddof = 1) over the rows of a group
-that have the value; a group of one row shows its value alone. Columns are the table's
+that have the value; a group of one row shows its value alone. A cell whose value only some of
+the group's rows have (a metric added to the table, then `--rows` run on some rows) says how
+many: '0.8512 (1 of 2 rows)' in table.md, `<key>_n` in table.csv. Both files are written through
+a temporary file and a rename. Columns are the table's
 `columns` (result key -> header) or, without them, every numeric result key except counts
 (`n_*`) and sweep details, in the order the metrics report them. A value computed with another
 network than the verified Inception (`fid_unverified`, `fid_standin`, ...) never fills the
@@ -11,6 +14,7 @@ column of the verified one: it gets its own column beside it, its header marked.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -18,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from rebm.eval.features.network import marked_keys
+from rebm.eval.files import write_text_replacing
 from rebm.eval.table.spec import RowSpec, TableSpec
 
 Values = Dict[str, Dict[str, float]]  # row name -> {result key: value}
@@ -66,14 +71,16 @@ def group_stats(values: Values, rows: Sequence[RowSpec], key: str
     return float(np.mean(found)), std, len(found)
 
 
-def cell(mean: Optional[float], std: Optional[float]) -> str:
-    """'0.8512 ± 0.0031', '12.35 ± 0.41' (2 decimals from 10 on), '–' without a value."""
+def cell(mean: Optional[float], std: Optional[float], count: int = 0, rows: int = 0) -> str:
+    """'0.8512 ± 0.0031', '12.35 ± 0.41' (2 decimals from 10 on), '–' without a value; a
+    value of fewer rows than the group's says so: '0.8512 (1 of 2 rows)'."""
     if mean is None:
         return "–"
+    fewer = f" ({count} of {rows} rows)" if 0 < count < rows else ""
     if not math.isfinite(mean):
-        return str(mean)
+        return str(mean) + fewer
     digits = 2 if abs(mean) >= 10 else 4
-    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}") + fewer
 
 
 def groups_of(rows: Sequence[RowSpec]) -> Dict[str, List[RowSpec]]:
@@ -91,35 +98,40 @@ def write_report(spec: TableSpec, values: Values, missing: Dict[str, str], out_d
     columns = with_marked_columns(spec.columns or default_columns(values, present),
                                   {r.name: values[r.name] for r in present})
     groups = groups_of(present)
-    os.makedirs(out_dir, exist_ok=True)
     md_path, csv_path = os.path.join(out_dir, "table.md"), os.path.join(out_dir, "table.csv")
-    with open(csv_path + ".tmp", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["group", "rows"] + [f"{k}_{s}" for k in columns for s in ("mean", "std")])
-        for group, rows in groups.items():
-            line: List[object] = [group, len(rows)]
-            for key in columns:
-                mean, std, _ = group_stats(values, rows, key)
-                line += ["" if mean is None else repr(mean), "" if std is None else repr(std)]
-            writer.writerow(line)
-    os.replace(csv_path + ".tmp", csv_path)
-    with open(md_path + ".tmp", "w") as fh:
-        fh.write(_markdown(spec, values, missing, columns, groups))
-    os.replace(md_path + ".tmp", md_path)
+    write_text_replacing(csv_path, _csv(values, columns, groups))
+    write_text_replacing(md_path, _markdown(spec, values, missing, columns, groups))
     return md_path, csv_path
+
+
+def _csv(values: Values, columns: Dict[str, str], groups: Dict[str, List[RowSpec]]) -> str:
+    """table.csv: per group its row count, then per column the mean, the std and how many
+    rows have the value (`<key>_n`, which may be fewer than `rows`)."""
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["group", "rows"] + [f"{k}_{s}" for k in columns
+                                         for s in ("mean", "std", "n")])
+    for group, rows in groups.items():
+        line: List[object] = [group, len(rows)]
+        for key in columns:
+            mean, std, count = group_stats(values, rows, key)
+            line += ["" if mean is None else repr(mean), "" if std is None else repr(std), count]
+        writer.writerow(line)
+    return text.getvalue()
 
 
 def _markdown(spec: TableSpec, values: Values, missing: Dict[str, str], columns: Dict[str, str],
               groups: Dict[str, List[RowSpec]]) -> str:
     lines = [f"# {spec.title}", "", f"Table file: `{spec.path}`. Cells are mean ± sample "
              "standard deviation (ddof = 1) over the rows (seeds) of a group; one row: its "
-             "value. † baseline row (`baseline: true`: evaluated here, not trained by this "
-             "table).", ""]
+             "value; \"(k of n rows)\": only k of the group's n rows have the value yet. "
+             "† baseline row (`baseline: true`: evaluated here, not trained by this table).",
+             ""]
     lines.append("| model | seeds | " + " | ".join(columns.values()) + " |")
     lines.append("|---|---|" + "---|" * len(columns))
     for group, rows in groups.items():
         mark = " †" if all(r.baseline for r in rows) else ""
-        cells = [cell(*group_stats(values, rows, key)[:2]) for key in columns]
+        cells = [cell(*group_stats(values, rows, key), len(rows)) for key in columns]
         seeds = ", ".join(str(r.seed) for r in rows if r.seed is not None) or str(len(rows))
         lines.append(f"| {group}{mark} | {seeds} | " + " | ".join(cells) + " |")
     lines += ["", "## Rows", "", "| row | group | seed | " + " | ".join(columns.values()) + " |",

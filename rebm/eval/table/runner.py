@@ -25,6 +25,7 @@ from rebm.distributed.signals import (
 )
 from rebm.errors import UserError
 from rebm.eval.evaluator import Evaluator, load_eval_model
+from rebm.eval.files import OutputFolderLock
 from rebm.eval.metric import SAMPLES, EvalError
 from rebm.eval.registry import metric_classes
 from rebm.eval.sampling.samples import sample_settings
@@ -80,6 +81,16 @@ class TableRun:
                 for cls in metric_classes(metrics)}
 
     def run_all_ranks(self) -> Dict[str, Any]:
+        held: List[OutputFolderLock] = []  # rank 0's: no other table writes into self.out
+        decide_on_main(self.runtime, lambda: held.append(OutputFolderLock(self.out, "--out DIR")),
+                       f"lock the output folder {self.out}")
+        try:
+            return self._run_all_ranks()
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _run_all_ranks(self) -> Dict[str, Any]:
         for row in self.selected.rows:  # what a metric needs and this machine lacks: now
             problems = self.evaluator(row, self.selected.metrics).problems()
             if problems:

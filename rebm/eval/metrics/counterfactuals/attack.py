@@ -24,6 +24,7 @@ from rebm.distributed import Runtime
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import FIDError, frechet_distance, load_reference
 from rebm.eval.features.network import FeatureNetwork
+from rebm.eval.files import write_text_replacing
 from rebm.eval.metric import to_pixels
 
 LOGGER = logging.getLogger("rebm")
@@ -96,6 +97,6 @@ def gather_parts_all_ranks(runtime: Runtime, parts: List[Tuple[Tensor, Tensor]],
 
 def write_per_class(folder: str, per_class: Dict[str, Dict[int, Any]]) -> None:
     """`<folder>/per_class.json`: {result: {class: value}}."""
-    with open(os.path.join(folder, "per_class.json"), "w") as fh:
-        json.dump({k: {str(c): v for c, v in d.items()} for k, d in per_class.items()}, fh,
-                  indent=2)
+    text = json.dumps({k: {str(c): v for c, v in d.items()} for k, d in per_class.items()},
+                      indent=2)
+    write_text_replacing(os.path.join(folder, "per_class.json"), text)

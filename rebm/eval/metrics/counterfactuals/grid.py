@@ -28,6 +28,7 @@ from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
 from rebm.eval.features.fid import feature_extractor, feature_statistics, load_reference
 from rebm.eval.features.network import feature_network
+from rebm.eval.files import write_replacing
 from rebm.eval.metrics.counterfactuals.attack import (
     CounterfactualSettings,
     attack_toward,
@@ -187,6 +188,8 @@ def _write(folder: str, sources: FixedImageSet, pixels: Tensor, labels: Tensor,
     for p in range(pixels.shape[0]):
         source = sources.images(np.array([p]))[0].float()
         tiles = _grid_tiles(source, pixels[p], int(labels[p]), targets[p], num_classes)
-        save_image(tiles, os.path.join(folder, f"{p}.png"), nrow=len(tiles), padding=1)
+        write_replacing(os.path.join(folder, f"{p}.png"),
+                        lambda tmp, tiles=tiles: save_image(tiles, tmp, nrow=len(tiles),
+                                                            padding=1, format="png"))
     write_per_class(folder, per_class)
     LOGGER.info("counterfactual grids of %d images written to %s", pixels.shape[0], folder)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-import time
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,16 @@ import yaml
 
 from rebm.checkpoint.state import read_state
 from rebm.checkpoint.weights import atomic_torch_save
-from tests.helpers import CONFIG, FAST, NO_ATTACKS, run_train, state_path
+from tests.helpers import (
+    CONFIG,
+    FAST,
+    NO_ATTACKS,
+    REPO,
+    base_env,
+    finish,
+    run_train,
+    state_path,
+)
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -65,3 +76,38 @@ def test_a_key_an_older_run_lacks_compares_as_its_default(tmp_path):
     resumed = run_train([*QUICK, "max_steps=2"], run_dir=old).assert_ok()
     assert state_path(old, 2).exists(), resumed.output[-3000:]
     assert re.search(r"resum\w* .*step 1", resumed.output), resumed.output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_log_file_that_cannot_be_written_is_one_line_and_the_run_goes_on(tmp_path):
+    """A job requeued onto its own log file, which has reached the file-size limit
+    (RLIMIT_FSIZE, as `ulimit -f` sets it): every append to it fails with EFBIG, while the run's
+    other files, all smaller, are written."""
+    run_dir = tmp_path / "run"
+    log_file = run_dir / "logs" / "rank0.log"
+    log_file.parent.mkdir(parents=True)
+    limit = 64 * 2**20
+    with open(log_file, "wb") as fh:
+        fh.truncate(limit)  # sparse: no disk space used
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "rebm.training.train", *QUICK, "max_steps=2",
+           f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=limit_file_size,
+                            start_new_session=True)
+    code, output = finish(proc, timeout=240)
+    assert code == 0, output[-4000:]
+    assert "Logging error" not in output, output[-4000:]
+    warnings = [line for line in output.splitlines() if "cannot write the log file" in line]
+    assert len(warnings) == 1, output[-4000:]
+    assert f"'{log_file}' (File too large;" in warnings[0]
+    assert re.search(r"[\d.]+ [KMG]?B free on its filesystem", warnings[0])
+    assert "logging to the console only from now on" in warnings[0]
+    # the run went on: it logged to the console after the warning and finished its files
+    after = output.split(warnings[0], 1)[1]
+    assert "step 2/2" in after, output[-4000:]
+    assert (run_dir / "model_final.pth").exists()
+    assert os.path.getsize(log_file) == limit  # the file itself is as it was

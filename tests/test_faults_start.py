@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import re
 import resource
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,14 @@ from tests.helpers import (
     REPO,
     base_env,
     finish,
+    rebm_traceback_lines,
     run_train,
+    start_torchrun,
     state_path,
+    wait_for_records,
+    worker_pids,
 )
+from tests.processes import popen
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -111,3 +119,130 @@ def test_a_log_file_that_cannot_be_written_is_one_line_and_the_run_goes_on(tmp_p
     assert "step 2/2" in after, output[-4000:]
     assert (run_dir / "model_final.pth").exists()
     assert os.path.getsize(log_file) == limit  # the file itself is as it was
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up faults: each is one line per rank that meets it, within a bound the config sets.
+# --------------------------------------------------------------------------------------------
+JOIN_S = 5  # ddp_timeout_s of these runs: the ranks wait this long for each other
+
+
+def _launched_rank(rank: int, port: int, args, world: int = 2):
+    """A rank started the way srun or a hand-written script starts one: RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT in its environment, no torchrun."""
+    env = base_env(extra=dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port)))
+    return popen([sys.executable, "-m", "rebm.training.train", *args], env, REPO)
+
+
+def _error_lines(output: str) -> list:
+    return [line for line in output.splitlines() if "error:" in line]
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_joins_is_named_within_the_join_timeout(tmp_path):
+    # rank 0 of 2; rank 1 is never started
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rank0 = _launched_rank(0, port, [*QUICK, "max_steps=1", f"ddp_timeout_s={JOIN_S}",
+                                     f"run_dir={tmp_path / 'run'}"])
+    code, output = finish(rank0, timeout=120)
+    assert code == 2, output[-3000:]
+    errors = _error_lines(output)
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert f"[rank 0] error: rank 1 of 2 did not join within {JOIN_S} s" in errors[0]
+    assert f"waited at 127.0.0.1:{port}" in errors[0] and "MASTER_PORT" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_taken_master_port_is_one_line_on_every_rank(tmp_path):
+    # another program listens on MASTER_PORT (it accepts connections and never answers)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(8)
+        port = taken.getsockname()[1]
+        args = [*QUICK, "max_steps=1", f"ddp_timeout_s={JOIN_S}", f"run_dir={tmp_path / 'run'}"]
+        ranks = [_launched_rank(rank, port, args) for rank in range(2)]
+        results = [finish(proc, timeout=120) for proc in ranks]
+    for rank, (code, output) in enumerate(results):
+        assert code == 2, output[-3000:]
+        errors = _error_lines(output)
+        assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        assert errors[0].startswith(f"[rank {rank}] error: rank {rank} on "), errors
+        assert f"another program holds MASTER_PORT={port}" in errors[0], errors
+    assert "(address already in use)" in _error_lines(results[0][1])[0]
+
+
+def _wait_for_workers(agent, timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = worker_pids(agent.pid)
+        if len(pids) == 2:
+            return pids
+        assert agent.poll() is None, agent.communicate()[0][-3000:]
+        time.sleep(0.2)
+    pytest.fail("torchrun did not start its workers")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by whoever adopted it, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+STEPS = [*QUICK, "max_steps=100000", "total_epochs=null", "n_imgs_per_ckpt_save=100000",
+         "model.compile=false"]
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    agent = start_torchrun([*STEPS, "ddp_step_timeout_s=10", "ddp_timeout_s=30"], run_dir,
+                           env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
+    pids = {}
+    try:
+        pids = _wait_for_workers(agent)
+        wait_for_records(run_dir, 2, agent)
+        os.kill(pids[1], signal.SIGSTOP)
+        code, output = finish(agent, timeout=120)
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+    assert code != 0
+    named = [line for line in output.splitlines() if "did not arrive" in line]
+    assert len(named) == 1, output[-4000:]
+    assert re.match(r"\[rank 0\] error: collective timed out at step \d+ on rank 0: rank 1 did "
+                    r"not arrive", named[0]), named
+    assert rebm_traceback_lines(output) == [], output[-4000:]
+
+
+@pytest.mark.slow
+def test_workers_die_with_their_torchrun_agent(tmp_path):
+    """`kill -9` of torchrun alone: its workers (each in a session of its own) get SIGTERM from
+    the kernel, save a state and exit, instead of training on with nobody to collect them."""
+    run_dir = tmp_path / "run"
+    agent = start_torchrun(STEPS, run_dir)
+    pids = {}
+    try:
+        pids = _wait_for_workers(agent)
+        wait_for_records(run_dir, 2, agent)
+        os.kill(agent.pid, signal.SIGKILL)
+        killed = time.time()
+        while any(_alive(pid) for pid in pids.values()) and time.time() < killed + 60:
+            time.sleep(0.2)
+        survivors = [rank for rank, pid in pids.items() if _alive(pid)]
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    output = agent.communicate(timeout=30)[0]
+    assert survivors == [], f"ranks {survivors} outlived their agent\n{output[-3000:]}"
+    assert re.search(r"stopped by SIGTERM: state saved at step (\d+)", output), output[-3000:]
+    assert list((run_dir / "checkpoints").glob("state_*.pt"))

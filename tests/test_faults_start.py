@@ -202,14 +202,20 @@ STEPS = [*QUICK, "max_steps=100000", "total_epochs=null", "n_imgs_per_ckpt_save=
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    agent = start_torchrun([*STEPS, "ddp_step_timeout_s=10", "ddp_timeout_s=30"], run_dir,
-                           env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
+    agent = start_torchrun([*STEPS, "ddp_step_timeout_s=10", "ddp_timeout_s=30"], run_dir)
     pids = {}
     try:
         pids = _wait_for_workers(agent)
         wait_for_records(run_dir, 2, agent)
         os.kill(pids[1], signal.SIGSTOP)
-        code, output = finish(agent, timeout=120)
+        stopped = time.time()
+        while _alive(pids[0]) and time.time() < stopped + 90:
+            time.sleep(0.2)
+        named_after = time.time() - stopped
+        # torchrun's agent sends the stopped rank a SIGTERM it cannot act on, and SIGKILL 30 s
+        # later: that SIGKILL, sooner
+        os.kill(pids[1], signal.SIGKILL)
+        code, output = finish(agent, timeout=60)
     finally:
         for pid in pids.values():
             if _alive(pid):
@@ -221,6 +227,8 @@ def test_a_stopped_rank_is_named_in_one_line(tmp_path):
     assert re.match(r"\[rank 0\] error: collective timed out at step \d+ on rank 0: rank 1 did "
                     r"not arrive", named[0]), named
     assert rebm_traceback_lines(output) == [], output[-4000:]
+    # the step timeout, the 10 s in which the live ranks check in, the grace of an error line
+    assert named_after < 10 + 10 + 15, named_after
 
 
 @pytest.mark.slow

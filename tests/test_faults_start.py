@@ -252,5 +252,8 @@ def test_workers_die_with_their_torchrun_agent(tmp_path):
                 os.kill(pid, signal.SIGKILL)
     output = agent.communicate(timeout=30)[0]
     assert survivors == [], f"ranks {survivors} outlived their agent\n{output[-3000:]}"
-    assert re.search(r"stopped by SIGTERM: state saved at step (\d+)", output), output[-3000:]
+    stopped = re.findall(r"\[rank 0/2\] WARNING stopped by SIGTERM \(its launcher, pid (\d+), "
+                         r"ended\): state saved at step \d+; run the same command with "
+                         r"run_dir=\S+ to resume", output)
+    assert stopped == [str(agent.pid)], output[-3000:]
     assert list((run_dir / "checkpoints").glob("state_*.pt"))

@@ -8,6 +8,7 @@ re-running a command with a larger `max_steps` continues the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from typing import Any, Dict, List, Optional, Sequence
@@ -48,11 +49,24 @@ def _is_training_key(key: str, legacy: set) -> bool:
 
 def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """'key: saved -> current' for every training key whose value differs between two config
-    dicts (keys one of them lacks, e.g. fields added since, are not compared)."""
+    dicts: `saved` (a state's or a config.yaml's) and `current` (this run's, as to_dict gives
+    it). A key `saved` lacks (one added to the schema since it was written) compares as its
+    default: an older run continues only while the new key is at its default, the value it
+    trained with. A key `current` lacks (one removed from the schema since) is not compared:
+    this rebm can neither set nor read it."""
     legacy = legacy_keys(TrainConfig)
     old, new = flatten(saved), flatten(current)
-    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys())
-            if _is_training_key(key, legacy) and old[key] != new[key]]
+    defaults = flatten(dataclasses.asdict(TrainConfig()))
+    diffs = []
+    for key in sorted(new):
+        if not _is_training_key(key, legacy):
+            continue
+        if key in old:
+            if old[key] != new[key]:
+                diffs.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif key in defaults and defaults[key] != new[key]:
+            diffs.append(f"{key}: unset (the default {defaults[key]!r}) -> {new[key]!r}")
+    return diffs
 
 
 def default_run_dir(config_path: Optional[str], overrides: Sequence[str],

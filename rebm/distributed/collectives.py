@@ -188,8 +188,9 @@ def set_collective_timeout(runtime: Runtime, timeout_s: float) -> Optional[str]:
     return None
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete in time; the message names the ranks that did not arrive."""
+class CollectiveTimeout(UserError, RuntimeError):
+    """A collective did not complete in time; the message, one line, names the ranks that did
+    not arrive."""
 
 
 def _looks_like_timeout(err: BaseException) -> bool:
@@ -206,6 +207,9 @@ def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
+    # bounded: a store served by a stopped rank 0 would hold this call for ddp_timeout_s (the
+    # run ends with the timeout's error next, so the store's own timeout is not needed again)
+    store.set_timeout(datetime.timedelta(seconds=wait_s))
     store.set(f"rebm/alive/{tag}/{runtime.rank}", "1")
     deadline = _time.monotonic() + wait_s
     missing = list(range(runtime.world_size))
@@ -227,9 +231,10 @@ def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]) -> Itera
         step = current_step()
         try:
             missing = missing_ranks(runtime, tag=f"step{step}")
-        except Exception:  # the store may be gone too; keep the original error
-            raise err from None
-        who = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
+            who = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
+        except Exception:  # the store is gone too: it lives in rank 0, or in torchrun's agent
+            who = ("a rank (the store that would name it did not answer either: rank 0 or the "
+                   "launcher may be the one)")
         raise CollectiveTimeout(
             f"collective timed out at step {step} on rank {runtime.rank}: {who} did not arrive "
             "(stopped, hung or too slow; see its log in <run_dir>/logs). Raise ddp_step_timeout_s "

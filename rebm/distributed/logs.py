@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from typing import Iterable, Optional
 
@@ -38,6 +39,49 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+def _free_space(path: str) -> str:
+    """The free space of the filesystem holding `path`, for people ('1.2 GB', '0 B')."""
+    try:
+        free = float(shutil.disk_usage(os.path.dirname(path) or ".").free)
+    except OSError:
+        return "unknown"
+    for unit in ("B", "KB", "MB", "GB"):
+        if free < 1000 or unit == "GB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1000
+    return "unknown"
+
+
+class _RankFileHandler(logging.FileHandler):
+    """This rank's log file. A write it cannot make (a full disk, a file-size limit) is one
+    warning on the console naming the file and the free space, once; the file is then closed
+    and the run goes on logging to the console alone (its saves report their own failures),
+    instead of logging's "--- Logging error ---" block at every line."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError) or self.failed:
+            super().handleError(record)
+            return
+        self.failed = True
+        try:
+            self.close()  # flushes what is buffered: fails the same way
+        except OSError:
+            pass
+        LOGGER.warning("cannot write the log file '%s' (%s; %s free on its filesystem): logging "
+                       "to the console only from now on (free disk space, or raise the file-size "
+                       "limit: ulimit -f)", self.baseFilename,
+                       err.strerror or err, _free_space(self.baseFilename))
+
+
 def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:
     """Write to this rank's log file only (the console has its own report of the error)."""
     for handler in LOGGER.handlers:
@@ -66,7 +110,7 @@ def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.L
         log_dir = os.path.dirname(log_file)
         try:
             os.makedirs(log_dir, exist_ok=True)
-            file_handler = logging.FileHandler(log_file)
+            file_handler = _RankFileHandler(log_file)
         except OSError as err:
             raise LogFileError(f"cannot write the log file in '{log_dir}' ({err.strerror or err});"
                                " choose a writable run_dir=PATH") from None
@@ -74,7 +118,6 @@ def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.L
         file_handler.setFormatter(_RankFormatter(runtime, with_time=True))
         logger.addHandler(file_handler)
     return logger
-
 
 
 def print_line(text: str) -> None:

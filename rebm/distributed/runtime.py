@@ -2,17 +2,25 @@
 
 - the environment (torchrun, SLURM, mp.spawn) decides rank/world size; MASTER_ADDR/PORT set by a
   launcher are never overwritten;
-- LOCAL_RANK, never RANK, picks the CUDA device.
+- LOCAL_RANK, never RANK, picks the CUDA device;
+- the ranks join within min(ddp_timeout_s, JOIN_TIMEOUT_S), or every rank that came says in one
+  line which did not (`join_store`); a torchrun worker dies with its agent (`die_with_launcher`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import logging
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +28,12 @@ import torch.distributed as dist
 from rebm.errors import UserError
 
 LOGGER = logging.getLogger("rebm")
+
+# How long the ranks of a job may take to join, at most (ddp_timeout_s when shorter): torchrun's
+# own rendezvous gives its agents the same 600 s (its `join_timeout`). Ranks of one job start
+# within seconds of each other; a rank missing after that never started or failed.
+JOIN_TIMEOUT_S = 600.0
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class LaunchError(UserError, RuntimeError):
@@ -174,29 +188,138 @@ def setup_distributed(
         _slurm_master_env()
     chosen = choose_backend(dev, backend)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        die_with_launcher()
+        store = join_store(layout["rank"], layout["world_size"], timeout_s)
         dist.init_process_group(
             backend=chosen,
             rank=layout["rank"],
             world_size=layout["world_size"],
-            timeout=timeout,
-            store=_per_attempt_store(layout["world_size"], timeout),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            store=store,
         )
     return Runtime(device=dev, backend=chosen, **layout)
 
 
-def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[Any]:
-    """torchrun's agent keeps one store across `--max-restarts` attempts, so the addresses that
-    the workers of a failed attempt published are still there; a restarted rank that reads its
-    peer's key before the peer rewrote it connects to a dead port ("Connection refused") and the
-    restart fails. A prefix per attempt keeps the attempts apart. None: not under torchrun."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    agent_store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"rebm/attempt_{attempt}", agent_store)
+def die_with_launcher() -> None:
+    """A torchrun worker gets SIGTERM when its agent dies (killed with -9, say): each worker
+    runs in a session of its own, so nothing else would stop it, and it would train to the end
+    with nobody to collect it. SIGTERM, not SIGKILL: a training run saves its state and exits as
+    on any SIGTERM. The kernel's parent-death signal (prctl PR_SET_PDEATHSIG, Linux) rather than
+    a thread watching the parent's pid: nothing to poll, and it reaches a busy or stopped worker
+    alike. Only under torchrun, whose agent starts its workers from its main thread (the signal
+    follows the thread that forked): a process started from a shell must outlive that shell
+    (`nohup`). A worker whose agent died before this call finds no agent store in join_store."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _where() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+def join_store(rank: int, world_size: int, timeout_s: float) -> Any:
+    """The key-value store of the process group, once every rank has checked in to it within
+    min(timeout_s, JOIN_TIMEOUT_S); else a one-line LaunchError naming the ranks that did not
+    (torch's own wait is silent for all of ddp_timeout_s, then a bare DistStoreError). The
+    store's operations then wait up to timeout_s, as the process group's do."""
+    join_s = min(timeout_s, JOIN_TIMEOUT_S)
+    started = time.monotonic()
+    deadline = started + join_s
+    store = _connect_store(rank, world_size, join_s, deadline)
+    host = socket.gethostname()
+    store.set(f"rebm/joined/{rank}", host)
+    missing = list(range(world_size))
+    noticed = rank != 0
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"rebm/joined/{r}"])]
+        if missing and not noticed and time.monotonic() - started > min(30.0, join_s / 2):
+            noticed = True
+            sys.stderr.write(f"[rank 0/{world_size}] waiting for rank(s) "
+                             f"{', '.join(map(str, missing))} to join at {_where()} (giving up "
+                             f"after {join_s:.0f} s)\n")
+            sys.stderr.flush()
+        time.sleep(0.1)
+    if missing:
+        who = ", ".join(f"rank {r}" for r in missing)
+        raise LaunchError(
+            f"{who} of {world_size} did not join within {join_s:.0f} s (rank {rank} on {host} "
+            f"waited at {_where()}): start every rank with WORLD_SIZE={world_size} and the same "
+            "MASTER_ADDR/MASTER_PORT, and see the missing rank's own output for why it did not "
+            f"start (the ranks wait ddp_timeout_s for each other, at most {JOIN_TIMEOUT_S:.0f} s)")
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def _connect_store(rank: int, world_size: int, join_s: float, deadline: float) -> Any:
+    """Rank 0 serves the store at MASTER_ADDR:MASTER_PORT and the others connect to it; under
+    torchrun every rank connects to its agent's store, under a prefix of its own attempt:
+    the agent keeps one store across `--max-restarts` attempts, so the addresses a failed
+    attempt's workers published are still there, and a restarted rank that read its peer's
+    key before the peer rewrote it would connect to a dead port."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=join_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent_store = _client_store(rank, addr, port, world_size, join_s, deadline)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"rebm/attempt_{attempt}", agent_store)
+    if rank == 0:
+        try:
+            return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)
+        except RuntimeError as err:
+            reason = "address already in use" if "EADDRINUSE" in str(err) else (
+                str(err).splitlines()[0] if str(err) else type(err).__name__)
+            raise LaunchError(
+                f"rank 0 on {socket.gethostname()} cannot serve the rendezvous at {addr}:{port} "
+                f"({reason}): another program holds MASTER_PORT={port}, or MASTER_ADDR is not "
+                "this machine; start every rank with a free MASTER_PORT") from None
+    return _client_store(rank, addr, port, world_size, join_s, deadline)
+
+
+def _client_store(rank: int, addr: str, port: int, world_size: int, join_s: float,
+                  deadline: float) -> Any:
+    """A client of the store at addr:port, or a one-line LaunchError by `deadline`. First a
+    plain connection, retried quietly (torch's own retries log a C++ stack at every failure);
+    then the store's handshake, in a thread: a port that accepts connections but is not a store
+    (another program holds it) makes the handshake wait forever, whatever its timeout."""
+    host = socket.gethostname()
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=5).close()
+            break
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"rank {rank} on {host} found nothing serving the rendezvous at {addr}:{port} "
+                    f"({err.strerror or err}) in {join_s:.0f} s: rank 0 did not start "
+                    "or failed (its output says why), or MASTER_ADDR/MASTER_PORT differ between "
+                    "the ranks") from None
+            time.sleep(0.5)
+    connected: List[Any] = []
+
+    def connect() -> None:
+        try:
+            connected.append(dist.TCPStore(addr, port, world_size, is_master=False,
+                                           timeout=datetime.timedelta(seconds=_left(deadline))))
+        except RuntimeError as err:
+            connected.append(err)
+
+    thread = threading.Thread(target=connect, name="rebm-store-connect", daemon=True)
+    thread.start()
+    thread.join(_left(deadline) + 1.0)
+    if not connected or isinstance(connected[0], RuntimeError):
+        why = ("it accepts connections but does not answer as one: another program holds "
+               f"MASTER_PORT={port}" if not connected else str(connected[0]).splitlines()[0])
+        raise LaunchError(
+            f"rank {rank} on {host} could not join the rendezvous at {addr}:{port} ({why}); "
+            "start every rank with a free MASTER_PORT")
+    return connected[0]
+
+
+def _left(deadline: float) -> float:
+    return max(1.0, deadline - time.monotonic())
 
 
 def teardown(runtime: Runtime) -> None:

@@ -41,7 +41,8 @@ class PreemptionFlag:
 
     def __init__(self, notice: str = TRAINING_NOTICE) -> None:
         self.notice = notice  # what rank 0 says at the first interrupt
-        self.signal_name: Optional[str] = None
+        self.signum: Optional[int] = None  # the first stop signal received
+        self._parent = os.getppid()  # a SIGTERM after it ended is its launcher's death
         self._first_interrupt: Optional[float] = None
         self._previous: Dict[int, Any] = {}
         self._notice_prefix: Optional[str] = None  # rank 0's "[rank 0/W] "; None elsewhere
@@ -55,8 +56,21 @@ class PreemptionFlag:
             if self._first_interrupt is None:
                 self._first_interrupt = now
                 self._say(f"interrupt: {self.notice}")
-        if self.signal_name is None:
-            self.signal_name = _signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        """The first stop signal's name, for people; a SIGTERM whose process has lost its
+        parent since is a torchrun worker's parent-death signal (rebm.distributed.runtime), and
+        says so. Asked when the run reports the stop, not in the handler: the kernel sends the
+        signal before it has given the process its new parent."""
+        if self.signum is None:
+            return None
+        name = _signal.Signals(self.signum).name
+        if self.signum == _signal.SIGTERM and os.getppid() != self._parent:
+            name += f" (its launcher, pid {self._parent}, ended)"
+        return name
 
     def _say(self, text: str) -> None:
         """One line on stderr from rank 0 only (os.write: safe inside a signal handler)."""
@@ -93,13 +107,12 @@ class PreemptionFlag:
 
     @property
     def raised(self) -> bool:
-        return self.signal_name is not None
+        return self.signum is not None
 
     @property
     def exit_code(self) -> int:
         """The shell's code for a process ended by this signal (130 for SIGINT, 143 SIGTERM)."""
-        signum = getattr(_signal, self.signal_name or "SIGINT")
-        return 128 + int(signum)
+        return 128 + int(self.signum or _signal.SIGINT)
 
 
 @contextmanager

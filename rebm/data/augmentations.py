@@ -4,7 +4,7 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
 - `original`: RandomCrop(image_size, padding image_size // 8 — 4 px at 32 — zero fill) +
   horizontal flip;
 - `autoaugment_cutout`: crop + flip + AutoAugment (CIFAR-10 policy, black fill) + Cutout of
-  image_size // 2 px (16 at 32) with black fill ("mean0": every fill colour is 0);
+  `data.cutout_size` px, unset image_size // 2 (16 at 32), with black fill ("mean0": every fill colour is 0);
 - `none` / `test`: nothing (on full-resolution images, ImageNet and OpenImage-O: the fixed
   resizes below);
 - the ImageNet names, which take an image of any size to image_size S (the original DAT
@@ -148,11 +148,12 @@ def _crop_flip(image_size: int) -> list:
     ]
 
 
-def build_augmentation(name: str, image_size: int, full_images: bool = False
-                       ) -> Optional[Transform]:
+def build_augmentation(name: str, image_size: int, full_images: bool = False,
+                       cutout_size: Optional[int] = None) -> Optional[Transform]:
     """The per-sample transform of an augmentation name; None means identity (no randomness).
     `full_images`: the source yields decoded files of any size (ImageNet, OpenImage-O), so
-    `none` and `test` are the fixed resizes to image_size instead of the identity."""
+    `none` and `test` are the fixed resizes to image_size instead of the identity.
+    `cutout_size`: autoaugment_cutout's Cutout side (data.cutout_size; None: image_size // 2)."""
     if name in IMAGENET_AUGMENTATIONS or (full_images and name in ("none", "test")):
         return imagenet_augmentation(name, image_size)
     if name in ("none", "test"):
@@ -164,7 +165,7 @@ def build_augmentation(name: str, image_size: int, full_images: bool = False
             _crop_flip(image_size)
             + [
                 v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10, fill=0),
-                Cutout(max(1, image_size // 2)),
+                Cutout(cutout_size or max(1, image_size // 2)),
             ]
         )
     raise ValueError(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rebm.attacks.pgd import pgd_from_config
+from rebm.attacks.argmin_pgd import attack_from_config
 from rebm.config.sections import EvaluationSection
 from rebm.data.indexing import sample_keys
 from rebm.distributed import all_reduce_sum
@@ -115,7 +115,7 @@ class RobustAccuracy(CorrectCount):
 
     def correct(self, batch: TestBatch) -> Tensor:
         keys = index_keys(self.ctx.evaluation.rand_seed, batch.index).to(batch.x.device)
-        x_adv = pgd_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
+        x_adv = attack_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
                                 random_start_keys=keys)
         with torch.no_grad():
             return batch.model(x_adv).argmax(1) == batch.y

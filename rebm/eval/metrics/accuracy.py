@@ -105,8 +105,10 @@ class RobustAccuracy(CorrectCount):
 
     @classmethod
     def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
-        return {"attack": "PGD", "loss": "cross-entropy",
-                **attack_settings(robust_eval_attack(evaluation)), "seed": evaluation.rand_seed,
+        attack = robust_eval_attack(evaluation)
+        name = "argmin PGD" if attack.attack_type == "argmin_pgd" else "PGD"  # the cache's key
+        return {"attack": name, "loss": "cross-entropy",
+                **attack_settings(attack), "seed": evaluation.rand_seed,
                 **test_set_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
@@ -124,6 +126,6 @@ class RobustAccuracy(CorrectCount):
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
         start = ", random start" if settings["random_start"] else ""
         return [("robust accuracy", f"{results[cls.key]:.4f}",
-                 f"PGD-{settings['steps']} {settings['norm']} eps {settings['eps']:g}, step "
+                 f"{settings['attack']}-{settings['steps']} {settings['norm']} eps {settings['eps']:g}, step "
                  f"{settings['step_size']:g}{start}; "
                  + describe_test_set(settings, results.get("n_test")))]

@@ -12,8 +12,9 @@ PATH/InNOutRobustness in its own process, built by its own functions from its ar
 twin does not run (pytorch_msssim, tensorboard) and are stood in for when absent. rebm runs as
 `train_at.py` does: a Trainer of stage 1's method, each step its `train_step_all_ranks`.
 
-The run writes the original's run, rebm's 1-vs-2-thread spread, the tolerances (10x that spread,
-floor 1e-6) and rebm with plain PGD (`indist_attack_clf.attack_type=pgd`), which must fall
+The run writes the original's run, rebm's spreads (1 against 2 threads; native against the
+lowest kernels), the tolerances (10x the larger spread, floor 1e-6; per step for the loss) and
+rebm with plain PGD (`indist_attack_clf.attack_type=pgd`), which must fall
 outside them. tests/test_stage1_twin.py compares rebm with the stored file.
 
 This module imports torch only at the top: the original's process loads it by path.
@@ -243,17 +244,17 @@ def differences(a: dict, b: dict) -> Dict[str, object]:
     return out
 
 
-def tolerances(spread: Dict[str, object]) -> Dict[str, object]:
-    """10x the spread (floor 1e-6); per step for the loss, from the largest spread up to that
-    step: two runs part slowly from the first rounding difference, so an early step is held to
-    the early spread (a different attack shows from the first step on)."""
+def tolerances(spreads: List[Dict[str, object]]) -> Dict[str, object]:
+    """10x the largest spread (floor 1e-6); per step for the loss, from the largest spread up to
+    that step: two runs part slowly from the first rounding difference, so an early step is
+    held to the early spread (a different attack shows from the first step on)."""
     out: Dict[str, object] = {}
-    for key, value in spread.items():
+    for key, value in spreads[0].items():
         if isinstance(value, list):
-            running = [max(value[: i + 1]) for i in range(len(value))]
-            out[key] = [max(10 * v, FLOOR) for v in running]
+            per_step = [max(spread[key][i] for spread in spreads) for i in range(len(value))]
+            out[key] = [max(10 * max(per_step[: i + 1]), FLOOR) for i in range(len(value))]
         else:
-            out[key] = max(10 * value, FLOOR)
+            out[key] = max(10 * max(spread[key] for spread in spreads), FLOOR)
     return out
 
 
@@ -275,8 +276,10 @@ def outside(diff: Dict[str, object], tolerance: Dict[str, object]) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------
-def _side(args: List[str], threads: int, cwd: Optional[str] = None, timeout: int = 600) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+def _side(args: List[str], threads: int, cwd: Optional[str] = None, timeout: int = 600,
+          extra_env: Optional[dict] = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           **(extra_env or {})}
     if cwd is None:
         env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, os.path.abspath(__file__), *args], cwd=cwd or REPO,
@@ -284,24 +287,34 @@ def _side(args: List[str], threads: int, cwd: Optional[str] = None, timeout: int
 
 
 def measure(original: str, workdir: str, spec: dict) -> dict:
-    """Every run of the twin, each in its own process: the stored-file content."""
+    """Every run of the twin, each in its own process: the stored-file content. The spreads:
+    rebm on 1 against 2 threads, and rebm against rebm whose inputs and run both used the
+    lowest kernels (`make test-dispatch`'s environment: the initial weights' and batches'
+    rounding of another CPU, and its kernels)."""
+    from benchmarks.original.trajectory import FORCED_DISPATCH
+
     job = json.dumps({"workdir": workdir, "spec": spec})
     _side(["inputs", job], 1)
     _side(["original", job], 1, cwd=os.path.join(original, "InNOutRobustness"))
     for threads in (1, 2):
         _side(["rebm", job, str(threads), "argmin_pgd"], threads)
     _side(["rebm", job, "1", "pgd"], 1)
+    forced_dir = os.path.join(workdir, "forced_dispatch")
+    forced_job = json.dumps({"workdir": forced_dir, "spec": spec})
+    _side(["inputs", forced_job], 1, extra_env=FORCED_DISPATCH)
+    _side(["rebm", forced_job, "1", "argmin_pgd"], 1, extra_env=FORCED_DISPATCH)
 
     def load(name):
         return run_summary(torch.load(os.path.join(workdir, name), weights_only=False))
 
-    orig, one, two, plain = (load(n) for n in ("original.pt", "rebm_argmin_pgd_1.pt",
-                                                "rebm_argmin_pgd_2.pt", "rebm_pgd_1.pt"))
-    spread = differences(one, two)
-    tolerance = tolerances(spread)
+    orig, one, two, plain, forced = (load(n) for n in (
+        "original.pt", "rebm_argmin_pgd_1.pt", "rebm_argmin_pgd_2.pt", "rebm_pgd_1.pt",
+        os.path.join("forced_dispatch", "rebm_argmin_pgd_1.pt")))
+    spreads = {"spread_rebm_1_vs_2_threads": differences(one, two),
+               "spread_forced_dispatch": differences(one, forced)}
     return {"original_attack": torch.load(os.path.join(workdir, "original.pt"),
                                           weights_only=False)["attack"],
-            "spec": spec, "spread_rebm_1_vs_2_threads": spread, "tolerance": tolerance,
+            "spec": spec, **spreads, "tolerance": tolerances(list(spreads.values())),
             "rebm_vs_original": differences(orig, one),
             "rebm_plain_pgd_vs_original": differences(orig, plain),
             "steps": orig["steps"], "final": orig["final"]}
@@ -346,6 +359,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       "rebm_plain_pgd_vs_original": outside(
                           result["rebm_plain_pgd_vs_original"], tolerance),
                       "spread_first_steps": result["spread_rebm_1_vs_2_threads"]["loss"][:5],
+                      "dispatch_first_steps": result["spread_forced_dispatch"]["loss"][:5],
                       "plain_pgd_first_steps":
                           result["rebm_plain_pgd_vs_original"]["loss"][:5]}, indent=1))
     return 0

@@ -39,7 +39,8 @@ LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_int
                  "tests/test_console_messages.py", "tests/test_shipped_configs.py",
                  "tests/test_run_dir.py", "tests/test_eval_metrics.py",
                  "tests/test_speed_defaults.py", "tests/test_original_trajectory.py",
-                 "tests/test_faults_start.py"]
+                 "tests/test_faults_start.py",
+                 "tests/test_stage1_twin.py"]
 
 
 def pytest_configure(config):

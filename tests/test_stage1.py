@@ -60,6 +60,10 @@ def test_live_batchnorm_trains_and_the_run_evaluates(stage1_torchrun):
     records = [json.loads(line) for line in open(stage1_torchrun / "metrics.jsonl")]
     assert [r["step"] for r in records if "train_clf_loss" in r] == [2, 3]
     assert any("robust_test_acc" in r for r in records)
+    # stage 1 keeps the EMA model of the best robust accuracy (In-N-Out's best_avg.pth); its
+    # one evaluation is the last step's, so it is the final EMA model
+    best = torch.load(stage1_torchrun / "model_bestacc.pth", weights_only=True)
+    assert best.keys() == a.keys() and all(torch.equal(best[k], a[k]) for k in a)
 
 
 @pytest.mark.timeout(120)

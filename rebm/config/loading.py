@@ -254,6 +254,12 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: '{name}.eps' must be > 0 (or .inf), got {attack.eps}")
         if attack.max_steps < 0 or attack.start_step < 0:
             raise ConfigError(f"{source}: '{name}.max_steps'/'start_step' must be >= 0")
+    if cfg.attack.attack_type != "pgd":  # argmin_pgd ascends the cross-entropy of labels
+        raise ConfigError(f"{source}: 'attack.attack_type: {cfg.attack.attack_type}' is for "
+                          "indist_attack_clf only; the negatives' attack is pgd")
+    if cfg.data.cutout_size is not None and cfg.data.cutout_size < 1:
+        raise ConfigError(f"{source}: 'data.cutout_size' must be >= 1 (or null: image_size // 2),"
+                          f" got {cfg.data.cutout_size}")
     if cfg.attack.start_step > cfg.attack.max_steps:
         raise ConfigError(
             f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "

@@ -52,7 +52,7 @@ AUGMENTATIONS = (
     "generation_od",
     "generation_od_randomcrop",
 )
-ATTACK_TYPES = ("pgd",)
+ATTACK_TYPES = ("pgd", "argmin_pgd")  # argmin_pgd: indist_attack_clf only (rebm/attacks/argmin_pgd.py)
 NORMS = ("L2", "Linf")
 AMP_MODES = ("none", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -69,7 +69,7 @@ class AttackConfig(LegacyAttackFields, Frozen):
     """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
     training of the classifier."""
 
-    attack_type: str = "pgd"  # only pgd (the original's adam attack is not supported)
+    attack_type: str = "pgd"  # pgd, or for indist_attack_clf argmin_pgd: In-N-Out's momentum PGD keeping the best iterate (stage 1's configs; the original's adam attack is not supported)
     max_steps: int = 0  # attack: curriculum cap on T; indist_attack_clf: PGD steps K
     start_step: int = 0  # attack: T at the start of training
     step_size: float = 0.1  # alpha: L2 normalised-gradient step length (Linf: sign step)
@@ -113,6 +113,7 @@ class DataConfig(LegacyDataFields, Frozen):
     download: bool = False  # let torchvision download CIFAR if it is missing
     tinyimages_exclusion_dir: Optional[str] = "./data/TinyImagesExclusionIdcs"  # TinyImages: folder of the original's six exclusion lists (a copy of its InNOutRobustness/TinyImagesExclusionIdcs; 200,470 records, mostly CIFAR near-duplicates); null: exclude none of them
     outdist_exclude_index: Optional[str] = None  # TinyImages: file of 0-based record indices to skip, besides the lists of tinyimages_exclusion_dir
+    cutout_size: Optional[int] = None  # side of autoaugment_cutout's Cutout square in px; unset: image_size // 2 (16 at 32; In-N-Out's CIFAR-100 uses 8)
 
 
 @dataclass

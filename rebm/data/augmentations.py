@@ -5,8 +5,9 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
   horizontal flip;
 - `autoaugment_cutout`: crop + flip + the original's AutoAugment CIFAR-10 policy
   (autoaugment.py: black fill of shears and translations, gray 128 corners of rotations) +
-  Cutout of image_size // 2 px (16 at 32) with black fill ("mean0": the crop, policy and Cutout
-  fills are 0, as the original's cifar_augmentation.py:54-60, 102-106 with the DAT mean (0, 0, 0));
+  Cutout of `data.cutout_size` px, unset image_size // 2 (16 at 32), with black fill ("mean0":
+  the crop, policy and Cutout fills are 0, as the original's cifar_augmentation.py:54-60,
+  102-106 with the DAT mean (0, 0, 0));
 - `none` / `test`: nothing (on full-resolution images, ImageNet and OpenImage-O: the fixed
   resizes below);
 - the ImageNet names, which take an image of any size to image_size S (the original DAT
@@ -152,11 +153,12 @@ def _crop_flip(image_size: int) -> list:
     ]
 
 
-def build_augmentation(name: str, image_size: int, full_images: bool = False
-                       ) -> Optional[Transform]:
+def build_augmentation(name: str, image_size: int, full_images: bool = False,
+                       cutout_size: Optional[int] = None) -> Optional[Transform]:
     """The per-sample transform of an augmentation name; None means identity (no randomness).
     `full_images`: the source yields decoded files of any size (ImageNet, OpenImage-O), so
-    `none` and `test` are the fixed resizes to image_size instead of the identity."""
+    `none` and `test` are the fixed resizes to image_size instead of the identity.
+    `cutout_size`: autoaugment_cutout's Cutout side (data.cutout_size; None: image_size // 2)."""
     if name in IMAGENET_AUGMENTATIONS or (full_images and name in ("none", "test")):
         return imagenet_augmentation(name, image_size)
     if name in ("none", "test"):
@@ -168,7 +170,7 @@ def build_augmentation(name: str, image_size: int, full_images: bool = False
             _crop_flip(image_size)
             + [
                 CIFAR10Policy(fill=0),
-                Cutout(max(1, image_size // 2)),
+                Cutout(cutout_size or max(1, image_size // 2)),
             ]
         )
     raise ValueError(

@@ -123,7 +123,7 @@ def load_indist(data: DataConfig, split: str, augm: str = "test",
     augmentations.py), drawn from the ambient RNG; `source`: the split's images if the caller
     has them already (indist_source)."""
     source = source if source is not None else indist_source(data, split)
-    transform = build_augmentation(augm, data.image_size, source.full_images)
+    transform = build_augmentation(augm, data.image_size, source.full_images, data.cutout_size)
     return ImageDataset(source, transform)
 
 
@@ -132,7 +132,7 @@ def load_outdist(inputs: InputSection, augm: str = "none", length: Optional[int]
     """Dataset of (float [0, 1] CHW image, -1) of the configured out-distribution."""
     source = outdist_source(inputs, length)
     transform = None if source.is_procedural else build_augmentation(
-        augm, inputs.data.image_size, source.full_images)
+        augm, inputs.data.image_size, source.full_images, inputs.data.cutout_size)
     return ImageDataset(source, transform)
 
 
@@ -317,7 +317,7 @@ def build_train_data(inputs: InputSection, runtime: Runtime, plan: BatchPlan,
     for stream in streams:
         source = sources[stream.dataset]
         transform = None if source.is_procedural else build_augmentation(
-            stream.augmentation(inputs), size, source.full_images)
+            stream.augmentation(inputs), size, source.full_images, inputs.data.cutout_size)
         loaded.append(_LoadedStream(stream.name, source, transform,
                                     _schedule(len(source), inputs, stream.name, source)))
     dataset = _MicroBatchDataset(loaded, runtime.rank, plan)

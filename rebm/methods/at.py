@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from rebm.attacks.pgd import pgd_from_config
+from rebm.attacks.argmin_pgd import attack_from_config
 from rebm.config import ConfigError, ModelConfig
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, MicroBatch
@@ -37,6 +37,10 @@ class AdversarialTraining(Method):
     stage = STAGE1.number
     streams = (CLASSIFIER,)  # the loss pass holds this one micro-batch
     log_final_step = True
+    # model_bestacc.pth: the evaluated model (the EMA one with use_ema) of the best robust test
+    # accuracy, In-N-Out's best_avg.pth (its test() keeps the EMA model of the best adversarial
+    # test accuracy under the training attack, train_types/in_distribution_training.py:58, :114)
+    keep_best = True
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)
@@ -63,7 +67,7 @@ class AdversarialTraining(Method):
         # adversarial example does not depend on how the batch is split over ranks.
         ctx.attacked.eval()
         with ctx.autocast():
-            x_adv = pgd_from_config(ctx.attacked, clf.images, self.method.indist_attack_clf,
+            x_adv = attack_from_config(ctx.attacked, clf.images, self.method.indist_attack_clf,
                                     objective="ce", y=clf.labels, random_start_keys=clf.keys)
         # The training forward is in train mode through DDP: BN normalises with (synced, on
         # GPU) batch statistics of the adversarial batch and updates its running stats.

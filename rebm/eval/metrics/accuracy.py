@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rebm.attacks.pgd import pgd_from_config
+from rebm.attacks.argmin_pgd import attack_from_config
 from rebm.config.sections import EvaluationSection
 from rebm.data.indexing import sample_keys
 from rebm.distributed import all_reduce_sum
@@ -105,8 +105,10 @@ class RobustAccuracy(CorrectCount):
 
     @classmethod
     def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
-        return {"attack": "PGD", "loss": "cross-entropy",
-                **attack_settings(robust_eval_attack(evaluation)), "seed": evaluation.rand_seed,
+        attack = robust_eval_attack(evaluation)
+        name = "argmin PGD" if attack.attack_type == "argmin_pgd" else "PGD"  # the cache's key
+        return {"attack": name, "loss": "cross-entropy",
+                **attack_settings(attack), "seed": evaluation.rand_seed,
                 **test_set_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
@@ -115,7 +117,7 @@ class RobustAccuracy(CorrectCount):
 
     def correct(self, batch: TestBatch) -> Tensor:
         keys = index_keys(self.ctx.evaluation.rand_seed, batch.index).to(batch.x.device)
-        x_adv = pgd_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
+        x_adv = attack_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
                                 random_start_keys=keys)
         with torch.no_grad():
             return batch.model(x_adv).argmax(1) == batch.y
@@ -124,6 +126,6 @@ class RobustAccuracy(CorrectCount):
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:
         start = ", random start" if settings["random_start"] else ""
         return [("robust accuracy", f"{results[cls.key]:.4f}",
-                 f"PGD-{settings['steps']} {settings['norm']} eps {settings['eps']:g}, step "
+                 f"{settings['attack']}-{settings['steps']} {settings['norm']} eps {settings['eps']:g}, step "
                  f"{settings['step_size']:g}{start}; "
                  + describe_test_set(settings, results.get("n_test")))]

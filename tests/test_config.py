@@ -102,6 +102,8 @@ def test_help(capsys):
         ("attack.step_size=-1", "'attack.step_size' must be >= 0"),
         ("per_device_batch_size=48", "not divisible by per_device_batch_size 48"),
         ("lr", "override 'lr' must look like key=value"),
+        ("indist_attack_clf.attack_type=argmin_pgd",
+         "'indist_attack_clf.attack_type' is 'argmin_pgd'; DAT's classifier attack is 'pgd'"),
     ],
 )
 def test_bad_config_is_one_clear_line(capsys, override, expected):

@@ -19,8 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_data import (write_fake_cifar10, write_tensor_file, write_tiny_images,
-                             write_tinyimages_exclusion_lists)
+from tests.fake_data import (
+    write_fake_cifar10,
+    write_tensor_file,
+    write_tiny_images,
+    write_tinyimages_exclusion_lists,
+)
 from tests.helpers import BIN, REPO, base_env, finish, torchrun_cmd
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
@@ -59,9 +63,10 @@ def test_cifar10_recipe_stage1_stage2_evaluate(tmp_path):
           "wandb_disabled=false"], tmp_path)
     stage1 = tmp_path / "runs" / "stage1_cifar10"
     assert (stage1 / "model_final.pth").exists()
+    assert (stage1 / "model_bestacc.pth").exists()  # In-N-Out's best_avg.pth, what stage 2 reads
 
     out = _run(torchrun_cmd("rebm.training.train", [STAGE2, *SIZES, *STAGE2_SIZES], 2), tmp_path)
-    assert f"loaded checkpoint '{os.path.join('runs', 'stage1_cifar10', 'model_final.pth')}'" \
+    assert f"loaded checkpoint '{os.path.join('runs', 'stage1_cifar10', 'model_bestacc.pth')}'" \
         in out, out[-3000:]
     (stage2,) = glob.glob(str(tmp_path / "runs" / "cifar10" /
                                   "cifar10-dat-WideResNet34x10-T40-seed0*"))

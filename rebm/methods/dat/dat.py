@@ -23,7 +23,7 @@ import torch
 
 from rebm.attacks.fused import pgd_attack_streams
 from rebm.attacks.pgd import pgd_from_config, stream_from_config
-from rebm.config import ModelConfig
+from rebm.config import ConfigError, ModelConfig
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
@@ -95,6 +95,11 @@ class DAT(Method):
     def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
                      source: str = "config") -> None:
         check_loss_weights(method)
+        if method.indist_attack_clf.attack_type != "pgd":  # the fused pass and dat_attacks run PGD
+            raise ConfigError(
+                f"{source}: 'indist_attack_clf.attack_type' is "
+                f"{method.indist_attack_clf.attack_type!r}; DAT's classifier attack is 'pgd' "
+                "(argmin_pgd is stage 1's, InNOutRobustnessMean0_cifar100/train_at.py)")
         STAGE2.check(schedule, model, source)  # a constant rate, on every path into DAT
 
     @classmethod

@@ -182,7 +182,10 @@ def test_damaged_misfit_and_nan_states_fall_back_one_line_each(five_states, tmp_
     damage(3, lambda s: s["optimizer"]["state"][0].__setitem__("momentum_buffer",
                                                                 torch.zeros(3)))
     damage(2, lambda s: s["model"]["conv1.weight"].__setitem__((0, 1, 2, 0), float("nan")))
-    result = run_train([CONFIG, *FAST, "max_steps=2"], run_dir=run_dir).assert_ok()
+    # keep_last_states=1: the pruning after the new state 2 must not count the unusable states
+    # among the newest (they are set aside, so the good ones are not pruned for them)
+    result = run_train([CONFIG, *FAST, "max_steps=2", "keep_last_states=1"],
+                       run_dir=run_dir).assert_ok()
     fallbacks = [line for line in result.output.splitlines()
                  if "trying the previous state" in line]
     assert len(fallbacks) == 4, result.output[-5000:]
@@ -194,6 +197,9 @@ def test_damaged_misfit_and_nan_states_fall_back_one_line_each(five_states, tmp_
         assert str(state_path(run_dir, step)) in line and why in line, line
     assert f"resumed from {state_path(run_dir, 1)} at step 1" in result.output
     assert not rebm_traceback_lines(result.output)
+    left = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    aside = [state_path(run_dir, step).name + ".unusable" for step in (2, 3, 4, 5)]
+    assert left == [state_path(run_dir, 2).name, *aside], left
 
 
 @pytest.mark.slow

@@ -109,7 +109,8 @@ class CheckpointManager:
             except StateOfAnotherRun:
                 raise
             except StateError as err:
-                LOGGER.warning("%s; trying the previous state", err)
+                LOGGER.warning("%s; trying the previous state (set aside as %s)", err,
+                               _set_aside(path))
         if candidates:
             raise StateError(
                 f"none of the {len(candidates)} training states in '{self.run.checkpoints}' is "
@@ -170,3 +171,16 @@ class CheckpointManager:
         path = self.run.final_model
         on_main(self.runtime, lambda: save_model(model, path), f"write {path}")
         return path
+
+
+def _set_aside(path: str) -> str:
+    """Rename an unusable state out of the state_*.pt names (nothing is deleted): left among
+    them, it would count among the newest `keep_last_states` and the pruning after the next
+    save would delete the good states older than it. The new name, or the old one when the
+    rename fails (a read-only folder: then nothing is written there either)."""
+    aside = path + ".unusable"
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return path
+    return aside

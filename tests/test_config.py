@@ -285,3 +285,19 @@ def test_ood_data_dir_and_seed_images_may_not_disagree(capsys, tmp_path):
     code, _, err = run_main(capsys, str(config), "--check")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "'image_log.ood_data_dir: seeds.pt' and 'image_log.seed_images: noise' disagree" in err
+
+
+def test_a_state_from_before_the_exclusion_lists_compares_as_excluding_none():
+    """`data.tinyimages_exclusion_dir` came with a default that excludes records; a run saved
+    before the key existed excluded none, so it continues only with the key set to null
+    (rebm/config/identity.py, VALUE_BEFORE_THE_KEY), never silently on other data."""
+    from rebm.config.identity import training_diff
+
+    current = load_config("experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml", [])
+    saved = to_dict(current)
+    del saved["data"]["tinyimages_exclusion_dir"]
+    assert training_diff(saved, to_dict(current)) == [
+        "data.tinyimages_exclusion_dir: unset (trained as None) -> './data/TinyImagesExclusionIdcs'"]
+    without = load_config("experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml",
+                          ["data.tinyimages_exclusion_dir=null"])
+    assert training_diff(saved, to_dict(without)) == []

@@ -31,6 +31,11 @@ RUN_KEYS = (
     "image_log", "eval",
 )
 
+# Keys added to the schema whose default is not what runs from before them trained with: a saved
+# config that lacks one compares as this value instead of the default. Runs before the TinyImages
+# exclusion lists excluded no record.
+VALUE_BEFORE_THE_KEY = {"data.tinyimages_exclusion_dir": None}
+
 
 def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """{dotted key: value} of the leaves of nested dicts (a config as to_dict gives it)."""
@@ -50,13 +55,13 @@ def _is_training_key(key: str, legacy: set) -> bool:
 def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """'key: saved -> current' for every training key whose value differs between two config
     dicts: `saved` (a state's or a config.yaml's) and `current` (this run's, as to_dict gives
-    it). A key `saved` lacks (one added to the schema since it was written) compares as its
-    default: an older run continues only while the new key is at its default, the value it
-    trained with. A key `current` lacks (one removed from the schema since) is not compared:
+    it). A key `saved` lacks (one added to the schema since it was written) compares as the value
+    the older run trained with: its default, or its `VALUE_BEFORE_THE_KEY` where the default
+    changed what a run trains; an older run continues only while the new key has that value. A key `current` lacks (one removed from the schema since) is not compared:
     this rebm can neither set nor read it."""
     legacy = legacy_keys(TrainConfig)
     old, new = flatten(saved), flatten(current)
-    defaults = flatten(dataclasses.asdict(TrainConfig()))
+    defaults = {**flatten(dataclasses.asdict(TrainConfig())), **VALUE_BEFORE_THE_KEY}
     diffs = []
     for key in sorted(new):
         if not _is_training_key(key, legacy):
@@ -65,7 +70,8 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
             if old[key] != new[key]:
                 diffs.append(f"{key}: {old[key]!r} -> {new[key]!r}")
         elif key in defaults and defaults[key] != new[key]:
-            diffs.append(f"{key}: unset (the default {defaults[key]!r}) -> {new[key]!r}")
+            before = "trained as" if key in VALUE_BEFORE_THE_KEY else "the default"
+            diffs.append(f"{key}: unset ({before} {defaults[key]!r}) -> {new[key]!r}")
     return diffs
 
 

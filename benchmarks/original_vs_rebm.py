@@ -141,7 +141,9 @@ def run_samples(args) -> int:
     """The sample pass of the ImageNet row (benchmarks/original/samples.py), both codes."""
     spec = dict(samples.SAMPLES_IMAGENET, **(samples.QUICK if args.quick else {}))
     spec.update({k: v for k, v in (("num_samples", args.num_samples),
-                                   ("num_workers", args.num_workers)) if v is not None})
+                                   ("num_workers", args.num_workers),
+                                   ("sample_steps", args.steps), ("image_size", args.image_size),
+                                   ("sample_batch", args.sample_batch)) if v is not None})
     job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
     result = samples.compare_samples(job, args.original, args.original_pythonpath,
                                      rounds=args.rounds, warmup=args.warmup,
@@ -192,6 +194,10 @@ def main(argv=None) -> int:
     m.add_argument("--num-workers", type=int, default=None,
                    help="the original's loader workers and PNG threads (default 16, its "
                         "ImageNet FID template's data.num_workers)")
+    m.add_argument("--steps", type=int, default=None,
+                   help="L2 sampling steps (default 14, the ImageNet row's)")
+    m.add_argument("--image-size", type=int, default=None, help="default 256")
+    m.add_argument("--sample-batch", type=int, default=None, help="default 100")
     m.add_argument("--variants", nargs="+", default=list(samples.VARIANTS),
                    choices=samples.VARIANTS)
     m.add_argument("--json", default=None)

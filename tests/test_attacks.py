@@ -76,8 +76,8 @@ def test_parameter_grads_untouched(model, objective):
 
 def original_step(x, x0, g, step_size, eps, norm):
     """One step of the original's PGD written out (its rebm/attacks/attack_steps.py at fb2ffc7:
-    L2Step.step :147-155 then L2Step.project :141-145; LinfStep.step :118-121 then
-    LinfStep.project :113-116)."""
+    L2Step.step :147-155 then L2Step.project :141-145; LinfStep.step :121-124 then
+    LinfStep.project :115-119)."""
     if norm == "L2":
         g_norm = torch.norm(g.reshape(g.shape[0], -1), dim=1).reshape(-1, *([1] * (x.dim() - 1)))
         x = x + g / (g_norm + 1e-10) * step_size

@@ -61,9 +61,9 @@ def ascent_step(x: Tensor, grad: Tensor, step_size: float, norm: str) -> Tensor:
     """L2: x + g/(||g||_2 + 1e-10)*a (per sample); Linf: x + sign(g)*a. No clamp, no projection.
 
     The original's arithmetic, operation for operation (its rebm/attacks/attack_steps.py:147-155
-    L2, :118-121 Linf): the same formula written another way (g*(a/||g||)) rounds differently,
-    and 40 sampling steps amplify that into visibly different samples (docs/design.md §7). A zero
-    gradient gives a zero step (0/1e-10).
+    L2, :121-124 Linf): the same formula written another way (g*(a/||g||)) rounds differently,
+    and 40 sampling steps amplify that into visibly different samples (docs/performance.md §8). A
+    zero gradient gives a zero step (0/1e-10).
     """
     if norm == "L2":
         return x + grad / (_l2_norm(grad) + _L2_OFFSET) * step_size
@@ -73,7 +73,7 @@ def ascent_step(x: Tensor, grad: Tensor, step_size: float, norm: str) -> Tensor:
 def project(x: Tensor, x0: Tensor, eps: float, norm: str) -> Tensor:
     """Project x onto the eps-ball around x0, then clamp to [0, 1].
 
-    The original's arithmetic (attack_steps.py:141-145 L2, :113-116 Linf): subtract x0, shrink
+    The original's arithmetic (attack_steps.py:141-145 L2, :115-119 Linf): subtract x0, shrink
     the difference (`Tensor.renorm`, per sample; a clamp for Linf), add x0 back, clamp. The
     round trip x0 + (x - x0) runs even at eps = inf, where the shrinking is an exact no-op: it
     moves values by up to an ulp (6e-8), and skipping it changes the samples as above.

@@ -37,20 +37,28 @@ def run_trajectory(args) -> int:
     original = trajectory.run_original(job, args.original, args.original_pythonpath)
     runs = {t: trajectory.run_rebm(common.Job(**{**job.__dict__, "threads": t}))
             for t in (1, 2)}
+    # rebm with the weights in NCHW, as the original's: CPU channels_last (rebm's default there)
+    # rounds its convolutions differently, flips single ReLU signs and so moves the trajectory
+    nchw = trajectory.run_rebm(job, "rebm_nchw", variant="eager_nchw")
     print("settings:", json.dumps({"original": original["describe"]["settings"],
                                    "rebm": runs[1]["describe"]["settings"]}))
     print("bridged by the shim:", ", ".join(original["describe"]["bridged"]))
     weights = {name: torch.load(r["final_weights"]) for name, r in
-               (("original", original), ("rebm1", runs[1]), ("rebm2", runs[2]))}
+               (("original", original), ("rebm1", runs[1]), ("rebm2", runs[2]), ("nchw", nchw))}
     spread = {**trajectory.step_differences(runs[1]["steps"], runs[2]["steps"]),
               **trajectory.weight_differences(weights["rebm1"], weights["rebm2"])}
+    spread_nchw = {**trajectory.step_differences(runs[1]["steps"], nchw["steps"]),
+                   **trajectory.weight_differences(weights["rebm1"], weights["nchw"])}
     agreement = {**trajectory.step_differences(original["steps"], runs[1]["steps"]),
                  **trajectory.weight_differences(weights["original"], weights["rebm1"])}
-    tolerance = trajectory.tolerances([spread], spec["batch_size"])
+    agreement_nchw = {**trajectory.step_differences(original["steps"], nchw["steps"]),
+                      **trajectory.weight_differences(weights["original"], weights["nchw"])}
+    tolerance = trajectory.tolerances([spread, spread_nchw], spec["batch_size"])
     report = {"T_original": trajectory.trajectory_T(original["steps"]),
               "T_changes_at_steps": trajectory.T_changes(original["steps"]),
-              "spread_rebm_1_vs_2_threads": spread, "tolerance": tolerance,
-              "original_vs_rebm": agreement,
+              "spread_rebm_1_vs_2_threads": spread,
+              "spread_rebm_channels_last_vs_nchw": spread_nchw, "tolerance": tolerance,
+              "original_vs_rebm": agreement, "original_vs_rebm_nchw": agreement_nchw,
               "outside_tolerance": trajectory.check(agreement, tolerance)}
     print(json.dumps(report, indent=1))
     if args.write_reference:
@@ -60,21 +68,25 @@ def run_trajectory(args) -> int:
         forced = trajectory.run_rebm(forced_job, "rebm_forced_dispatch",
                                      trajectory.FORCED_DISPATCH)
         weights["forced"] = torch.load(forced["final_weights"])
-        write_reference(args.write_reference, spec, original, runs, forced, weights)
+        write_reference(args.write_reference, spec, original, runs,
+                        {"forced": forced, "nchw": nchw}, weights)
     return 1 if report["outside_tolerance"] else 0
 
 
-def write_reference(path: str, spec: dict, original: dict, runs: dict, forced: dict,
+def write_reference(path: str, spec: dict, original: dict, runs: dict, others: dict,
                     weights: dict) -> None:
     """The original's run, summarised (trajectory.summarize), with the spreads the tolerances
-    come from: rebm at 1 vs 2 threads, and rebm at 1 thread against rebm under the forced
-    dispatch of `make test-dispatch` (docs/design.md §7); and what the twin measures here."""
+    come from: rebm at 1 vs 2 threads, rebm at 1 thread against rebm under the forced dispatch
+    of `make test-dispatch`, and against rebm with NCHW weights as the original's (`others`:
+    "forced", "nchw"; docs/design.md §7); and what the twin measures here."""
     final = {part: trajectory.summarize(weights["original"][part]) for part in ("model", "ema")}
     rebm1 = {part: trajectory.summarize(weights["rebm1"][part]) for part in ("model", "ema")}
     threads_spread = trajectory.twin_differences(runs[1]["steps"], rebm1, runs[2]["steps"],
                                                  weights["rebm2"])
-    forced_spread = trajectory.twin_differences(runs[1]["steps"], rebm1, forced["steps"],
+    forced_spread = trajectory.twin_differences(runs[1]["steps"], rebm1, others["forced"]["steps"],
                                                 weights["forced"])
+    nchw_spread = trajectory.twin_differences(runs[1]["steps"], rebm1, others["nchw"]["steps"],
+                                              weights["nchw"])
     native = trajectory.twin_differences(original["steps"], final, runs[1]["steps"],
                                          weights["rebm1"])
     reference = {
@@ -84,8 +96,9 @@ def write_reference(path: str, spec: dict, original: dict, runs: dict, forced: d
         "machine": machine(), "spec": spec,
         "spread_rebm_1_vs_2_threads": threads_spread,
         "spread_forced_dispatch": forced_spread,
+        "spread_channels_last_vs_nchw": nchw_spread,
         "twin_here_native_dispatch": native,
-        "tolerance": trajectory.tolerances([threads_spread, forced_spread],
+        "tolerance": trajectory.tolerances([threads_spread, forced_spread, nchw_spread],
                                            spec["batch_size"]),
         "steps": original["steps"], "final": final,
     }
@@ -128,7 +141,9 @@ def run_samples(args) -> int:
     """The sample pass of the ImageNet row (benchmarks/original/samples.py), both codes."""
     spec = dict(samples.SAMPLES_IMAGENET, **(samples.QUICK if args.quick else {}))
     spec.update({k: v for k, v in (("num_samples", args.num_samples),
-                                   ("num_workers", args.num_workers)) if v is not None})
+                                   ("num_workers", args.num_workers),
+                                   ("sample_steps", args.steps), ("image_size", args.image_size),
+                                   ("sample_batch", args.sample_batch)) if v is not None})
     job = common.Job(spec=spec, workdir=args.workdir, device=args.device, threads=args.threads)
     result = samples.compare_samples(job, args.original, args.original_pythonpath,
                                      rounds=args.rounds, warmup=args.warmup,
@@ -179,6 +194,10 @@ def main(argv=None) -> int:
     m.add_argument("--num-workers", type=int, default=None,
                    help="the original's loader workers and PNG threads (default 16, its "
                         "ImageNet FID template's data.num_workers)")
+    m.add_argument("--steps", type=int, default=None,
+                   help="L2 sampling steps (default 14, the ImageNet row's)")
+    m.add_argument("--image-size", type=int, default=None, help="default 256")
+    m.add_argument("--sample-batch", type=int, default=None, help="default 100")
     m.add_argument("--variants", nargs="+", default=list(samples.VARIANTS),
                    choices=samples.VARIANTS)
     m.add_argument("--json", default=None)

@@ -74,13 +74,44 @@ def test_parameter_grads_untouched(model, objective):
             assert torch.equal(p.grad, g)
 
 
+def original_step(x, x0, g, step_size, eps, norm):
+    """One step of the original's PGD written out (its rebm/attacks/attack_steps.py at fb2ffc7:
+    L2Step.step :147-155 then L2Step.project :141-145; LinfStep.step :121-124 then
+    LinfStep.project :115-119)."""
+    if norm == "L2":
+        g_norm = torch.norm(g.reshape(g.shape[0], -1), dim=1).reshape(-1, *([1] * (x.dim() - 1)))
+        x = x + g / (g_norm + 1e-10) * step_size
+        diff = (x - x0).renorm(p=2, dim=0, maxnorm=eps)
+        return torch.clamp(x0 + diff, 0, 1)
+    x = x + torch.sign(g) * step_size
+    diff = torch.clamp(x - x0, -eps, eps)
+    return torch.clamp(diff + x0, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm,eps", [("L2", math.inf), ("L2", 0.05), ("Linf", math.inf),
+                                      ("Linf", 0.02)])
+def test_steps_are_the_originals_bit_for_bit(model, dtype, norm, eps):
+    """Three steps equal the original's formulas written out, to the bit, on this machine."""
+    model = model.to(dtype)
+    x0, y = mid_images().to(dtype), labels()
+    ref = x0
+    for _ in range(3):
+        ref = original_step(ref, x0, input_grad(model, ref, "ce", y), 0.04, eps, norm)
+    x_adv = pgd_attack(model, x0, steps=3, step_size=0.04, eps=eps, norm=norm, objective="ce", y=y)
+    assert torch.equal(x_adv, ref)
+
+
 def test_l2_step_has_norm_alpha(model):
+    """The step is a*g/(||g|| + 1e-10): norm a up to the original's 1e-10 offset."""
     x, y = mid_images(), labels()
     x1 = pgd_attack(model, x, steps=1, step_size=0.05, objective="logit", y=y)
     assert ((x1 > 0) & (x1 < 1)).all()  # clamp inactive
-    torch.testing.assert_close(norms(x1 - x), torch.full((4,), 0.05, dtype=x.dtype), rtol=0, atol=1e-12)
     g = input_grad(model, x, "logit", y)
-    torch.testing.assert_close(x1 - x, 0.05 * g / norms(g).view(-1, 1, 1, 1), rtol=0, atol=1e-12)
+    g_norm = norms(g)
+    torch.testing.assert_close(norms(x1 - x), 0.05 * g_norm / (g_norm + 1e-10), rtol=0,
+                               atol=1e-12)
+    torch.testing.assert_close(x1 - x, 0.05 * g / g_norm.view(-1, 1, 1, 1), rtol=0, atol=1e-9)
 
 
 def test_zero_gradient_gives_zero_step():
@@ -110,12 +141,13 @@ def test_projection_to_eps_ball(model, norm):
 
 
 def test_eps_inf_only_clamps(model):
-    """With eps = inf a big step is cut only by the [0, 1] clamp (reference step by hand)."""
+    """With eps = inf a big step is cut only by the [0, 1] clamp (reference step by hand: the
+    original's arithmetic, the round trip x0 + (x - x0) included)."""
     x, y = mid_images(), labels()
     x1 = pgd_attack(model, x, steps=1, step_size=5.0, eps=math.inf, objective="logit", y=y)
     g = input_grad(model, x, "logit", y)
-    ref = (x + 5.0 * g / norms(g).view(-1, 1, 1, 1)).clamp(0, 1)
-    torch.testing.assert_close(x1, ref, rtol=0, atol=1e-12)
+    stepped = x + g / (norms(g).view(-1, 1, 1, 1) + 1e-10) * 5.0
+    assert torch.equal(x1, (x + (stepped - x)).clamp(0, 1))
     assert (x1 == 0).any() and (x1 == 1).any()
 
 

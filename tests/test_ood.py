@@ -15,6 +15,7 @@ import torch
 from rebm import distributed as rd
 from rebm.config import load_config
 from rebm.data.ood_datasets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
+from rebm.eval.auc import binary_auc
 from rebm.eval.metrics.ood_detection import OODDetection
 from rebm.eval.metrics.ood_sets import (
     OODSets,
@@ -70,6 +71,26 @@ def test_scores_and_the_original_attack_budgets():
     assert (small.eps, small.steps, small.step_size) == (1.0, 20, 0.1)
     assert (large.eps, large.steps, large.step_size) == (3.0, 10, 1.0)
     assert original_ood_attack(256) == large
+
+
+def test_scores_are_the_originals_float32_arithmetic():
+    """The original scores in float32 (its rebm/eval/eval_utils.py:1165, 1207, 1269): the same
+    bits here, and a near-tie pair that float64 would order stays the tie it is in float32."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(64, 10, generator=g)
+    assert torch.equal(ood_score(logits, "msp"),
+                       torch.max(F.softmax(logits, dim=1), dim=1)[0].double())
+    assert torch.equal(ood_score(logits, "lse"), torch.logsumexp(logits, dim=1).double())
+    assert torch.equal(ood_score(logits.double(), "msp"), ood_score(logits, "msp"))
+    # two images whose max-softmax differ by about 1e-12: equal in float32, ordered in float64
+    near_tie = torch.tensor([[2.0, 0.0], [2.0 + 1e-11, 0.0]], dtype=torch.float64)
+    float64_scores = near_tie.softmax(dim=1).max(dim=1).values
+    assert float64_scores[1] > float64_scores[0]
+    scores = ood_score(near_tie, "msp")
+    assert scores[0] == scores[1]
+    assert binary_auc(scores[1:], scores[:1]) == 0.5  # a tie, as the original's roc_curve sees it
 
 
 def test_uniform_kl_attack_raises_the_max_softmax_within_the_ball():
@@ -242,18 +263,34 @@ IMAGENET = ["data.indist_dataset=ImageNet", "data.num_classes=1000"]
     (224, IMAGENET, 224, (3.0, 10, 1.0)),
     (256, IMAGENET, 224, (3.0, 10, 1.0)),  # never the 32 px budget: its sets are read at 224
     (256, [*IMAGENET, "eval.ood_image_size=256"], 256, (3.0, 10, 1.0)),  # rebm's option
-    (16, [], 16, (1.0, 20, 0.1)),
+    (16, [], 32, (1.0, 20, 0.1)),  # every non-ImageNet model: 32 px, whatever its own side
+    (64, IMAGENET, 224, (3.0, 10, 1.0)),  # every ImageNet model: 224 px, whatever its own side
 ])
 def test_the_original_reads_ood_sets_by_model_kind_and_budgets_by_their_side(
         model_size, overrides, side, budget):
-    """The original (eval_ood_detection.py, eval_utils.ood_detection): OOD images at 32 px for
-    CIFAR models and 224 px for ImageNet models of any size; the 3.0 budget for 224 px images,
-    the 1.0 one otherwise."""
+    """The original (eval_ood_detection.py:53-61, eval_utils.ood_detection): OOD images at 224
+    px for ImageNet models of any size, at 32 px for every other model; the 3.0 budget for 224
+    px images, the 1.0 one otherwise. Metric "ood" reads its out-distribution at that side."""
     cfg = load_config(None, [f"data.image_size={model_size}", *overrides])
     assert ood_image_size(cfg.evaluation) == side
+    assert OODDetection.settings(cfg.evaluation)["image_size"] == side
     attack = OODSets.settings(cfg.evaluation)["attack"]
     assert (attack["eps"], attack["steps"], attack["step_size"]) == budget
     assert OODSets.settings(cfg.evaluation)["image_size"] == side
+
+
+@pytest.mark.parametrize("model_size, overrides, side", [(256, IMAGENET, 224), (16, [], 32)])
+def test_metric_ood_reads_its_noise_at_the_originals_side(model_size, overrides, side):
+    """The original reads its OOD noise at 224 px for ImageNet and 32 px otherwise
+    (eval_ood_detection.py:53-61), not at the model's data.image_size (256 px in the ImageNet
+    recipes, 16 px for digits)."""
+    from rebm.distributed import Runtime
+    from rebm.eval.metrics.ood_sets import build_ood_data
+
+    cfg = load_config(None, [f"data.image_size={model_size}", "data.outdist_dataset=noise",
+                             *overrides])
+    images = next(iter(build_ood_data(cfg.evaluation, Runtime(), batch_size=3, num_samples=3)))[0]
+    assert images.shape == (3, 3, side, side)
 
 
 def test_files_are_the_set_roots(tmp_path):

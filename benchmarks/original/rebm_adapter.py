@@ -21,10 +21,14 @@ from benchmarks.original.common import Job
 def config_overrides(job: Job, variant: str) -> List[str]:
     """rebm's config of the job's spec: the same model, attacks, optimizer, curriculum, EMA and
     loss as the original's side. `variant`: "eager" (float32, no compile, attacks in two
-    passes), "default" (what a long run gets: compile and fused attacks on auto), "bf16"."""
+    passes), "default" (what a long run gets: compile and fused attacks on auto), "bf16",
+    "eager_nchw" (eager with the weights in NCHW as the original's: on CPU rebm's default is
+    channels_last, whose convolutions round differently; docs/design.md §7)."""
     s = job.spec
     speed = {
         "eager": ["model.compile=false", "fuse_attacks=false", "amp=none"],
+        "eager_nchw": ["model.compile=false", "fuse_attacks=false", "amp=none",
+                       "model.channels_last=false"],
         "default": ["model.compile=auto", "fuse_attacks=auto", "amp=none", "max_steps=100000"],
         "bf16": ["model.compile=auto", "fuse_attacks=auto", "amp=bf16", "max_steps=100000"],
     }[variant]

@@ -29,11 +29,12 @@ def prepare(job: common.Job, extra_env: Optional[dict] = None) -> None:
         side.request("write_inputs")
 
 
-def run_rebm(job: common.Job, tag: Optional[str] = None, extra_env: Optional[dict] = None
-             ) -> dict:
+def run_rebm(job: common.Job, tag: Optional[str] = None, extra_env: Optional[dict] = None,
+             variant: str = "eager") -> dict:
+    """rebm's run of the job (rebm_adapter.config_overrides `variant`)."""
     tag = tag or f"rebm_{job.threads}threads"
     with sides.start_rebm(job, tag, extra_env) as side:
-        result = side.request("trajectory", name=tag)
+        result = side.request("trajectory", name=tag, variant=variant)
         result["describe"] = side.request("describe")
     return result
 

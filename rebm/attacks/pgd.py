@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 OBJECTIVES = ("logit", "lse", "ce", "uniform_kl")
 NORMS = ("L2", "Linf")
-_TINY = 1e-12  # a zero gradient gives a zero step instead of 0/0
+_TINY = 1e-12  # a zero direction gives a zero random start instead of 0/0
+_L2_OFFSET = 1e-10  # the original's g / (||g|| + 1e-10) (attack_steps.py:152-154)
 
 
 def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
@@ -57,27 +58,34 @@ def _l2_norm(v: Tensor) -> Tensor:
 
 
 def ascent_step(x: Tensor, grad: Tensor, step_size: float, norm: str) -> Tensor:
-    """L2: x + a*g/||g||_2 (per sample); Linf: x + a*sign(g). No clamp, no projection."""
+    """L2: x + g/(||g||_2 + 1e-10)*a (per sample); Linf: x + sign(g)*a. No clamp, no projection.
+
+    The original's arithmetic, operation for operation (its rebm/attacks/attack_steps.py:147-155
+    L2, :121-124 Linf): the same formula written another way (g*(a/||g||)) rounds differently,
+    and 40 sampling steps amplify that into visibly different samples (docs/performance.md §8). A
+    zero gradient gives a zero step (0/1e-10).
+    """
     if norm == "L2":
-        return x + grad * (step_size / _l2_norm(grad).clamp_min(_TINY))
-    return x + step_size * grad.sign()
+        return x + grad / (_l2_norm(grad) + _L2_OFFSET) * step_size
+    return x + grad.sign() * step_size
 
 
 def project(x: Tensor, x0: Tensor, eps: float, norm: str) -> Tensor:
-    """Project x onto the eps-ball around x0 (eps = inf: no-op), then clamp to [0, 1].
+    """Project x onto the eps-ball around x0, then clamp to [0, 1].
 
+    The original's arithmetic (attack_steps.py:141-145 L2, :115-119 Linf): subtract x0, shrink
+    the difference (`Tensor.renorm`, per sample; a clamp for Linf), add x0 back, clamp. The
+    round trip x0 + (x - x0) runs even at eps = inf, where the shrinking is an exact no-op: it
+    moves values by up to an ulp (6e-8), and skipping it changes the samples as above.
     Clamping after projecting keeps both constraints: x0 lies in [0, 1], so the clamp only moves
     coordinates towards x0 and cannot leave the ball.
     """
-    if not math.isinf(eps):
-        delta = x - x0
-        if norm == "L2":
-            # factor min(1, eps/||delta||), written so that ||delta|| = 0 needs no special case
-            delta = delta * (eps / _l2_norm(delta).clamp_min(eps))
-        else:
-            delta = delta.clamp(-eps, eps)
-        x = x0 + delta
-    return x.clamp(0.0, 1.0)
+    delta = x - x0
+    if norm == "L2":
+        delta = delta.renorm(p=2, dim=0, maxnorm=eps)
+    else:
+        delta = delta.clamp(-eps, eps)
+    return (x0 + delta).clamp(0.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +195,10 @@ def pgd_attack(
     """`steps` steps of projected gradient ascent from `x`; returns a detached tensor.
 
     objective: "logit" ascends f_y(x) (needs y), "lse" ascends logsumexp_k f_k(x), "ce" ascends
-    CE(f(x), y) (needs y), "uniform_kl" ascends KL(uniform || softmax f(x)). Each step: x <- clamp(proj_eps(x + step), 0, 1), the step being
-    a*g/||g||_2 (L2) or a*sign(g) (Linf). eps = inf: only the [0, 1] clamp.
+    CE(f(x), y) (needs y), "uniform_kl" ascends KL(uniform || softmax f(x)). Each step:
+    x <- clamp(proj_eps(x + step), 0, 1), the step being a*g/(||g||_2 + 1e-10) (L2) or
+    a*sign(g) (Linf), in the original's arithmetic (`ascent_step`, `project`). eps = inf: no
+    shrinking, only the round trip through x - x0 and the [0, 1] clamp.
     random_start_keys: (B,) int64, one key per sample; the start point is drawn inside the
     eps-ball from that key alone (see `random_start`). steps == 0 returns x unchanged (a detached
     copy), with or without random start. Works under `torch.no_grad()` (grad is re-enabled

@@ -5,9 +5,9 @@
 Adversarial OOD: each OOD image is first moved by PGD to *raise* its score, as the original
 evaluation did: "lse" ascends logsumexp, "msp" ascends KL(uniform || softmax), which pushes the
 softmax away from uniform and so raises its maximum. L2 steps, no random start; the original's
-budgets by the side of the OOD images (`original_ood_attack`), which the original read at 32 px
-for CIFAR models and at 224 px for every ImageNet model (`ood_image_size`). In-distribution
-images are not attacked.
+budgets by the side of the OOD images (`original_ood_attack`), which the original read at 224 px
+for every ImageNet model and at 32 px for every other (`ood_image_size`). In-distribution
+images are not attacked. The scores are computed in float32, as the original's.
 
 The metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
 shared test pass, then each set of `rebm.data.ood_datasets` (`eval.ood_num_samples` images each).
@@ -20,7 +20,7 @@ gather of metric "ood" (rebm/eval/metrics/ood_detection.py) are here too.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,8 +46,12 @@ from rebm.eval.test_set import test_set_settings
 
 SCORES = ("msp", "lse")
 SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
-LARGE_IMAGE_SIZE = 128  # from here on ImageNet-size models: OOD sets at 224 px, ImageNet budget
-ORIGINAL_IMAGENET_OOD_SIZE = 224  # the original's OOD side for ImageNet models of any size
+LARGE_IMAGE_SIZE = 128  # from here on ImageNet-size OOD images: the ImageNet attack budget
+# The original's OOD side by in-distribution dataset (its rebm/eval/eval_ood_detection.py:53-61):
+# 224 px for ImageNet and Restricted ImageNet models whatever their own size, 32 px for the rest
+ORIGINAL_IMAGENET_OOD_SIZE = 224
+ORIGINAL_OOD_SIZE = 32
+IMAGENET_DATASETS = ("imagenet", "restrictedimagenet")
 TPR_PERCENT = 95
 
 
@@ -61,14 +65,15 @@ class OODAttack:
 
 
 def ood_image_size(evaluation: EvaluationSection) -> int:
-    """The side the OOD sets are read at: eval.ood_image_size, else the original's. The original
-    chose it by the in-distribution dataset (eval_ood_detection.py: 32 for CIFAR-10/100, 224 for
-    ImageNet whatever the model's own size), so rebm reads them at data.image_size below 128 px
-    and at 224 px from 128 px on."""
+    """The side the OOD images are read at: eval.ood_image_size, else the original's, chosen by
+    the in-distribution dataset and not by the model's side (eval_ood_detection.py:53-61):
+    224 px for ImageNet models (of 224 and 256 px alike), 32 px for every other model (CIFAR's,
+    and also a 16 px digits model)."""
     if evaluation.eval.ood_image_size is not None:
         return evaluation.eval.ood_image_size
-    size = evaluation.data.image_size
-    return ORIGINAL_IMAGENET_OOD_SIZE if size >= LARGE_IMAGE_SIZE else size
+    if evaluation.data.indist_dataset.lower() in IMAGENET_DATASETS:
+        return ORIGINAL_IMAGENET_OOD_SIZE
+    return ORIGINAL_OOD_SIZE
 
 
 def original_ood_attack(image_size: int) -> OODAttack:
@@ -89,11 +94,16 @@ def canonical_score(score: str) -> str:
 
 
 def ood_score(logits: Tensor, score: str) -> Tensor:
-    """Per-image score in float64 (higher = more in-distribution)."""
-    logits = logits.double()
+    """Per-image score (higher = more in-distribution), computed in float32 as the original's
+    (its rebm/eval/eval_utils.py:1165, 1207, 1269: softmax, max or logsumexp of float32 logits),
+    returned as float64 (exact) for the gathers. In float64 a near-tie pair of scores can order
+    the other way and move the AUROC by 1/(n_pos n_neg) (docs/performance.md)."""
+    logits = logits.float()
     if canonical_score(score) == "msp":
-        return logits.softmax(dim=1).max(dim=1).values
-    return torch.logsumexp(logits, dim=1)
+        scores = logits.softmax(dim=1).max(dim=1).values
+    else:
+        scores = torch.logsumexp(logits, dim=1)
+    return scores.double()
 
 
 def attack_objective(score: str) -> str:
@@ -236,11 +246,15 @@ class _FirstN(Dataset):
 def build_ood_data(evaluation: EvaluationSection, runtime: Runtime, batch_size: int,
                    num_samples: int, dataset: Optional[Dataset] = None) -> DataLoader:
     """This rank's shard (indices rank, rank+W, ...) of the first `num_samples` images of the
-    configured out-distribution (`data.outdist_dataset`), un-augmented, or of `dataset`."""
+    configured out-distribution (`data.outdist_dataset`), un-augmented, at the original's OOD
+    side (`ood_image_size`: 224 px for ImageNet models, 32 px otherwise), or of `dataset`."""
     if dataset is None:
         # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
         # original's OOD evaluation applies to every out-distribution
-        dataset = load_outdist(evaluation.inputs, augm="none")
+        inputs = evaluation.inputs
+        at_ood_size = replace(inputs, data=replace(inputs.data,
+                                                   image_size=ood_image_size(evaluation)))
+        dataset = load_outdist(at_ood_size, augm="none")
     items = _FirstN(dataset, num_samples)
     return DataLoader(items, batch_size=batch_size,
                       sampler=list(eval_shard(len(items), runtime.rank, runtime.world_size)))
@@ -258,8 +272,9 @@ class OODSets(Metric):
     summary = (("ood/mean/auroc", "OOD-sets mean AUROC", "{:.3f}"),)
     source = TEST_SET
     # 2: noise is the original's noise; ImageNet-size models read the sets at 224 px;
-    # restricted_imagenet
-    protocol = 2
+    # restricted_imagenet. 3: float32 scores; non-ImageNet models read the sets at 32 px; the
+    # attacks take the original's arithmetic
+    protocol = 3
 
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)

@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from rebm import cli
-from rebm.config import ConfigError
+from rebm.config import ConfigError, explicit_keys
 from rebm.methods.stages import STAGE1
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,8 +48,13 @@ def method():
 
 
 def check_stage1(args, cfg) -> None:
-    """The method's config rules (stage 1's: live BatchNorm, a schedule it offers)."""
+    """The method's config rules (stage 1's: live BatchNorm, a schedule it offers), and one
+    warning line (rank 0's) naming the stage-2 keys the config sets, which stage 1 does not read."""
     method().check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
+    unread = STAGE1.unread_keys_set(explicit_keys(cfg))
+    if unread and os.environ.get("RANK", "0") == "0":
+        print(f"warning: stage 1 does not read {', '.join(unread)} (stage-2 keys, DAT's); "
+              "they have no effect here: remove them from the stage-1 config", file=sys.stderr)
 
 
 def build_parser():

@@ -13,7 +13,10 @@ implements it; validation checks a value against the names, and the entry is loo
   package only by name, so a lower layer can hold the registry of a higher one's choices. None:
   the entries are added explicitly (the metrics, whose order is a list).
 - names keep the order of registration (the metrics run and are reported in it);
-- an unknown name is one line naming the config key, the choices and the closest name.
+- an unknown name is one line naming the config key, the choices and the closest name;
+- names are matched exactly, case included, as the original DAT code matched them (its
+  `get_optimizer`'s `match`, `norm == "L2"`): a name that differs only in case is refused, and
+  the line names the spelling to use (`choice_message`, also for the config's fixed choices).
 
 It sits in the bottom layer (pyproject.toml) and imports only rebm.errors.
 """
@@ -28,6 +31,20 @@ from typing import Any, Callable, Dict, Generic, Iterable, Optional, Tuple, Type
 from rebm.errors import ConfigError
 
 T = TypeVar("T")
+
+
+def choice_message(key: str, value: Any, choices: Iterable[str], source: str,
+                   cutoff: float = 0.5) -> str:
+    """The one line of a `value` of `key` that is none of `choices`: the choices, and the one
+    it differs from only in case, or else the closest one."""
+    names = list(choices)
+    same_letters = [n for n in names if n.lower() == str(value).lower()]
+    if same_letters:
+        hint = f"; names are case-sensitive: use '{same_letters[0]}'"
+    else:
+        close = difflib.get_close_matches(str(value), names, n=1, cutoff=cutoff)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{source}: '{key}: {value}' is not a valid choice; use one of {', '.join(names)}{hint}"
 
 
 class Registry(Generic[T]):
@@ -83,10 +100,7 @@ class Registry(Generic[T]):
 
     def unknown_message(self, name: Any, source: str) -> str:
         """The one line of an unknown `name`; a registry with another wording overrides it."""
-        close = self.closest(name)
-        hint = f"; did you mean '{close}'?" if close else ""
-        return (f"{source}: '{self.key}: {name}' is not a valid choice; use one of "
-                f"{', '.join(self.names())}{hint}")
+        return choice_message(self.key, name, self.names(), source, self.cutoff)
 
     def check(self, name: Any, source: str = "config") -> None:
         """`error` (one line: the key, the choices and the closest name) for an unknown `name`."""

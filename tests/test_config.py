@@ -104,10 +104,23 @@ def test_help(capsys):
         ("lr", "override 'lr' must look like key=value"),
         ("indist_attack_clf.attack_type=argmin_pgd",
          "'indist_attack_clf.attack_type' is 'argmin_pgd'; DAT's classifier attack is 'pgd'"),
+        # a section given a value names the section (OmegaConf's own error names no key)
+        ("attack=5", "'attack' is a section, not a value (got 5); set one of its keys instead"),
+        ("data.indist_dataset=digits model=abc", "'model' is a section, not a value"),
+        # one rule for case: every named choice is matched exactly, as the original matches them
+        ("optimizer=Adam", "'optimizer: Adam' is not a valid choice; use one of sgd, adam, adamw; "
+                           "names are case-sensitive: use 'adam'"),
+        ("attack.norm=l2", "'attack.norm: l2' is not a valid choice; use one of L2, Linf; names "
+                           "are case-sensitive: use 'L2'"),
+        ("lr_schedule=Cosine", "'lr_schedule: Cosine' is not a valid choice; use one of cosine, "
+                               "constant; names are case-sensitive: use 'cosine'"),
+        ("data.indist_dataset=Digits", "names are case-sensitive: use 'digits'"),
+        ("amp=BF16", "'amp: BF16' is not a valid choice"),
     ],
 )
 def test_bad_config_is_one_clear_line(capsys, override, expected):
-    code, out, err = run_main(capsys, "experiments/quickstart/digits.yaml", override, "--check")
+    code, out, err = run_main(capsys, "experiments/quickstart/digits.yaml", *override.split(),
+                              "--check")
     assert code == 2
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and expected in lines[0], err
@@ -119,6 +132,14 @@ def test_bad_key_in_file_names_the_file(tmp_path, capsys):
     bad.write_text("data:\n  indist_dataset: digits\n  num_clases: 10\n")
     code, _, err = run_main(capsys, str(bad), "--check")
     assert code == 2 and str(bad) in err and "data.num_classes" in err
+
+
+def test_a_section_given_a_value_in_a_file_names_the_file_and_the_section(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  indist_dataset: digits\nattack: 5\n")
+    code, _, err = run_main(capsys, str(bad), "--check")
+    assert code == 2 and f"{bad}: 'attack' is a section, not a value (got 5)" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_missing_config_file(capsys):

@@ -127,7 +127,10 @@ def test_the_optimizers_are_the_originals():
                 "adamw": (torch.optim.AdamW, {"betas": (0.9, 0.95)})}
     assert set(OPTIMIZERS.names()) == set(expected)
     for name, (cls, settings) in expected.items():
-        cfg = load_config(CONFIG, [f"optimizer={name.upper()}", "lr=0.02", "wd=0.001"])
+        # names are matched exactly, case included, as the original's get_optimizer matches them
+        with pytest.raises(ConfigError, match=f"names are case-sensitive: use '{name}'"):
+            load_config(CONFIG, [f"optimizer={name.upper()}"])
+        cfg = load_config(CONFIG, [f"optimizer={name}", "lr=0.02", "wd=0.001"])
         optimizer = build_optimizer(cfg.optimization, params)
         group = optimizer.param_groups[0]
         assert type(optimizer) is cls and group["lr"] == 0.02 and group["weight_decay"] == 0.001
@@ -169,6 +172,24 @@ def test_the_schedule_flag_is_an_alias_of_the_key(args, expected):
     result = run_command([sys.executable, TRAIN_AT, STAGE1, *args, "--check", "--all"],
                          timeout=60)
     assert expected in result.output, result.output
+
+
+def test_stage1_names_the_stage2_keys_it_does_not_read_in_one_line():
+    result = run_command([sys.executable, TRAIN_AT, STAGE1, "r1reg=0.1", "clf_adv_weight=1",
+                          "attack.max_steps=3", "indist_attack_clf.max_steps=2", "--check"],
+                         timeout=60)
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert result.returncode == 0 and warnings == [
+        "warning: stage 1 does not read attack.max_steps, clf_adv_weight, r1reg (stage-2 keys, "
+        "DAT's); they have no effect here: remove them from the stage-1 config"], result.output
+    clean = run_command([sys.executable, TRAIN_AT, STAGE1, "--check"], timeout=60)
+    assert clean.returncode == 0 and "warning:" not in clean.output, clean.output
+
+
+def test_the_stage2_keys_are_the_method_keys_stage1_does_not_read():
+    assert "indist_attack_clf" not in STAGE_1.unread and "batch_size" not in STAGE_1.unread
+    assert {"attack", "r1reg", "clf_adv_weight", "AUC_th", "logsumexp"} <= set(STAGE_1.unread)
+    assert STAGE_2.unread == ()
 
 
 def test_stage2_refuses_fixed_lr_false_in_one_line():

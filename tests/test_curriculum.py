@@ -8,8 +8,8 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
+from rebm.auc import binary_auc
 from rebm.config import TrainConfig
-from rebm.eval.auc import binary_auc
 from rebm.methods.dat.curriculum import Curriculum
 
 pytestmark = pytest.mark.numbers

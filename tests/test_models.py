@@ -226,7 +226,7 @@ def test_get_optimizer():
     assert group["lr"] == 0.1 and group["weight_decay"] == 5e-4
     cfg.optimizer = "adam"
     assert build_optimizer(cfg.optimization, params).param_groups[0]["betas"] == (0.0, 0.99)
-    cfg.optimizer = "AdamW"
+    cfg.optimizer = "adamw"
     opt = build_optimizer(cfg.optimization, params)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.9, 0.95)
 

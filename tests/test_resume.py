@@ -19,6 +19,7 @@ from rebm.distributed.torch_versions import unsettable_timeout
 from tests.helpers import (
     CONFIG,
     FAST,
+    NO_ATTACKS,
     REPO,
     assert_states_identical,
     base_env,
@@ -95,9 +96,32 @@ def test_the_same_command_on_a_finished_run_does_nothing(resumed, tmp_path):
     final = (run_dir / "model_final.pth").read_bytes()
     result = run_train([CONFIG, *FAST, f"max_steps={STEPS}"], run_dir=run_dir,
                        timeout=300).assert_ok()
-    assert f"nothing to do: the run is already at step {STEPS}" in result.output
+    # it names the limit that ended the run (digits: 1438 images, 44 steps an epoch at 32)
+    assert (f"nothing to do: the run is already at step {STEPS}, where max_steps: {STEPS} ends "
+            "it; total_epochs: 10 (44 steps an epoch) ends it later; raise max_steps to continue "
+            "it") in result.output, result.output
     assert (run_dir / "model_final.pth").read_bytes() == final
     assert not list((run_dir / "checkpoints").glob(f"state_{STEPS + 1:09d}.pt"))
+
+
+def test_a_run_ended_by_total_epochs_continues_with_a_larger_total_epochs(tmp_path):
+    """The README's promise on the quickstart config, which sets total_epochs: a larger max_steps
+    alone does nothing (a run stops at the first of the two) and the line says so; a larger
+    total_epochs continues the run from its state."""
+    run_dir = tmp_path / "run"
+    epochs = [CONFIG, *FAST, *NO_ATTACKS, "batch_size=719"]  # 1438 images: 2 steps an epoch
+    run_train([*epochs, "total_epochs=1"], run_dir=run_dir, timeout=300).assert_ok()
+    final = (run_dir / "model_final.pth").read_bytes()
+    rerun = run_train([*epochs, "total_epochs=1", "max_steps=100"], run_dir=run_dir,
+                      timeout=300).assert_ok()
+    assert ("nothing to do: the run is already at step 2, where total_epochs: 1 (2 steps an "
+            "epoch) ends it; max_steps: 100 ends it later; raise total_epochs to continue it"
+            ) in rerun.output, rerun.output
+    assert (run_dir / "model_final.pth").read_bytes() == final
+    longer = run_train([*epochs, "total_epochs=2"], run_dir=run_dir, timeout=300).assert_ok()
+    assert "at step 2" in longer.output and "nothing to do" not in longer.output, longer.output
+    assert [r["step"] for r in read_metrics(run_dir)][-1] == 4
+    assert (run_dir / "checkpoints" / f"state_{4:09d}.pt").exists()
 
 
 def test_resume_does_not_need_the_pretrained_checkpoint_any_more(stopped, tmp_path):

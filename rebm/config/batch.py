@@ -61,7 +61,7 @@ def eval_batch_size(cfg: TrainConfig, world_size: int,
 def plan_batches(cfg: TrainConfig, world_size: int,
                  loss_streams: int = STANDALONE_EVAL_STREAMS) -> BatchPlan:
     """The plan of a training run on `world_size` ranks whose method's loss pass holds
-    `loss_streams` micro-batches (`Method.loss_streams(cfg)`: it sizes the evaluation batch);
+    `loss_streams` micro-batches (`Method.loss_streams(cfg.method)`: it sizes the evaluation batch);
     a batch size that does not divide is a ConfigError before anything starts."""
     if cfg.batch_size % world_size:
         raise ConfigError(

@@ -3,7 +3,7 @@
 A run may be continued with other values of `RUN_KEYS` (how long it runs, where, on what hardware,
 how often it logs, evaluates and saves, how it is evaluated), never with other values of the
 rest. The default run directory is named after the config file and those training keys, so
-re-running a command with a larger `max_steps` continues the same run.
+re-running a command with a larger `max_steps` or `total_epochs` continues the same run.
 """
 
 from __future__ import annotations

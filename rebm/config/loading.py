@@ -41,6 +41,7 @@ from rebm.config.schema import (
     ModelConfig,
     TrainConfig,
 )
+from rebm.registry import choice_message
 
 
 def _all_keys(obj: Any, prefix: str = "") -> List[str]:
@@ -103,10 +104,30 @@ def _explicit_keys(container: Any, prefix: str = "") -> List[str]:
     return out
 
 
+def _section_given_a_value(base: DictConfig, raw: Any, prefix: str = "") -> Optional[str]:
+    """The first key of `raw` that is a section in `base` but holds a plain value (OmegaConf's
+    error about it names no key), else None."""
+    for key, value in raw.items() if isinstance(raw, DictConfig) else ():
+        node = base.get(key) if key in base else None
+        if isinstance(node, DictConfig):
+            if not isinstance(value, DictConfig):
+                return f"{prefix}{key}"
+            found = _section_given_a_value(node, value, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
 def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
+        section = None if getattr(err, "full_key", None) else _section_given_a_value(base, other)
+        if section:
+            value = OmegaConf.select(other, section)
+            raise ConfigError(
+                f"{source}: '{section}' is a section, not a value (got {value!r}); set one of "
+                f"its keys instead, e.g. {section}.{next(iter(base[section]))}=...") from None
         raise _translate(err, source) from None
 
 
@@ -195,9 +216,7 @@ def _file_alone_is_valid(path: str) -> bool:
 
 def _check_choice(value: str, choices: Sequence[str], key: str, source: str) -> None:
     if value not in choices:
-        raise ConfigError(
-            f"{source}: '{key}: {value}' is not a valid choice; use one of {', '.join(choices)}"
-        )
+        raise ConfigError(choice_message(key, value, choices, source))
 
 
 def _non_finite(obj: Any, prefix: str = "") -> Optional[Tuple[str, float]]:
@@ -225,7 +244,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
                           "finite value (only a radius, *eps, may be .inf)")
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
-    OPTIMIZERS.check(cfg.optimizer.lower(), source)
+    OPTIMIZERS.check(cfg.optimizer, source)
     _check_choice(cfg.amp, AMP_MODES, "amp", source)
     _check_choice(cfg.wandb_mode, WANDB_MODES, "wandb_mode", source)
     _check_choice(cfg.ddp_backend, DDP_BACKENDS, "ddp_backend", source)

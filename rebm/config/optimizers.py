@@ -19,7 +19,7 @@ from rebm.registry import Registry
 class OptimizerSection:
     """The config keys an optimizer is built from (top-level keys of the original schema)."""
 
-    name: str  # `optimizer`, lower-cased (the original accepts SGD as sgd)
+    name: str  # `optimizer`, exactly as registered (the original's `match` refuses SGD too)
     lr: float  # `lr`
     wd: float  # `wd`
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rebm.config.errors import ConfigError
+from rebm.registry import choice_message
 
 LR_SCHEDULES = ("cosine", "constant")
 
@@ -18,5 +19,5 @@ LR_SCHEDULES = ("cosine", "constant")
 def check_lr_schedule_value(lr_schedule: Optional[str], source: str) -> None:
     """At load (no stage known yet): `lr_schedule` is null or a schedule rebm has."""
     if lr_schedule is not None and lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"{source}: 'lr_schedule: {lr_schedule}' is not a valid choice; "
-                          f"use one of {', '.join(LR_SCHEDULES)} (or null: the stage's default)")
+        raise ConfigError(choice_message("lr_schedule", lr_schedule, LR_SCHEDULES, source)
+                          + " (or null: the stage's default)")

@@ -216,7 +216,7 @@ class TrainConfig(LegacyTrainFields, Frozen):
     # The sections of the top-level keys (rebm/config/sections.py): what components take.
     @property
     def optimization(self) -> OptimizerSection:
-        return OptimizerSection(name=str(self.optimizer).lower(), lr=self.lr, wd=self.wd)
+        return OptimizerSection(name=self.optimizer, lr=self.lr, wd=self.wd)
 
     @property
     def inputs(self) -> InputSection:

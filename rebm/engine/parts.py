@@ -56,7 +56,8 @@ class Progress:
     steps_run: int = 0  # optimizer steps this process ran (0 on a rerun of a finished run)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Call `window.gather` on every rank first: rank 0's window then holds the global sums."""
+        """Call `window.gather_all_ranks(runtime)` on every rank first: rank 0's window then holds
+        the global sums."""
         return {"best": dict(self.best), "metrics_window": dict(self.window.sums),
                 "eval_pending": self.eval_pending}
 

@@ -95,6 +95,28 @@ def planned_last_step(schedule: ScheduleSection, steps_per_epoch: int) -> float:
     return min(limits) if limits else math.inf
 
 
+def finished_line(schedule: ScheduleSection, steps_per_epoch: int, step: int) -> str:
+    """The line of a rerun with nothing left to train: which limit ends the run, and the one to
+    raise (a run stops at the first of max_steps and total_epochs it reaches)."""
+    limits = {}
+    if schedule.max_steps is not None:
+        limits["max_steps"] = (schedule.max_steps, f"max_steps: {schedule.max_steps}")
+    if schedule.total_epochs is not None:
+        limits["total_epochs"] = (schedule.total_epochs * steps_per_epoch,
+                                  f"total_epochs: {schedule.total_epochs} ({steps_per_epoch} "
+                                  "steps an epoch)")
+    if not limits:  # a run without either limit never finishes; said for completeness
+        return f"nothing to do: the run is already at step {step}"
+    end = min(last for last, _ in limits.values())
+    binding = [key for key, (last, _) in limits.items() if last == end]
+    other = [f"; {text} ends it later" for key, (last, text) in limits.items() if last > end]
+    where = "where" if step == end else f"past step {end}, where"
+    return (f"nothing to do: the run is already at step {step}, {where} "
+            f"{' and '.join(limits[key][1] for key in binding)} "
+            f"{'ends' if len(binding) == 1 else 'end'} it{''.join(other)}; raise "
+            f"{' and '.join(binding)} to continue it")
+
+
 def resume_point_all_ranks(run: RunSection, config: Dict[str, Any],
                            checkpoints: CheckpointManager, stage: int,
                            fits: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
@@ -352,8 +374,8 @@ class Trainer:
         progress = self.progress
         finished = self.checkpoints.finished_all_ranks()
         if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
-            LOGGER.info("nothing to do: the run is already at step %d (raise max_steps or "
-                        "total_epochs to continue it)", progress.step)
+            LOGGER.info("%s", finished_line(self.schedule, self.data.steps_per_epoch,
+                                            progress.step))
             self.tracker.close_all_ranks()
             return {"step": progress.step}
         results = progress.last_eval

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from torch import nn
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.config import DataConfig, ModelConfig, eval_batch_size
 from rebm.config.sections import EvaluationSection
@@ -137,8 +138,9 @@ class Evaluator:
         return evaluation
 
     def _context(self, model: nn.Module, cls: Type[Metric], step: Optional[int]) -> EvalContext:
+        folder = None if self.run_dir is None else RunDirectory(self.run_dir)
         return EvalContext(model, self.sections[cls.name], self.runtime, self.batch_size,
-                           self.run_dir, step, self.resources)
+                           folder, step, self.resources)
 
     def _test_groups(self, names: Sequence[str]) -> List[List[Type[Metric]]]:
         """The test-set metrics of `names` by the section they read (one pass each: the test

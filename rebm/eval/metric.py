@@ -44,6 +44,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.evaluation import SAMPLE_PIXELS
 from rebm.config.sections import EvaluationSection
 from rebm.distributed import Runtime
@@ -66,8 +67,8 @@ class EvalContext:
     """What a metric instance gets from the Evaluator (rebm/eval/evaluator.py): the unwrapped
     model (in eval mode while the evaluation runs), the metric's evaluation section
     (`cfg.evaluation`, rebm/config/sections.py), this rank's runtime,
-    the images per rank and batch, the folder for files (sample grid, PNGs, npz, diagrams; None:
-    no files) and the training step (names the files; None: an evaluation of a checkpoint).
+    the images per rank and batch, the folder for files (the run directory's paths: sample grid,
+    PNGs, npz, diagrams; None: no files) and the training step (names the files; None: an evaluation of a checkpoint).
     `resources` are the Evaluator's, kept for the whole run: the feature networks and
     reference statistics `Metric.build` made at start, the reference features a metric computes
     once (`shared`)."""
@@ -76,7 +77,7 @@ class EvalContext:
     evaluation: EvaluationSection
     runtime: Runtime
     batch_size: int
-    run_dir: Optional[str] = None
+    run_dir: Optional[RunDirectory] = None
     step: Optional[int] = None
     resources: Dict[str, Any] = field(default_factory=dict)
 

@@ -12,17 +12,29 @@ without importing torch (`--help`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, List, Tuple
 
 from rebm.config import ConfigError
-from rebm.config.sections import ScheduleSection
+from rebm.config.sections import MethodSection, ScheduleSection
+
+# The method keys only DAT (stage 2) reads: stage 1 reads its classifier attack and batch size
+# of the method section, so a new method key is stage 2's unless added here.
+STAGE1_METHOD_KEYS = ("indist_attack_clf", "batch_size")
+DAT_ONLY_KEYS = tuple(f.name for f in fields(MethodSection) if f.name not in STAGE1_METHOD_KEYS)
 
 
 @dataclass(frozen=True)
 class Stage:
     number: int
     schedules: Tuple[str, ...]  # the values of lr_schedule it offers, its default first
+    unread: Tuple[str, ...] = ()  # top-level keys the other stage's method reads and this not
+
+    def unread_keys_set(self, explicit: Iterable[str]) -> List[str]:
+        """The keys of `explicit` (the config's explicit_keys) that this stage does not read, the
+        most specific ones (`attack.max_steps`, not also `attack`), in their order."""
+        keys = [key for key in explicit if key.split(".")[0] in self.unread]
+        return [key for key in keys if not any(o.startswith(key + ".") for o in keys)]
 
     def lr_schedule(self, schedule: ScheduleSection) -> str:
         """The schedule a run of this stage follows: `lr_schedule`, or the default when null."""
@@ -41,5 +53,5 @@ class Stage:
                               "uses a constant learning rate); set fixed_lr: true")
 
 
-STAGE1 = Stage(1, ("cosine", "constant"))  # adversarial training (rebm.methods.at)
+STAGE1 = Stage(1, ("cosine", "constant"), DAT_ONLY_KEYS)  # adversarial training (methods.at)
 STAGE2 = Stage(2, ("constant",))  # DAT (rebm.methods.dat)

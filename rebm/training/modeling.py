@@ -83,5 +83,5 @@ def get_optimizer(model: nn.Module, optimizer_name: str, lr: float, wd: float
                   ) -> torch.optim.Optimizer:
     """The original's get_optimizer: over `model.parameters()`, with rebm's optimizers (SGD
     momentum 0.9 Nesterov, Adam betas (0, 0.99), AdamW (0.9, 0.95); the same as the original)."""
-    section = OptimizerSection(name=optimizer_name.lower(), lr=lr, wd=wd)
+    section = OptimizerSection(name=optimizer_name, lr=lr, wd=wd)
     return build_optimizer(section, model.parameters())

@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import on_main
 from rebm.eval.exact_sums import ExactSums
@@ -112,7 +111,7 @@ class Calibration(Metric):
         sums = torch.zeros(3, N_BINS, dtype=torch.float64) if total is None else total.cpu()
         ece = ece_from_bins(sums)
         if self.ctx.run_dir is not None:
-            path = RunDirectory(self.ctx.run_dir).reliability_diagram(self.ctx.step)
+            path = self.ctx.run_dir.reliability_diagram(self.ctx.step)
             on_main(self.ctx.runtime, lambda: reliability_diagram(sums, ece, path),
                     f"write {path}")
         return {"ece": ece}
@@ -120,7 +119,7 @@ class Calibration(Metric):
     def outputs(self) -> Dict[str, str]:
         if self.ctx.run_dir is None:
             return {}
-        return {"reliability_diagram": RunDirectory(self.ctx.run_dir).reliability_diagram(self.ctx.step)}
+        return {"reliability_diagram": self.ctx.run_dir.reliability_diagram(self.ctx.step)}
 
     @classmethod
     def describe(cls, results, settings) -> List[Tuple[str, str, str]]:

@@ -32,7 +32,6 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.sections import EvaluationSection
 from rebm.distributed.collectives import (
     WriteFailed,
@@ -114,11 +113,11 @@ class SampleGrid(SampleFileMetric):
 
         def write() -> None:
             for kind, pixels in grids.items():
-                save_grid(pixels, RunDirectory(ctx.run_dir).sample_grid(ctx.step, kind))
+                save_grid(pixels, ctx.run_dir.sample_grid(ctx.step, kind))
             LOGGER.info("sample and seed grids saved to %s",
-                        os.path.dirname(RunDirectory(ctx.run_dir).sample_grid(ctx.step)))
+                        os.path.dirname(ctx.run_dir.sample_grid(ctx.step)))
 
-        on_main(ctx.runtime, write, f"write the sample grids into {ctx.run_dir}/samples")
+        on_main(ctx.runtime, write, f"write the sample grids into {ctx.run_dir.path}/samples")
         return {}
 
     def _grid_all_ranks(self, kind: str) -> Tensor:
@@ -140,8 +139,8 @@ class SampleGrid(SampleFileMetric):
         if self.ctx.run_dir is None or not self.position:
             return {}
         run_dir, step = self.ctx.run_dir, self.ctx.step
-        return {"sample_grid": RunDirectory(run_dir).sample_grid(step, "gen"),
-                "seed_grid": RunDirectory(run_dir).sample_grid(step, "seed")}
+        return {"sample_grid": run_dir.sample_grid(step, "gen"),
+                "seed_grid": run_dir.sample_grid(step, "seed")}
 
 
 class KeepSamples(SampleFileMetric):
@@ -154,7 +153,7 @@ class KeepSamples(SampleFileMetric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         run_dir = ctx.run_dir
-        self.folder = None if run_dir is None else RunDirectory(run_dir).samples_folder(ctx.step)
+        self.folder = None if run_dir is None else run_dir.samples_folder(ctx.step)
         self.error: Optional[OSError] = None
 
     def update(self, chunk: SampleChunk) -> None:
@@ -233,7 +232,7 @@ class SamplesNpz(SampleFileMetric):
     def __init__(self, ctx: EvalContext):
         super().__init__(ctx)
         self.error: Optional[OSError] = None
-        self.path = None if ctx.run_dir is None else RunDirectory(ctx.run_dir).samples_npz(ctx.step)
+        self.path = None if ctx.run_dir is None else ctx.run_dir.samples_npz(ctx.step)
         if self.path is None:
             return
         self.npy = self.path + ".arr_0.npy"

@@ -23,12 +23,12 @@ import torch
 
 from rebm.attacks.fused import pgd_attack_streams
 from rebm.attacks.pgd import pgd_from_config, stream_from_config
+from rebm.auc import binary_auc
 from rebm.config import ConfigError, ModelConfig
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
-from rebm.eval.auc import binary_auc
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty

@@ -44,7 +44,7 @@ class EBMLoss:
 @dataclass
 class ClfLoss:
     loss: Tensor  # CE(f(x), y), mean over the batch
-    logits: Tensor  # detached, for train accuracy
+    logits: Tensor  # detached f(x); no step reads them (DAT logs no train accuracy)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.datasets import indist_root_files
 from rebm.config.sections import EvaluationSection
 from rebm.data.ood_datasets import indist_test_set
@@ -128,7 +127,7 @@ class Counterfactuals(Metric):
 
     def finish_all_ranks(self) -> Dict[str, Any]:
         ctx, evaluation = self.ctx, self.ctx.evaluation
-        folder = RunDirectory(ctx.run_dir).counterfactuals if ctx.run_dir else None
+        folder = ctx.run_dir.counterfactuals if ctx.run_dir is not None else None
         settings = counterfactual_settings(evaluation)
         if settings.protocol == "original":
             sources = train_image_set(evaluation, settings.num_images)

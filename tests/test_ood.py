@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rebm import distributed as rd
+from rebm.auc import binary_auc
 from rebm.config import load_config
 from rebm.data.ood_datasets import RESTRICTED_IMAGENET_RANGES, DataError, load_ood_set, load_svhn
-from rebm.eval.auc import binary_auc
 from rebm.eval.metrics.ood_detection import OODDetection
 from rebm.eval.metrics.ood_sets import (
     OODSets,

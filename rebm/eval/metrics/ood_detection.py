@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rebm.auc import binary_auc
 from rebm.config.sections import EvaluationSection
 from rebm.distributed import all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.metrics.ood_sets import (
     build_ood_data,

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from rebm.attacks.pgd import pgd_attack
+from rebm.auc import binary_auc
 from rebm.config.evaluation_ood import OOD_SET_NAMES
 from rebm.config.sections import EvaluationSection
 from rebm.data.indexing import eval_shard
@@ -39,7 +40,6 @@ from rebm.distributed.collectives import all_gather_by_index
 from rebm.distributed.logs import progress
 from rebm.distributed.parallel import unwrap
 from rebm.distributed.signals import stop_points_all_ranks
-from rebm.eval.auc import binary_auc
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
 from rebm.eval.passes import chunk_loader, eval_mode
 from rebm.eval.test_set import test_set_settings

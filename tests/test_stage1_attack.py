@@ -48,6 +48,7 @@ def ce(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none").detach()
 
 
+@pytest.mark.numbers
 def test_the_best_iterate_is_kept_the_start_included(wavy):
     model, x, y = wavy
     kw = dict(steps=3, step_size=1.0, eps=2.0)
@@ -63,11 +64,13 @@ def test_the_best_iterate_is_kept_the_start_included(wavy):
     assert best.min() >= 0 and best.max() <= 1
 
 
+@pytest.mark.numbers
 def test_steps_zero_is_the_input(wavy):
     model, x, y = wavy
     assert torch.equal(argmin_pgd_attack(model, x, y, steps=0, step_size=1.0, eps=2.0), x)
 
 
+@pytest.mark.numbers
 def test_the_first_step_is_in_n_outs_momentum_step(wavy):
     """K = 1: the better of x and x + delta, delta = clamp(x + renorm(a v / ||v||_2), 0, 1) - x
     with v = g / (||g||_1 + 1e-10), g the gradient of the batch-mean cross-entropy
@@ -85,6 +88,7 @@ def test_the_first_step_is_in_n_outs_momentum_step(wavy):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.numbers
 def test_attack_type_chooses_the_attack(wavy):
     model, x, y = wavy
     cfg = load_config(None, ["indist_attack_clf.max_steps=2", "indist_attack_clf.step_size=1.0",

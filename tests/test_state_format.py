@@ -19,7 +19,10 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.numbers]
 STATES = Path(__file__).parent / "data_states"
 DAT_STATE = STATES / "dat_state_format1_step2.pt"  # CONFIG + FAST, max_steps=4, 1 process
 STAGE1_STATE = STATES / "at_state_format1_step2.pt"  # STAGE1 below, 1 process
+# indist_attack_clf.attack_type=pgd: the stored state was written when stage 1 ran plain PGD
+# (digits_stage1.yaml names argmin_pgd since)
 STAGE1 = ["experiments/quickstart/digits_stage1.yaml", "batch_size=32", "max_steps=4",
+          "indist_attack_clf.attack_type=pgd",
           "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=64",
           "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=32", "keep_last_states=100"]
 PARTS = {"model", "optimizer", "scaler", "method", "progress", "rng", "tracker"}

@@ -32,9 +32,13 @@ RUN_KEYS = (
 )
 
 # Keys added to the schema whose default is not what runs from before them trained with: a saved
-# config that lacks one compares as this value instead of the default. Runs before the TinyImages
-# exclusion lists excluded no record.
-VALUE_BEFORE_THE_KEY = {"data.tinyimages_exclusion_dir": None}
+# config that lacks one, and reads what the key changes (the predicate of its flat config),
+# compares as this value instead of the default. Runs that read TinyImages before its exclusion
+# lists excluded no record; runs on other out-distributions never read the key.
+VALUE_BEFORE_THE_KEY = {
+    "data.tinyimages_exclusion_dir": (None, lambda saved: saved.get("data.outdist_dataset")
+                                      in ("tinyimages", "80m-tinyimages")),
+}
 
 
 def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -57,11 +61,14 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     dicts: `saved` (a state's or a config.yaml's) and `current` (this run's, as to_dict gives
     it). A key `saved` lacks (one added to the schema since it was written) compares as the value
     the older run trained with: its default, or its `VALUE_BEFORE_THE_KEY` where the default
-    changed what a run trains; an older run continues only while the new key has that value. A key `current` lacks (one removed from the schema since) is not compared:
-    this rebm can neither set nor read it."""
+    changed what such a run trains; an older run continues only while the new key has that
+    value. A key `current` lacks (one removed from the schema since) is not compared: this rebm
+    can neither set nor read it."""
     legacy = legacy_keys(TrainConfig)
     old, new = flatten(saved), flatten(current)
-    defaults = {**flatten(dataclasses.asdict(TrainConfig())), **VALUE_BEFORE_THE_KEY}
+    defaults = flatten(dataclasses.asdict(TrainConfig()))
+    before_key = {key: value for key, (value, reads) in VALUE_BEFORE_THE_KEY.items() if reads(old)}
+    defaults.update(before_key)
     diffs = []
     for key in sorted(new):
         if not _is_training_key(key, legacy):
@@ -70,7 +77,7 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
             if old[key] != new[key]:
                 diffs.append(f"{key}: {old[key]!r} -> {new[key]!r}")
         elif key in defaults and defaults[key] != new[key]:
-            before = "trained as" if key in VALUE_BEFORE_THE_KEY else "the default"
+            before = "trained as" if key in before_key else "the default"
             diffs.append(f"{key}: unset ({before} {defaults[key]!r}) -> {new[key]!r}")
     return diffs
 

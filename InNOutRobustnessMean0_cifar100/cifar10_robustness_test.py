@@ -32,7 +32,7 @@ def run(cfg, runtime, calibration_only: bool, autoattack: bool) -> dict:
                               extra=["autoattack"] if autoattack else []))
     evaluator = Evaluator(cfg.evaluation, runtime, names).start_all_ranks()
     # EMA weights of a training state when use_ema
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
     metrics = evaluator.evaluate_all_ranks(model).values
     if calibration_only:
         metrics.pop("n_test")

@@ -3,7 +3,7 @@
   to_dict       the config as plain dicts, as every training state stores it: through OmegaConf
                 (structured, then to_container) against rebm.config.to_dict (dataclasses.asdict)
   table-configs the configs of every (row, metric) of a paper table before it starts: one
-                load_config per pair against rebm.eval.table.row_configs (once per row and set
+                load_config per pair against rebm.eval.table.row_sections (once per row and set
                 of overrides)
 
     .venv/bin/python benchmarks/bench_config.py [--reps 5] [--table experiments/paper/cifar10.yaml]
@@ -41,7 +41,7 @@ def omegaconf_dict(cfg) -> dict:
 
 
 def every_pair(spec, checkpoints: str) -> dict:
-    """What row_configs did before: one load_config per (row, metric)."""
+    """What row_sections did before: one load_config per (row, metric)."""
     from rebm.config import load_config
 
     return {row.name: {metric: load_config(row.config, [*spec.row_overrides(row, metric),
@@ -58,19 +58,19 @@ def main() -> None:
     os.chdir(ROOT)  # the tables name their configs relative to the repository
 
     from rebm.config import load_config, to_dict
-    from rebm.eval.table.spec import load_table, row_configs
+    from rebm.eval.table.spec import load_table, row_sections
 
     cfg = load_config(CONFIG)
     assert to_dict(cfg) == omegaconf_dict(cfg)
     spec = load_table(args.table)
     pairs = len(spec.rows) * len(spec.metrics)
     times = {name: [] for name in ("to_dict OmegaConf", "to_dict asdict",
-                                   "table every pair", "table row_configs")}
+                                   "table every pair", "table row_sections")}
     for _ in range(args.reps):
         times["to_dict OmegaConf"].append(cpu(lambda: omegaconf_dict(cfg), 20))
         times["to_dict asdict"].append(cpu(lambda: to_dict(cfg), 20))
         times["table every pair"].append(cpu(lambda: every_pair(spec, "ckpts")))
-        times["table row_configs"].append(cpu(lambda: row_configs(spec, "ckpts")))
+        times["table row_sections"].append(cpu(lambda: row_sections(spec, "ckpts")))
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(f"config {os.path.relpath(CONFIG, ROOT)}; table {os.path.relpath(args.table, ROOT)}: "
           f"{len(spec.rows)} rows x {len(spec.metrics)} metrics = {pairs} pairs; "
@@ -79,7 +79,7 @@ def main() -> None:
         print(f"  {name:20s} {value * 1000:9.2f} ms")
     print(f"  to_dict ratio      {medians['to_dict asdict'] / medians['to_dict OmegaConf']:.4f}")
     print(f"  table ratio        "
-          f"{medians['table row_configs'] / medians['table every pair']:.3f}")
+          f"{medians['table row_sections'] / medians['table every pair']:.3f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def make_cfg(root: str, batch_size: int, workers: int) -> TrainConfig:
     cfg.data.indist_dataset = "cifar10"
     cfg.data.indist_ds_dir = root
     cfg.data.num_workers = workers
-    cfg.batch_size = batch_size
+    cfg.schedule.batch_size = batch_size
     return cfg
 
 
@@ -86,7 +86,7 @@ def bench_augmentation(root: str, reps: int, batch: int = 256) -> float:
 
 def bench_loader(root: str, workers: int, reps: int, steps: int, batch_size: int) -> tuple:
     cfg = make_cfg(root, batch_size, workers)
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
     rates = []
     for _ in range(reps):
         loader = iter(data)
@@ -112,7 +112,7 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         rss0 = rss_bytes()
         t0 = time.perf_counter()
         source = outdist_source(cfg.inputs)
-        schedule = StreamSchedule(len(source), batch_size, cfg.rand_seed, "out")
+        schedule = StreamSchedule(len(source), batch_size, cfg.schedule.rand_seed, "out")
         indices, _ = schedule.rank_indices(0, 0, 1, 0, batch_size)
         images = source.images(indices)
         t_out = time.perf_counter() - t0
@@ -120,7 +120,7 @@ def bench_tinyimages(cifar_root: str, work_dir: str, batch_size: int) -> None:
         assert images.shape == (batch_size, 3, 32, 32)
 
         t0 = time.perf_counter()
-        data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS,
+        data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS,
                                 start_step=123_456)
         next(iter(data))
         t_all = time.perf_counter() - t0
@@ -213,13 +213,13 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
         f"data.indist_ds_dir={imagenet}", f"data.outdist_std_dir={openimages}",
         "data.num_classes=3", f"data.image_size={size}", "data.num_workers=0",
         f"batch_size={batch}", "model.ckpt_path=null", "openimages_max_samples=null"])
-    plan = plan_batches(cfg, runtime.world_size)
+    plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     data = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]
-    precision = Precision(cfg.amp, runtime.device)
+    precision = Precision(cfg.distributed.amp, runtime.device)
     times = []
     for micro_batches in batches:
         t0 = time.perf_counter()
@@ -229,7 +229,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     images = 3 * batch  # in-distribution, classifier and out-distribution streams
     print(f"ResNet50ImageNet DAT step at {size} px on this CPU ({torch.get_num_threads()} "
           f"threads, channels_last={cfg.model.channels_last}), batch {batch}, "
-          f"T={outdist_steps}, K={cfg.indist_attack_clf.max_steps}: {step_s:.1f} s per step "
+          f"T={outdist_steps}, K={cfg.method.indist_attack_clf.max_steps}: {step_s:.1f} s per step "
           f"(median of {timed_steps}, after a warm-up of {times[0]:.1f} s) = "
           f"{images / step_s:.2f} images/s over the 3 streams")
     rd.teardown(runtime)

@@ -29,14 +29,14 @@ def main(argv):
     path = argv[0] if argv and "=" not in argv[0] else "experiments/quickstart/digits_stage1.yaml"
     overrides = [a for a in argv if "=" in a]
     cfg = load_config(path, overrides)
-    torch.manual_seed(cfg.rand_seed)
+    torch.manual_seed(cfg.schedule.rand_seed)
     model = model_from_config(cfg.model, cfg.data)
     optimizer = build_optimizer(cfg.optimization, model.parameters())
     train = load_indist(cfg.data, "train", augm="none")
-    loader = torch.utils.data.DataLoader(train, batch_size=cfg.batch_size, shuffle=True,
+    loader = torch.utils.data.DataLoader(train, batch_size=cfg.schedule.batch_size, shuffle=True,
                                          drop_last=True)
     model.train()
-    for _ in range(cfg.total_epochs):
+    for _ in range(cfg.schedule.total_epochs):
         for x, y in loader:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -44,10 +44,10 @@ def main(argv):
     runtime = Runtime()
     evaluator = Evaluator(cfg.evaluation, runtime, standard_metrics(cfg.evaluation, samples=False))
     metrics = evaluator.evaluate_all_ranks(model).values
-    attack = cfg.indist_attack_clf
+    attack = cfg.method.indist_attack_clf
     metrics.update(eps=attack.eps, norm=attack.norm,
-                   steps=cfg.robust_eval_steps or attack.max_steps,
-                   eval_batch=eval_batch_size(cfg, runtime.world_size))
+                   steps=cfg.eval.robust_eval_steps or attack.max_steps,
+                   eval_batch=eval_batch_size(cfg.schedule, cfg.eval, runtime.world_size))
     print(json.dumps(metrics))
 
 

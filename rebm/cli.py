@@ -79,9 +79,9 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
         problems.append(f"image_log.seed_images '{seeds}' does not exist here")
     if cfg.model.ckpt_path and not os.path.exists(cfg.model.ckpt_path):
         problems.append(f"model.ckpt_path '{cfg.model.ckpt_path}' does not exist here")
-    if cfg.ddp_backend == "nccl" and not torch.cuda.is_available():
+    if cfg.distributed.ddp_backend == "nccl" and not torch.cuda.is_available():
         problems.append("ddp_backend: nccl needs CUDA, which this machine does not have")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if cfg.distributed.device == "cuda" and not torch.cuda.is_available():
         problems.append("device: cuda but CUDA is not available on this machine")
     return problems
 
@@ -107,7 +107,7 @@ def memory_plan_lines(cfg: TrainConfig, batches: BatchPlan, streams: int,
     world_size, micro_batch = batches.world_size, batches.per_device_batch_size
     model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     plan = plan_memory(model, cfg.data.image_size, micro_batch, streams,
-                       cfg.optimizer, cfg.use_ema, world_size, amp=cfg.amp,
+                       cfg.optimization.name, cfg.ema.use_ema, world_size, amp=cfg.distributed.amp,
                        eval_batch=batches.eval_batch_size)
     lines = [f"# memory plan per device (world size {world_size}, micro-batch {micro_batch} x "
              f"{streams} streams, {cfg.data.image_size} px, {cfg.model.model_type}):"]
@@ -149,8 +149,8 @@ def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
     fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     streams = loss_streams(cfg.method) if loss_streams is not None else None
-    plan = (plan_batches(cfg, world_size) if streams is None
-            else plan_batches(cfg, world_size, streams))
+    plan = (plan_batches(cfg.schedule, cfg.eval, world_size) if streams is None
+            else plan_batches(cfg.schedule, cfg.eval, world_size, streams))
     for problem in environment_warnings(cfg):
         print(f"warning: {problem}", file=sys.stderr)
     notice = ignored_fields_notice(cfg)
@@ -262,7 +262,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
             if "WORLD_SIZE" in os.environ:
                 raise ConfigError("--nproc starts its own processes: do not combine it with "
                                   "torchrun")
-            plan_batches(cfg, nproc)  # fail here, once, not in N children
+            plan_batches(cfg.schedule, cfg.eval, nproc)  # fail here, once, not in N children
     return launch(functools.partial(body, cfg), args, nproc, cfg.distributed)
 
 
@@ -358,7 +358,7 @@ def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = 
     if getattr(args, "all", False) and not args.check:
         raise ConfigError("--all only goes with --check (it prints the whole config)")
     cfg = load_config(args.config, args.overrides)
-    if with_default_run_dir and cfg.run_dir is None:
+    if with_default_run_dir and cfg.run.run_dir is None:
         run_dir = default_run_dir(args.config, args.overrides, to_dict(cfg))
         cfg = replace(cfg, run_dir=run_dir)
     return args, cfg

@@ -243,9 +243,9 @@ def make_cfg(root: str, **data) -> TrainConfig:
     cfg.data.indist_dataset = "cifar10"
     cfg.data.indist_ds_dir = root
     cfg.data.num_workers = 0
-    cfg.batch_size = 24
-    cfg.augm_type_generation = "original"
-    cfg.augm_type_classification = "autoaugment_cutout"
+    cfg.schedule.batch_size = 24
+    cfg.data.augm_type_generation = "original"
+    cfg.data.augm_type_classification = "autoaugment_cutout"
     for key, value in data.items():
         setattr(cfg.data, key, value)
     return cfg

@@ -26,5 +26,5 @@ def dat_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     method.curriculum.T = outdist_steps
     parts = Parts(model=model, raw_model=unwrap(model), optimizer=optimizer, scheduler=None,
                   ema=None, precision=precision, method=method, progress=Progress(),
-                  max_grad_norm=cfg.max_grad_norm)
+                  max_grad_norm=cfg.optimization.max_grad_norm)
     return update_all_ranks(parts, plan, micro_batches, log_now=log_now)

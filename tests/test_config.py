@@ -61,8 +61,8 @@ def test_every_experiment_passes_check(capsys, path):
 
 def test_original_format_keeps_fields(tmp_path):
     cfg = load_config(str(REPO / "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml"))
-    assert math.isinf(cfg.attack.eps) and cfg.tags == ["dat", "cifar10", "wrn34x10"]
-    assert cfg.data.indist_dataset == "cifar10-conditional" and cfg.batch_size == 128
+    assert math.isinf(cfg.method.attack.eps) and cfg.logging.tags == ["dat", "cifar10", "wrn34x10"]
+    assert cfg.data.indist_dataset == "cifar10-conditional" and cfg.schedule.batch_size == 128
     assert ignored_fields_notice(cfg) is None  # shipped configs set no field without effect
     # unused original fields are accepted and reported
     original = tmp_path / "original.yaml"
@@ -76,7 +76,7 @@ def test_original_format_keeps_fields(tmp_path):
 def test_overrides_nested_and_top_level():
     cfg = load_config(str(REPO / "experiments/quickstart/digits.yaml"),
                       ["lr=0.1", "attack.max_steps=3", "tags=[a,b]", "data.num_workers=1"])
-    assert (cfg.lr, cfg.attack.max_steps, cfg.tags, cfg.data.num_workers) == (0.1, 3, ["a", "b"], 1)
+    assert (cfg.optimization.lr, cfg.method.attack.max_steps, cfg.logging.tags, cfg.data.num_workers) == (0.1, 3, ["a", "b"], 1)
 
 
 @pytest.mark.slow
@@ -176,7 +176,7 @@ def test_check_warns_about_missing_paths_but_passes(capsys):
 def test_batch_plan(batch, world, per_device, expect):
     cfg = load_config(None, [f"batch_size={batch}", f"per_device_batch_size={per_device}"
                              if per_device else "batch_size=%d" % batch])
-    plan = plan_batches(cfg, world)
+    plan = plan_batches(cfg.schedule, cfg.eval, world)
     assert (plan.per_device_batch_size, plan.accumulation_steps) == expect
     assert plan.per_device_batch_size * plan.accumulation_steps * world == batch
 
@@ -184,7 +184,7 @@ def test_batch_plan(batch, world, per_device, expect):
 def test_batch_not_divisible_by_world_size():
     cfg = load_config(None, ["batch_size=64"])
     with pytest.raises(ConfigError, match="not divisible by the world size 3"):
-        plan_batches(cfg, 3)
+        plan_batches(cfg.schedule, cfg.eval, 3)
 
 
 def test_configs_doc_is_generated_from_the_dataclasses():
@@ -203,7 +203,7 @@ def test_a_bad_override_is_blamed_on_the_command_line():
 
 def test_original_spellings_are_renamed_before_merging(tmp_path):
     cfg = load_config(None, ["fp16=true", "resume_path=runs/x/checkpoints"])
-    assert cfg.amp == "fp16" and cfg.resume_from_state == "runs/x/checkpoints"
+    assert cfg.distributed.amp == "fp16" and cfg.run.resume_from_state == "runs/x/checkpoints"
     assert "fp16" not in to_dict(cfg) and "resume_path" not in to_dict(cfg)
     assert {"amp", "resume_from_state"} <= set(explicit_keys(cfg))
     assert load_config(None, ["fp16=false"]).amp == "none"

@@ -63,12 +63,12 @@ def config_identities() -> dict:
 def table_keys() -> dict:
     from rebm.eval.registry import metric_classes
     from rebm.eval.table.cache import FileHashes, metric_key
-    from rebm.eval.table.spec import load_table, row_configs
+    from rebm.eval.table.spec import load_table, row_sections
 
     keys = {}
     for table in sorted(glob.glob(os.path.join(REPO, "experiments", "paper", "*.yaml"))):
         spec = load_table(table)
-        configs = row_configs(spec, CHECKPOINT_ROOT)
+        configs = row_sections(spec, CHECKPOINT_ROOT)
         hashes = FileHashes()
         for row in spec.rows:
             for cls in metric_classes(spec.metrics):
@@ -79,7 +79,7 @@ def table_keys() -> dict:
 
 
 def _key_parts(section):
-    """(evaluation section, model section) of what row_configs holds for a row and metric."""
+    """(evaluation section, model section) of what row_sections holds for a row and metric."""
     if hasattr(section, "evaluation"):  # a whole config (before the sections were stored)
         return section.evaluation, section.model
     return section, section.model

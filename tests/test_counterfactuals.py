@@ -105,7 +105,7 @@ def _cf_worker(root: str, stats: str, out: str) -> None:
             "image_log.num_steps=5", "image_log.step_size=0.5", "eval.counterfactual_protocol=grid"]
     cfg = load_config(None, [*base, "eval.counterfactual_num_images=7",
                              f"eval.counterfactual_fid_stats={stats}"])
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
     folder = os.path.join(out, f"run{runtime.world_size}")
     result = counterfactuals_of(model, cfg, runtime, 20, folder)
     original = load_config(None, [*base, "eval.counterfactual_protocol=original",
@@ -252,7 +252,7 @@ def test_original_class_fid_is_that_of_the_counterfactuals_toward_the_class(setu
     model = build_model("WideResNet10x1", 10).eval()
     sources = train_image_set(cfg.evaluation, 40)
     labels = sources.labels(np.arange(40))
-    targets = random_targets(labels, sources.indices, 10, cfg.rand_seed)
+    targets = random_targets(labels, sources.indices, 10, cfg.schedule.rand_seed)
     result = evaluate_original_counterfactuals_all_ranks(
         model, sources, targets, counterfactual_settings(cfg.evaluation), Runtime(), num_classes=10,
         batch_size=40)  # one chunk per class: the same batches as below

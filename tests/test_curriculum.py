@@ -43,24 +43,24 @@ def test_auc_edge_cases():
 
 def make_cfg(**kw):
     cfg = TrainConfig()
-    cfg.attack.start_step, cfg.attack.max_steps = kw.pop("start", 0), kw.pop("max_steps", 3)
-    cfg.batch_size = kw.pop("batch_size", 128)
-    cfg.min_imgs_per_threshold = kw.pop("min_imgs", 1000)  # window = ceil(1000/128) = 8 steps
-    cfg.AUC_th = kw.pop("th", 0.8)
-    cfg.samples_per_attack_step = kw.pop("samples", None)
+    cfg.method.attack.start_step, cfg.method.attack.max_steps = kw.pop("start", 0), kw.pop("max_steps", 3)
+    cfg.schedule.batch_size = kw.pop("batch_size", 128)
+    cfg.method.min_imgs_per_threshold = kw.pop("min_imgs", 1000)  # window = ceil(1000/128) = 8 steps
+    cfg.method.AUC_th = kw.pop("th", 0.8)
+    cfg.method.samples_per_attack_step = kw.pop("samples", None)
     assert not kw
     return cfg
 
 
 def test_from_config_window():
-    cur = Curriculum.from_config(make_cfg(start=1).method)
+    cur = Curriculum.from_config(make_cfg(start=1).method, make_cfg(start=1).schedule.batch_size)
     assert cur.T == 1 and cur.window.maxlen == math.ceil(1000 / 128) == 8
-    exact = Curriculum.from_config(make_cfg(batch_size=100).method)
+    exact = Curriculum.from_config(make_cfg(batch_size=100).method, make_cfg(batch_size=100).schedule.batch_size)
     assert exact.window.maxlen == 10  # exact division
 
 
 def test_advances_exactly_when_full_window_mean_crosses_threshold():
-    cur = Curriculum.from_config(make_cfg().method)
+    cur = Curriculum.from_config(make_cfg().method, make_cfg().schedule.batch_size)
     # a high AUC advances only once the window is full, then the window restarts empty
     assert [cur.update(0.99, 128) for _ in range(8)] == [False] * 7 + [True]
     assert cur.T == 1 and len(cur.window) == 0 and cur.images_at_T == 0
@@ -82,7 +82,7 @@ def test_threshold_is_inclusive():
 
 def test_never_past_max_steps():
     # a window of 1
-    cur = Curriculum.from_config(make_cfg(start=1, max_steps=2, min_imgs=128).method)
+    cur = Curriculum.from_config(make_cfg(start=1, max_steps=2, min_imgs=128).method, make_cfg(start=1, max_steps=2, min_imgs=128).schedule.batch_size)
     assert cur.update(1.0, 128) is True and cur.T == 2
     assert not any(cur.update(1.0, 128) for _ in range(20))
     assert cur.T == 2
@@ -93,7 +93,7 @@ def test_never_past_max_steps():
 
 
 def test_samples_per_attack_step_mode():
-    cur = Curriculum.from_config(make_cfg(samples=300, max_steps=2).method)
+    cur = Curriculum.from_config(make_cfg(samples=300, max_steps=2).method, make_cfg(samples=300, max_steps=2).schedule.batch_size)
     # AUC is irrelevant: advance after 300 images at the current T (128-image steps: 3rd step)
     assert [cur.update(0.0, 128) for _ in range(3)] == [False, False, True]
     assert cur.T == 1 and cur.images_at_T == 0
@@ -104,16 +104,16 @@ def test_samples_per_attack_step_mode():
 def test_state_round_trip_resumes_exactly():
     rng = np.random.default_rng(0)
     aucs = rng.uniform(0.6, 1.0, 200).tolist()
-    ref = Curriculum.from_config(make_cfg(max_steps=10).method)
+    ref = Curriculum.from_config(make_cfg(max_steps=10).method, make_cfg(max_steps=10).schedule.batch_size)
     ref_out = [ref.update(a, 128) for a in aucs]
-    cur = Curriculum.from_config(make_cfg(max_steps=10).method)
+    cur = Curriculum.from_config(make_cfg(max_steps=10).method, make_cfg(max_steps=10).schedule.batch_size)
     out = [cur.update(a, 128) for a in aucs[:77]]
     state = cur.state_dict()
     assert len(state["window"]) > 0  # mid-window, the interesting case
     buf = io.BytesIO()
     torch.save(state, buf)  # as inside a training-state file
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    resumed = Curriculum.from_config(make_cfg(max_steps=10).method)
+    resumed = Curriculum.from_config(make_cfg(max_steps=10).method, make_cfg(max_steps=10).schedule.batch_size)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == cur.state_dict()
     out += [resumed.update(a, 128) for a in aucs[77:]]

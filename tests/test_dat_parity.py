@@ -132,7 +132,7 @@ def test_dat_config_with_the_new_fields_loads(tmp_path):
     path = tmp_path / "dat.yaml"
     path.write_text(yaml.safe_dump(original))
     cfg = load_config(str(path))
-    assert cfg.track_r1 and cfg.image_log.norm == "Linf" and cfg.image_log.adaptive_blur
+    assert cfg.method.track_r1 and cfg.image_log.norm == "Linf" and cfg.image_log.adaptive_blur
     assert cfg.image_log.step_sweep_range == [1, 5, 10] and cfg.image_log.blur_kernel_size == 5
 
 
@@ -162,7 +162,7 @@ def test_bad_ranges_are_one_line_errors(override, expected):
 def test_range_edges_are_accepted():
     cfg = load_config(DIGITS, ["AUC_th=1.0", "image_log.blur_kernel_size=1",
                                "image_log.sweep_radius=0", "image_log.step_sweep_range=[1]"])
-    assert cfg.AUC_th == 1.0
+    assert cfg.method.AUC_th == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
                                "indist_attack_clf.max_steps=1", f"r1reg={r1reg}",
                                f"track_r1={str(track_r1).lower()}"])
     runtime = Runtime()
-    plan = plan_batches(cfg, runtime.world_size)
+    plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
     wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
@@ -229,7 +229,7 @@ def test_linf_generation_stays_in_the_linf_ball():
     cfg = _generation_cfg("image_log.norm=Linf", f"image_log.eps={eps}",
                           "image_log.step_size=0.02")
     images, labels = generate_samples(model, cfg, Runtime(), batch_size=5)
-    seeds = SeedImages("noise", 16, cfg.rand_seed)(torch.arange(12))
+    seeds = SeedImages("noise", 16, cfg.schedule.rand_seed)(torch.arange(12))
     delta = (images - seeds).abs()
     assert delta.max() <= eps + 1e-6 and delta.max() > eps / 2
     assert images.min() >= 0 and images.max() <= 1
@@ -264,5 +264,5 @@ def test_blurred_seeds_are_deterministic_and_shard_invariant():
     cfg = _generation_cfg("image_log.blur_kernel_size=5", "image_log.blur_fid_seeds=true",
                           "image_log.num_steps=0")
     images, _ = generate_samples(build_model("WideResNet10x1", 10), cfg, Runtime(), batch_size=5)
-    expected = SeedImages("noise", 16, cfg.rand_seed, blur_kernel_size=5)(torch.arange(12))
+    expected = SeedImages("noise", 16, cfg.schedule.rand_seed, blur_kernel_size=5)(torch.arange(12))
     assert torch.equal(images, expected)

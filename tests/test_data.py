@@ -58,8 +58,8 @@ def image_hash(x: torch.Tensor) -> str:
 def step_pairs(cfg: TrainConfig, step: int, rank: int = 0, world_size: int = 1,
                per_device=None) -> dict:
     """{stream: sorted (index, image hash) pairs} of this rank at `step`."""
-    cfg.per_device_batch_size = per_device
-    plan = plan_batches(cfg, world_size)
+    cfg.schedule.per_device_batch_size = per_device
+    plan = plan_batches(cfg.schedule, cfg.eval, world_size)
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
     micro_batches = build_train_data(cfg.inputs, runtime, plan, STREAMS).step_batch(step)
     assert len(micro_batches) == plan.accumulation_steps
@@ -127,7 +127,7 @@ def test_global_batch_is_identical_on_1_2_3_ranks(cifar_root):
     cfg = make_cfg(cifar_root)
     step = 7  # epoch 1 of the in-dist streams
     reference = union_over_ranks(cfg, step, 1)
-    assert all(len(pairs) == cfg.batch_size for pairs in reference.values())
+    assert all(len(pairs) == cfg.schedule.batch_size for pairs in reference.values())
     for world_size in (2, 3):
         assert union_over_ranks(cfg, step, world_size) == reference
     # gradient accumulation: 2 ranks x 3 micro-steps of 4
@@ -136,7 +136,7 @@ def test_global_batch_is_identical_on_1_2_3_ranks(cifar_root):
 
 def test_worker_count_does_not_change_batches(cifar_root):
     cfg = make_cfg(cifar_root, num_workers=2)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     with_workers = build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=3)
     assert with_workers._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
     in_process = build_train_data(make_cfg(cifar_root).inputs, Runtime(), plan, STREAMS,
@@ -157,7 +157,7 @@ def _rank_main(local_rank: int, world_size: int, port: int, root: str, out_path:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(root)
-    mb, = build_train_data(cfg.inputs, runtime, plan_batches(cfg, runtime.world_size),
+    mb, = build_train_data(cfg.inputs, runtime, plan_batches(cfg.schedule, cfg.eval, runtime.world_size),
                            STREAMS).step_batch(step)
     mine = [(int(i), image_hash(x)) for i, x in zip(mb["clf"].indices, mb["clf"].images, strict=True)]
     mine += [(int(i), image_hash(x)) for i, x in zip(mb["in"].indices, mb["in"].images, strict=True)]
@@ -215,7 +215,7 @@ def test_eval_shards_partition_the_test_set(tmp_path, n_test):
 # --------------------------------------------------------------------------------------------
 def _orders(cfg, steps) -> list:
     """Per step: {stream: dataset indices} of the single-process global batch."""
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
     orders = []
     for step in steps:
         mb, = data.step_batch(step)
@@ -226,8 +226,8 @@ def _orders(cfg, steps) -> list:
 
 def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
-    assert data.steps_per_epoch == N_TRAIN // cfg.batch_size == 5
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
+    assert data.steps_per_epoch == N_TRAIN // cfg.schedule.batch_size == 5
     assert data.epoch_of(4) == 0 and data.epoch_of(5) == 1
     orders = _orders(cfg, range(10))
     epoch0 = [o["in"] for o in orders[:5]]
@@ -236,13 +236,13 @@ def test_shuffles_differ_by_epoch_seed_and_stream(cifar_root):
     assert epoch0 != epoch1
     first = orders[0]
     assert first["in"] != first["clf"] and first["in"] != first["out"]
-    cfg.rand_seed = 1
+    cfg.schedule.rand_seed = 1
     assert _orders(cfg, [0])[0]["in"] != first["in"]
 
 
 def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
     cfg = make_cfg(cifar_root)
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
     images = {}
     for step in range(10):  # two epochs: every index once per epoch
         mb, = data.step_batch(step)
@@ -259,7 +259,7 @@ def test_same_index_gets_new_augmentation_each_epoch(cifar_root):
 # --------------------------------------------------------------------------------------------
 def test_resume_yields_the_same_batches(cifar_root):
     cfg = make_cfg(cifar_root)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     through = iter(build_train_data(cfg.inputs, Runtime(), plan, STREAMS))
     batches = [next(through) for _ in range(9)]
     resumed = iter(build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=6))
@@ -275,14 +275,14 @@ def test_loading_leaves_the_global_rng_alone(cifar_root):
     cfg = make_cfg(cifar_root, outdist_dataset="lowfreq-noise")
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    next(iter(build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS, start_step=2)))
+    next(iter(build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS, start_step=2)))
     next(iter(build_eval_data(cfg.data, Runtime(), batch_size=8)))
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_resume_is_o1(cifar_root, monkeypatch):
     cfg = make_cfg(cifar_root)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     reads = []
 
     def timed_first_batch(start_step):
@@ -352,12 +352,12 @@ def test_tinyimages_layout_exclusion_and_stream(cifar_root, tmp_path):
     cfg = make_cfg(cifar_root, outdist_dataset="tinyimages", outdist_std_dir=str(tmp_path),
                    outdist_exclude_index=str(tmp_path / "exclude.txt"),
                    tinyimages_exclusion_dir=None)  # the original's lists: their own test file
-    cfg.augm_type_generation = "none"
+    cfg.data.augm_type_generation = "none"
     out = load_outdist(cfg.inputs).source
     assert len(out) == 296
     kept = np.setdiff1d(np.arange(300), excluded)
     assert np.array_equal(out.record_numbers(np.arange(296)), kept)
-    mb, = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS).step_batch(2)
+    mb, = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS).step_batch(2)
     records = out.record_numbers(mb["out"].indices.numpy())
     assert not np.isin(records, excluded).any()
     assert torch.equal(mb["out"].images, torch.from_numpy(chw[records]).float() / 255)
@@ -405,7 +405,7 @@ def test_only_the_declared_streams_are_loaded(cifar_root):
     """A method declaring one stream (stage 1: the classifier stream) gets that one alone, with
     the same images and keys as when all three are loaded."""
     cfg = make_cfg(cifar_root)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     alone, = build_train_data(cfg.inputs, Runtime(), plan, (CLASSIFIER,)).step_batch(3)
     full, = build_train_data(cfg.inputs, Runtime(), plan, STREAMS).step_batch(3)
     assert list(alone) == ["clf"] and list(full) == ["in", "clf", "out"]

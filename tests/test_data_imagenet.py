@@ -73,9 +73,9 @@ def make_cfg(roots, size: int = 32, **top) -> TrainConfig:
     cfg.data.num_classes = CLASSES
     cfg.data.image_size = size
     cfg.data.num_workers = 0
-    cfg.batch_size = 6
-    cfg.augm_type_generation = "generation_id_randomcrop"
-    cfg.augm_type_classification = "madry"
+    cfg.schedule.batch_size = 6
+    cfg.data.augm_type_generation = "generation_id_randomcrop"
+    cfg.data.augm_type_classification = "madry"
     for key, value in top.items():
         setattr(cfg, key, value)
     return cfg
@@ -83,7 +83,7 @@ def make_cfg(roots, size: int = 32, **top) -> TrainConfig:
 
 def rank_batches(cfg, step: int, rank: int, world_size: int):
     runtime = Runtime(rank=rank, world_size=world_size, local_world_size=world_size)
-    return build_train_data(cfg.inputs, runtime, plan_batches(cfg, world_size),
+    return build_train_data(cfg.inputs, runtime, plan_batches(cfg.schedule, cfg.eval, world_size),
                             STREAMS).step_batch(step)
 
 
@@ -194,11 +194,11 @@ def test_global_batch_identical_on_1_and_2_ranks(roots):
     cfg = make_cfg(roots)
     for step in (0, 3):
         reference, _ = global_batch(cfg, step, 1)
-        assert all(len(v) == cfg.batch_size for v in reference.values())
+        assert all(len(v) == cfg.schedule.batch_size for v in reference.values())
         assert global_batch(cfg, step, 2)[0] == reference
-        cfg.per_device_batch_size = 1  # 2 ranks x 3 accumulation micro-steps
+        cfg.schedule.per_device_batch_size = 1  # 2 ranks x 3 accumulation micro-steps
         assert global_batch(cfg, step, 2)[0] == reference
-        cfg.per_device_batch_size = None
+        cfg.schedule.per_device_batch_size = None
 
 
 def test_corrupt_jpeg_replaced_identically_and_counted(corrupt_roots, caplog):
@@ -212,7 +212,7 @@ def test_corrupt_jpeg_replaced_identically_and_counted(corrupt_roots, caplog):
         total[2] += total_2
     assert total == {1: 2, 2: 2}  # met once by the EBM stream and once by the classifier's
     # the replacement is the next index (same class here), so its label comes with it
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
     with caplog.at_level(logging.WARNING):
         for step in range(4):  # two epochs: counted every time, logged once
             data.step_batch(step)
@@ -224,7 +224,7 @@ def test_corrupt_jpeg_replaced_identically_and_counted(corrupt_roots, caplog):
 def test_workers_decode_and_resume_is_exact(corrupt_roots):
     cfg = make_cfg(corrupt_roots)
     cfg.data.num_workers = 2
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     resumed = build_train_data(cfg.inputs, Runtime(), plan, STREAMS, start_step=1)
     assert resumed._loader_kwargs["num_workers"] == min(2, len(os.sched_getaffinity(0)))
     direct = make_cfg(corrupt_roots)
@@ -273,7 +273,7 @@ def test_outdist_augmentation_follows_the_original(roots):
     assert outdist_augmentation(make_cfg(roots).inputs) == "generation_od_randomcrop"
     cfg = make_cfg(roots, augm_type_generation="generation_id")
     assert outdist_augmentation(cfg.inputs) == "generation_od"
-    cfg.openimages_augm = "default"
+    cfg.data.openimages_augm = "default"
     assert outdist_augmentation(cfg.inputs) == "default"
 
 
@@ -286,7 +286,7 @@ def test_config_fields_of_the_original_imagenet_configs(tmp_path):
         "augm_type_classification: default\naugm_type_generation: generation_id\n"
         "openimages_max_samples: 300000\nbatch_size: 512\n")
     cfg = load_config(str(path))
-    assert cfg.data.image_size == 256 and cfg.openimages_max_samples == 300000
+    assert cfg.data.image_size == 256 and cfg.data.openimages_max_samples == 300000
     assert load_config(str(path), ["data.image_size=224"]).data.image_size == 224
     assert load_config(str(path), ["openimages_augm=generation_od"]).openimages_augm
     with pytest.raises(ConfigError, match="openimages_augm: fancy' is not a valid choice"):
@@ -300,7 +300,7 @@ def test_metrics_hook_for_replaced_images(corrupt_roots):
     from rebm.engine.metrics_window import MetricsWindow, add_data_counts, pop_data_counts
 
     cfg = make_cfg(corrupt_roots)
-    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), STREAMS)
+    data = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), STREAMS)
     window = MetricsWindow()
     for step in (0, 1):  # one epoch: the truncated file is met twice (EBM + classifier stream)
         add_data_counts(window, data.step_batch(step))
@@ -323,7 +323,7 @@ def _count_rank(local_rank: int, world_size: int, port: int, roots, out_path: st
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runtime = setup_distributed(backend="gloo", device="cpu")
     cfg = make_cfg(roots)
-    data = build_train_data(cfg.inputs, runtime, plan_batches(cfg, runtime.world_size), STREAMS)
+    data = build_train_data(cfg.inputs, runtime, plan_batches(cfg.schedule, cfg.eval, runtime.world_size), STREAMS)
     window, images = MetricsWindow(), []
     for step in (0, 1):
         batches = data.step_batch(step)

@@ -28,7 +28,7 @@ def _step(cfg, runtime, monkeypatch=None):
     on, updated parameters)."""
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     attacked = []
     if monkeypatch is not None:
@@ -40,7 +40,7 @@ def _step(cfg, runtime, monkeypatch=None):
 
         monkeypatch.setattr(dat_module, "pgd_from_config", record)
     result = dat_update(model, build_optimizer(cfg.optimization, raw.parameters()), batches, 2, cfg, plan,
-                      Precision(cfg.amp, runtime.device))
+                      Precision(cfg.distributed.amp, runtime.device))
     return result, attacked, [p.detach().clone() for p in raw.parameters()]
 
 
@@ -79,7 +79,7 @@ def test_every_gpu_does_attack_work():
     def attack_peaks(net):
         for device in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(device)
-        dat_module.pgd_from_config(net, x, cfg.attack, steps=10, y=y, objective="logit")
+        dat_module.pgd_from_config(net, x, cfg.method.attack, steps=10, y=y, objective="logit")
         torch.cuda.synchronize()
         return [torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())]
 

@@ -49,7 +49,7 @@ def tiny(tmp_path):
 
 def _cfg(data, **keys):
     cfg = make_cfg(str(data), outdist_dataset="tinyimages", outdist_std_dir=str(data), **keys)
-    cfg.augm_type_generation = "none"
+    cfg.data.augm_type_generation = "none"
     return cfg
 
 
@@ -68,7 +68,7 @@ def test_default_excludes_the_originals_lists(tiny, monkeypatch):
 
     # a training batch of the out-distribution stream: only kept records, read as the original
     raw = np.fromfile(data / "tiny_images.bin", dtype=np.uint8).reshape(N_RECORDS, 3072)
-    (micro,) = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg, 1), (OUTDIST,)
+    (micro,) = build_train_data(cfg.inputs, Runtime(), plan_batches(cfg.schedule, cfg.eval, 1), (OUTDIST,)
                                 ).step_batch(3)
     records = source.record_numbers(micro["out"].indices.numpy())
     assert not np.isin(records, excluded).any()

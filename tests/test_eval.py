@@ -72,7 +72,7 @@ def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
 
     runtime = rd.setup_distributed()
     cfg = _eval_cfg(root, f"model.ckpt_path={ckpt}")
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
     run_dir = os.path.join(out_dir, f"w{runtime.world_size}")
     evaluator = Evaluator(cfg.evaluation, runtime, ("accuracy", "robust_accuracy", "ece", "ood",
                                          "samples_npz"), batch_size=16, run_dir=run_dir)
@@ -135,14 +135,14 @@ def test_eval_batch_does_not_shrink_with_world_size_until_memory_says_so(overrid
 
     cfg = load_config(None, ["batch_size=64", *overrides])
     for world_size, want in expected.items():
-        assert eval_batch_size(cfg, world_size) == want, world_size
+        assert eval_batch_size(cfg.schedule, cfg.eval, world_size) == want, world_size
         # the training batch plan carries the same number (one source)
-        assert plan_batches(cfg, world_size).eval_batch_size == want, world_size
+        assert plan_batches(cfg.schedule, cfg.eval, world_size).eval_batch_size == want, world_size
 
 
 def test_stage1_plan_evaluates_in_micro_batches():
     cfg = load_config(None, ["batch_size=64"])
-    assert plan_batches(cfg, 2, loss_streams=1).eval_batch_size == 32
+    assert plan_batches(cfg.schedule, cfg.eval, 2, loss_streams=1).eval_batch_size == 32
 
 
 def test_ece_hand_example():

@@ -240,7 +240,7 @@ def test_a_non_finite_setting_in_a_file_is_named_with_the_file_and_a_radius_may_
         load_config(str(config))
     cfg = load_config(STAGE2, ["image_log.eps=.inf", "attack.eps=.inf",
                                "eval.counterfactual_eps=.inf"])
-    assert cfg.image_log.eps == cfg.attack.eps == float("inf")
+    assert cfg.image_log.eps == cfg.method.attack.eps == float("inf")
     with pytest.raises(ConfigError, match=r"'attack.eps: nan'"):
         load_config(STAGE2, ["attack.eps=.nan"])
 

@@ -88,7 +88,7 @@ def _real_dataset(cfg, n: int):
 
     dataset = load_indist(cfg.data, cfg.eval.pr_reference_split, "test")
     labels = np.array([dataset[i][1] for i in range(len(dataset))])
-    chosen = reference_indices(labels, n, cfg.rand_seed)
+    chosen = reference_indices(labels, n, cfg.schedule.rand_seed)
     images = to_pixels(torch.stack([dataset[int(i)][0] for i in chosen]))
 
     class Real(torch.utils.data.Dataset):
@@ -123,7 +123,7 @@ def _worker(root: str, out: str) -> None:
     evaluator = Evaluator(cfg.evaluation, runtime, ("accuracy", "robust_accuracy", "autoattack",
                                                     "ece", *SAMPLE_METRICS),
                           batch_size=2, run_dir=run_dir)
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
     result = evaluator.evaluate_all_ranks(model).values
     torch.save(result, os.path.join(out, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)
@@ -189,7 +189,7 @@ def test_autoattack_equals_pyautoattack_on_the_same_chunks(data):
     from rebm.eval.evaluator import Evaluator, load_eval_model
 
     cfg = _cfg(data, "eval.num_images=4")
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     ours = Evaluator(cfg.evaluation, Runtime(), ("autoattack",), batch_size=2).evaluate_all_ranks(
         model).values
     test = indist_source(cfg.data, "test")
@@ -255,7 +255,7 @@ def test_is_and_pr_with_torch_fidelitys_inception_from_a_local_file(data, tmp_pa
     evaluator = Evaluator(cfg.evaluation, Runtime(),
                           ("keep_samples", "inception_score", "precision_recall"),
                           batch_size=4, run_dir=str(tmp_path))
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     ours = evaluator.evaluate_all_ranks(model).values
     library = _torch_fidelity(tmp_path / "samples" / "eval", cfg, "inception-v3-compat",
                               feature_extractor_weights_path=str(weights))
@@ -319,9 +319,9 @@ def test_unconditional_samples_ascend_logsumexp(data):
     from rebm.eval.sampling.generation import SampleGenerator, SeedImages
 
     cfg = _cfg(data, "eval.unconditional_samples=true")
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     idx = torch.arange(5)
-    source = SeedImages(cfg.image_log.seed_images, 16, cfg.rand_seed)
+    source = SeedImages(cfg.image_log.seed_images, 16, cfg.schedule.rand_seed)
     samples = SampleGenerator(model, cfg.evaluation, Runtime(), source)(idx).images
     seeds = SeedImages("noise", 16, rand_seed=3)(idx)
     expected = pgd_attack(model, seeds, steps=2, step_size=0.5, eps=cfg.image_log.eps,
@@ -339,7 +339,7 @@ def test_calibration_writes_the_reliability_diagram(data, tmp_path):
 
     cfg = _cfg(data)
     evaluator = Evaluator(cfg.evaluation, Runtime(), ("ece",), batch_size=8, run_dir=str(tmp_path))
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     evaluation = evaluator.evaluate_all_ranks(model, step=12)
     result = evaluation.values
     assert evaluation.files == {

@@ -89,7 +89,7 @@ def _standin_env():
 def _model(cfg):
     from rebm.eval.evaluator import load_eval_model
 
-    return load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    return load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
 
 
 def _fid_of(images, stats_path, batch_size: int = 100) -> float:

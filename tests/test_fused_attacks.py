@@ -132,7 +132,7 @@ def test_fuse_attacks_resolves_per_device(setting, device, expected):
 
 
 def _update(cfg, model, raw, T):
-    plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
+    plan, precision = plan_batches(cfg.schedule, cfg.eval, 1), Precision(cfg.distributed.amp, torch.device("cpu"))
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     return dat_update(model, optimizer, batches, T, cfg, plan, precision)
@@ -166,7 +166,7 @@ def test_compiled_dat_run_with_fused_attacks_compiles_two_graphs_whatever_t():
     _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
-    plan, precision = plan_batches(cfg, 1), Precision(cfg.amp, torch.device("cpu"))
+    plan, precision = plan_batches(cfg.schedule, cfg.eval, 1), Precision(cfg.distributed.amp, torch.device("cpu"))
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams))
     before = compile_cache.compiled_graphs()

@@ -20,7 +20,7 @@ from rebm.config.loading import load_config
 from rebm.data.pipeline import load_indist
 from rebm.eval.metric import SAMPLES
 from rebm.eval.registry import metric_classes
-from rebm.eval.table.spec import load_table, row_configs
+from rebm.eval.table.spec import load_table, row_sections
 from tests.fake_data import write_fake_imagenet
 from tests.helpers import REPO
 
@@ -70,7 +70,7 @@ def test_eval_transform_is_the_originals_resize_and_center_crop(imagenet_root, s
 def _row_configs(table: str):
     """(spec, {row: {metric: config}}) of a shipped table, loaded as the runner loads them."""
     spec = load_table(str(REPO / "experiments" / "paper" / table))
-    return spec, row_configs(spec, "checkpoints")
+    return spec, row_sections(spec, "checkpoints")
 
 
 def _row_sizes(table: str):
@@ -85,7 +85,7 @@ def test_the_256px_table_is_the_readmes_eight_models_at_256px():
     assert len(spec.rows) == 8
     steps = [configs[r.name]["fid"].image_log.num_steps for r in spec.rows]
     assert steps == [13, 12, 0, 14, 14, 17, 19, 24]
-    assert all(cfg.data.image_size == 256 and cfg.rand_seed == 0
+    assert all(cfg.data.image_size == 256 and cfg.schedule.rand_seed == 0
                for row in configs.values() for cfg in row.values())
     convnext = [configs[r.name]["accuracy"] for r in spec.rows if "convnext" in r.name]
     assert convnext and all(c.model.use_convstem and not c.model.normalize_input

@@ -22,8 +22,8 @@ def test_each_method_declares_its_streams_and_loss_pass():
     # weighting the clean out-distribution images adds their forward to DAT's loss pass
     weighted = load_config(CONFIG, ["batch_size=64", "clf_outdist_weight=0.2"])
     assert DAT.loss_streams(weighted.method) == 4
-    assert plan_batches(weighted, 2, DAT.loss_streams(weighted.method)).eval_batch_size == 64
-    assert plan_batches(cfg, 4, AdversarialTraining.loss_streams(cfg.method)).eval_batch_size == 16
+    assert plan_batches(weighted.schedule, weighted.eval, 2, DAT.loss_streams(weighted.method)).eval_batch_size == 64
+    assert plan_batches(cfg.schedule, cfg.eval, 4, AdversarialTraining.loss_streams(cfg.method)).eval_batch_size == 16
 
 
 def test_loss_weight_rules_are_the_methods():

@@ -219,14 +219,14 @@ def test_build_model_data_parallel():
 def test_get_optimizer():
     cfg = _cfg()
     params = list(build_model("WideResNet10x1", 10).parameters())
-    cfg.optimizer, cfg.lr, cfg.wd = "sgd", 0.1, 5e-4
+    cfg.optimization.name, cfg.optimization.lr, cfg.optimization.wd = "sgd", 0.1, 5e-4
     opt = build_optimizer(cfg.optimization, params)
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.SGD) and group["nesterov"] and group["momentum"] == 0.9
     assert group["lr"] == 0.1 and group["weight_decay"] == 5e-4
-    cfg.optimizer = "adam"
+    cfg.optimization.name = "adam"
     assert build_optimizer(cfg.optimization, params).param_groups[0]["betas"] == (0.0, 0.99)
-    cfg.optimizer = "adamw"
+    cfg.optimization.name = "adamw"
     opt = build_optimizer(cfg.optimization, params)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.9, 0.95)
 

@@ -217,7 +217,7 @@ def _ood_worker(root: str, out: str) -> None:
             f"eval.ood_datasets=[noise,svhn,cifar100,{root}/folder]", "eval.ood_num_samples=13",
             f"eval.ood_score={score}", "eval.ood_attack_steps=3", "eval.ood_attack_step_size=0.3",
             f"eval.ood_roots.svhn={root}/svhn", f"eval.ood_roots.cifar100={root}/cifar100"])
-        model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, runtime)
+        model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
         evaluator = Evaluator(cfg.evaluation, runtime, ("ood_sets",), batch_size=5)
         results[score] = evaluator.evaluate_all_ranks(model).values
     torch.save(results, os.path.join(out, f"w{runtime.world_size}_r{runtime.rank}.pt"))

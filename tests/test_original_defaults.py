@@ -43,6 +43,6 @@ def test_num_classes_unset_is_the_datasets(tmp_path, dataset, classes):
 
 def test_training_defaults_are_the_originals():
     cfg = TrainConfig()
-    assert cfg.use_ema is False  # the original's TrainConfig.use_ema
+    assert cfg.ema.use_ema is False  # the original's TrainConfig.use_ema
     assert cfg.image_log.sweep_radius == 3  # the original's ImageLogConfig.sweep_radius
-    assert cfg.logsumexp is True and cfg.logsumexp_sampling is False
+    assert cfg.method.logsumexp is True and cfg.method.logsumexp_sampling is False

@@ -72,7 +72,7 @@ def _evaluate(cfg, metrics, run_dir=None, batch_size=5):
 
     evaluator = Evaluator(cfg.evaluation, Runtime(), tuple(metrics), batch_size=batch_size,
                           run_dir=None if run_dir is None else str(run_dir))
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     return evaluator.evaluate_all_ranks(model).values
 
 
@@ -80,7 +80,7 @@ def _samples(cfg):
     from rebm.eval.evaluator import load_eval_model
     from tests.standins import generate_samples
 
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     return generate_samples(model, cfg, Runtime(), batch_size=5)[0]
 
 
@@ -232,7 +232,7 @@ def test_inception_score_is_the_originals_path(data, tmp_path, monkeypatch):
     folder.mkdir()
     for i, image in enumerate(_samples(cfg)):
         to_pil_image(image).save(folder / f"{i:06d}.png")
-    mean, std, splits = _original_inception_score(folder, weights, cfg.rand_seed)
+    mean, std, splits = _original_inception_score(folder, weights, cfg.schedule.rand_seed)
     assert splits == 6  # torch.chunk of 12 rows into 10 gives 6 splits of 2
     assert mean > 1.2 and std > 0
     # other batches (5 here, 4 there) move the float32 Inception logits by round-off only
@@ -279,7 +279,7 @@ def test_40_step_samples_are_the_originals_formulas_bit_for_bit(data):
     from tests.standins import generate_samples
 
     cfg = _cfg(data, "image_log.num_steps=40", "image_log.step_size=1.0")
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     samples, labels = generate_samples(model, cfg, Runtime(), batch_size=N_SAMPLES)
     seeds = seed_source(cfg.evaluation, {})(torch.arange(N_SAMPLES))
     assert torch.equal(labels, balanced_labels(torch.arange(N_SAMPLES), 10))

@@ -99,7 +99,7 @@ def test_seed_grid_beside_the_sample_grid_on_1_and_2_processes(tmp_path):
         assert (folders[2] / name).read_bytes() == (folders[1] / name).read_bytes(), name
 
     cfg = load_config(CONFIG, [f"model.ckpt_path={ckpt}", *OVERRIDES])
-    model = load_eval_model(cfg.model, cfg.data, cfg.use_ema, Runtime())
+    model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
     samples, _ = generate_samples(model, cfg, batch_size=BATCH)
     seeds = seed_source(cfg.evaluation, {})(torch.arange(N_SAMPLES))
     order = _original_choice(N_SAMPLES, 10)
@@ -108,5 +108,5 @@ def test_seed_grid_beside_the_sample_grid_on_1_and_2_processes(tmp_path):
     assert gen.shape == seed.shape == (1 + 10 * 17, 1 + 10 * 17, 3)
     assert np.array_equal(gen, _original_grid(samples[order]))
     assert np.array_equal(seed, _original_grid(seeds[order]))
-    unblurred = SeedImages(cfg.image_log.seed_images, 16, cfg.rand_seed, cfg.evaluation)
+    unblurred = SeedImages(cfg.image_log.seed_images, 16, cfg.schedule.rand_seed, cfg.evaluation)
     assert not np.array_equal(seed, _original_grid(unblurred(torch.tensor(order))))

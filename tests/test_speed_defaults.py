@@ -59,7 +59,7 @@ def test_exactness_tests_run_on_the_default():
     shipped configs without touching `model.channels_last`, so on CPU they test channels_last."""
     for path in TRAINING_CONFIGS:
         cfg = load_config(str(path))
-        assert resolve_channels_last(cfg.model.channels_last, CPU, cfg.amp), path
+        assert resolve_channels_last(cfg.model.channels_last, CPU, cfg.distributed.amp), path
     switched_off = re.compile(r"channels_last\s*[=:]\s*(false|False)")
     for test_file in (REPO / "tests").glob("test_*.py"):
         if test_file.name != Path(__file__).name:
@@ -88,13 +88,13 @@ def test_dat_run_compiles_two_graphs_whatever_t():
     cfg = load_config("experiments/quickstart/digits.yaml", [
         "batch_size=8", "attack.start_step=1", "indist_attack_clf.max_steps=1",
         "fuse_attacks=false"])  # the separate attacks (tests/test_fused_attacks.py: the fused)
-    runtime, plan = Runtime(), plan_batches(cfg, 1)
+    runtime, plan = Runtime(), plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
     _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
-    precision = Precision(cfg.amp, runtime.device)
+    precision = Precision(cfg.distributed.amp, runtime.device)
     batches = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     before = compile_cache.compiled_graphs()
     counts = []

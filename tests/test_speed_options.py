@@ -88,11 +88,11 @@ def test_dat_step_runs_under_each_precision(amp):
     cfg = load_config("experiments/quickstart/digits.yaml", [
         f"amp={amp}", "batch_size=8", "attack.start_step=2", "indist_attack_clf.max_steps=2"])
     runtime = Runtime()
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
-    precision = Precision(cfg.amp, runtime.device)
+    precision = Precision(cfg.distributed.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
     before = [p.detach().clone() for p in raw.parameters()]
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
@@ -192,7 +192,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
         raise Stop  # before the loss pass, which would start a (slow on CPU) inductor compile
 
     monkeypatch.setattr(dat_module, "pgd_from_config", record)
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     batch = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     with pytest.raises(Stop):
         dat_update(model, build_optimizer(cfg.optimization, raw.parameters()), batch, 1, cfg, plan,
@@ -289,8 +289,8 @@ def test_attack_from_config_under_autocast_has_no_host_sync(monkeypatch):
     y = torch.tensor([1, 2, 3, 4])
     keys = torch.arange(4, dtype=torch.int64)
     with no_host_sync(monkeypatch), torch.autocast("cpu", dtype=torch.bfloat16):
-        pgd_from_config(model, x, cfg.attack, steps=2, y=y, objective="logit")
-        pgd_from_config(model, x, cfg.indist_attack_clf, objective="ce", y=y,
+        pgd_from_config(model, x, cfg.method.attack, steps=2, y=y, objective="logit")
+        pgd_from_config(model, x, cfg.method.indist_attack_clf, objective="ce", y=y,
                         random_start_keys=keys)
 
 

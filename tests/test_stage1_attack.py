@@ -93,7 +93,7 @@ def test_attack_type_chooses_the_attack(wavy):
     model, x, y = wavy
     cfg = load_config(None, ["indist_attack_clf.max_steps=2", "indist_attack_clf.step_size=1.0",
                              "indist_attack_clf.eps=2.0"])
-    plain = cfg.indist_attack_clf
+    plain = cfg.method.indist_attack_clf
     assert torch.equal(attack_from_config(model, x, plain, objective="ce", y=y),
                        pgd_from_config(model, x, plain, objective="ce", y=y))
     argmin = load_config(None, ["indist_attack_clf.attack_type=argmin_pgd",
@@ -121,11 +121,11 @@ def test_bad_values_are_one_line_errors(override, message):
                                           ("cifar10_wrn34x10.yaml", 16)])
 def test_the_stage1_configs_are_in_n_outs(name, cutout):
     cfg = load_config(os.path.join(STAGE1_CONFIGS, name))
-    attack = cfg.indist_attack_clf
+    attack = cfg.method.indist_attack_clf
     assert (attack.attack_type, attack.max_steps, attack.step_size, attack.eps, attack.norm) == \
         ("argmin_pgd", 10, 0.1, 0.5, "L2")
     assert cfg.data.cutout_size == cutout
-    transform = build_augmentation(cfg.augm_type_classification, cfg.data.image_size,
+    transform = build_augmentation(cfg.data.augm_type_classification, cfg.data.image_size,
                                    cutout_size=cfg.data.cutout_size)
     cutouts = [t for t in transform.transforms if isinstance(t, Cutout)]
     assert [c.size for c in cutouts] == [cutout]

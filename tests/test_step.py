@@ -23,7 +23,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
     cfg = load_config("experiments/quickstart/digits.yaml", [
         "batch_size=16", "per_device_batch_size=4", "attack.start_step=2",
         "indist_attack_clf.max_steps=2", f"r1reg={r1reg}"])
-    plan = plan_batches(cfg, runtime.world_size)
+    plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -62,7 +62,7 @@ def _clipped_update(max_grad_norm):
         "batch_size=16", "per_device_batch_size=8", "attack.start_step=1",
         "indist_attack_clf.max_steps=1", "optimizer=sgd", f"max_grad_norm={max_grad_norm}"])
     runtime = rd.Runtime()
-    plan = plan_batches(cfg, 1)
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
     model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())

@@ -162,7 +162,7 @@ def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does
     --checkpoints folder has the same keys; other bytes of the same size and mtime do not."""
     from rebm.eval.registry import metric_classes
     from rebm.eval.table.cache import FileHashes, metric_key
-    from rebm.eval.table.spec import row_configs
+    from rebm.eval.table.spec import row_sections
 
     table, ckpts = tiny
     spec = load_table(str(table)).select(["dat-s0"], ["accuracy", "fid"])
@@ -173,8 +173,8 @@ def test_a_moved_checkpoint_folder_keeps_the_cache_and_a_changed_checkpoint_does
 
     def keys(root: Path, checkpoint: Path) -> list:
         hashes = FileHashes()
-        configs = row_configs(spec, str(root))["dat-s0"]
-        return [metric_key(configs[c.name].evaluation, configs[c.name].model, c,
+        configs = row_sections(spec, str(root))["dat-s0"]
+        return [metric_key(configs[c.name], configs[c.name].model, c,
                            hashes.sha256(str(checkpoint)), spec.batch_size, hashes)
                 for c in metric_classes(spec.metrics)]
 
@@ -269,11 +269,11 @@ PAPER_TABLES = sorted(p.stem for p in (REPO / "experiments" / "paper").glob("*.y
 @pytest.mark.parametrize("name", PAPER_TABLES)
 def test_shipped_paper_tables_load_with_every_row_config(name):
     from rebm.eval.registry import metric_classes
-    from rebm.eval.table.spec import row_configs
+    from rebm.eval.table.spec import row_sections
 
     spec = load_table(str(REPO / "experiments" / "paper" / f"{name}.yaml"))
     metric_classes(spec.metrics)  # every metric is registered
-    configs = row_configs(spec, "/checkpoints")
+    configs = row_sections(spec, "/checkpoints")
     for row in spec.rows:
         for metric, cfg in configs[row.name].items():
             assert cfg.model.ckpt_path == f"/checkpoints/{row.checkpoint}"

@@ -105,7 +105,7 @@ def _write(folder: Path, files: dict) -> Path:
 
 def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp_path):
     from rebm.eval.commands.table import load_tables
-    from rebm.eval.table.spec import row_configs
+    from rebm.eval.table.spec import row_sections
 
     folder = _write(tmp_path / "model_configs", ORIGINALS)
     cifar, imagenet = load_tables(str(folder))
@@ -117,17 +117,17 @@ def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp
         assert (table.metrics, table.batch_size, table.overrides, table.columns) == (
             protocol.metrics, protocol.batch_size, protocol.overrides, protocol.columns)
     ckpts = "/project"
-    configs = {**row_configs(cifar, ckpts), **row_configs(imagenet, ckpts)}
+    configs = {**row_sections(cifar, ckpts), **row_sections(imagenet, ckpts)}
     rows = {r.name: r for r in (*cifar.rows, *imagenet.rows)}
 
     row = rows["cifar10-dat-WideResNet34x10-T40-seed0"]
     assert (row.group, row.seed, row.baseline) == ("cifar10-dat-WideResNet34x10-T40", 0, False)
     assert row.notes == "Dual-AT (T=40), AUC_th=0.8"
     cfg = configs[row.name]["fid"]
-    assert cfg.model.ckpt_path == f"{ckpts}/{row.checkpoint}" and cfg.use_ema is False
+    assert cfg.model.ckpt_path == f"{ckpts}/{row.checkpoint}" and cfg.ema.use_ema is False
     assert (cfg.model.model_type, cfg.data.indist_dataset, cfg.data.image_size) == (
         "WideResNet34x10", "cifar10-conditional", 32)
-    assert (cfg.image_log.num_steps, cfg.indist_attack_clf.eps) == (33, 0.5)
+    assert (cfg.image_log.num_steps, cfg.method.indist_attack_clf.eps) == (33, 0.5)
     assert configs[row.name]["counterfactuals"].eval.counterfactual_steps == 33
 
     # 224 px: accuracy and AutoAttack at 224 (run_acc_eval.py --img_size), samples at 256 (the
@@ -138,8 +138,8 @@ def test_original_configs_become_rows_with_the_originals_evaluation_settings(tmp
     for metric, cfg in configs[row.name].items():
         assert cfg.data.image_size == (256 if metric in SAMPLE_METRICS else 224), metric
         assert (cfg.model.model_type, cfg.model.normalize_input) == ("ResNet50ImageNet", True)
-        assert (cfg.image_log.num_steps, cfg.indist_attack_clf.eps) == (13, 3.0)
-        assert cfg.indist_attack_clf.norm == "L2" and cfg.use_ema is False
+        assert (cfg.image_log.num_steps, cfg.method.indist_attack_clf.eps) == (13, 3.0)
+        assert cfg.method.indist_attack_clf.norm == "L2" and cfg.ema.use_ema is False
     assert configs[row.name]["autoattack"].eval.image_ids == "robustbench"
 
     row = rows["imagenet-dat-WideResNet50x4ImageNet-T30-256x256"]

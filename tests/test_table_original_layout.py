@@ -12,7 +12,7 @@ import pytest
 
 from rebm.config import load_config
 from rebm.eval.table.paths import DATA_SOURCES
-from rebm.eval.table.spec import load_table, row_configs
+from rebm.eval.table.spec import load_table, row_sections
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, finish, run_command
 from tests.processes import popen
 from tests.test_table_original import CIFAR10_T40_SEED1, IMAGENET_DAT_CONVNEXT_BASE, ORIGINALS
@@ -51,10 +51,10 @@ def test_paper_tables_evaluate_the_weights_as_the_original(table):
     FID templates (line 90) and config_classes.py:158 (the CIFAR templates set none); the
     sample metrics read the original's statistics and seeds."""
     spec = load_table(str(table))
-    configs = row_configs(spec, "checkpoints")
+    configs = row_sections(spec, "checkpoints")
     for row in spec.rows:
         for metric, cfg in configs[row.name].items():
-            assert cfg.use_ema is False, (row.name, metric)
+            assert cfg.ema.use_ema is False, (row.name, metric)
             dataset = "imagenet" if cfg.data.indist_dataset == "ImageNet" else \
                 cfg.data.indist_dataset.removesuffix("-conditional")
             if metric == "fid":

@@ -85,7 +85,7 @@ def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
     runtime = rd.setup_distributed()
     cfg = load_config(CONFIG, [f"run_dir={run_dir}", "wandb_disabled=true"])
     parts = build_parts_all_ranks(cfg, runtime, DAT(cfg.method, cfg.model, cfg.schedule), 10)
-    checkpoints = CheckpointManager(RunDirectory(run_dir), runtime, cfg.keep_last_states)
+    checkpoints = CheckpointManager(RunDirectory(run_dir), runtime, cfg.run.keep_last_states)
     parts.progress.step = 1
     config = to_dict(cfg)
     save_training_state_all_ranks(parts, checkpoints, config, cfg.distributed, runtime)  # written

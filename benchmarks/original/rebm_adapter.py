@@ -108,7 +108,7 @@ def build_trainer(job: Job, variant: str):
     from rebm.training.train import make_method
 
     cfg = load_config(None, config_overrides(job, variant))
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     return Trainer(cfg, Runtime(device=torch.device(job.device)), make_method), cfg
 
 
@@ -165,8 +165,8 @@ def memory_plan_mib(trainer, cfg) -> Optional[float]:
     plan = trainer.plan
     model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     memory = plan_memory(model, cfg.data.image_size, plan.per_device_batch_size,
-                         type(trainer.parts.method).loss_streams(cfg.method), cfg.optimizer,
-                         cfg.use_ema, 1, amp=cfg.amp, eval_batch=plan.eval_batch_size)
+                         type(trainer.parts.method).loss_streams(cfg.method), cfg.optimization.name,
+                         cfg.ema.use_ema, 1, amp=cfg.distributed.amp, eval_batch=plan.eval_batch_size)
     return memory.total / 2**20 if hasattr(memory, "total") else None
 
 
@@ -217,7 +217,7 @@ def build_sampler(job: Job):
     cfg = load_config(None, sample_overrides(job))
     runtime = Runtime(device=torch.device(job.device))
     evaluator = Evaluator(cfg.evaluation, runtime, ["sample_grid", "keep_samples"],
-                          batch_size=job.spec["sample_batch"], run_dir=cfg.run_dir)
+                          batch_size=job.spec["sample_batch"], run_dir=cfg.run.run_dir)
     evaluator.start_all_ranks()  # the seed file is read here, once per run
     network = load_eval_model(cfg.model, cfg.evaluation.data, False, runtime)
     return evaluator, network, cfg

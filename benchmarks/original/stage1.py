@@ -189,7 +189,7 @@ def run_rebm(workdir: str, spec: dict, attack_type: str = "argmin_pgd") -> dict:
     from rebm.engine.trainer import Trainer
 
     cfg = load_config(None, rebm_overrides(workdir, spec, attack_type))
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     trainer = Trainer(cfg, Runtime(device=torch.device("cpu")), make_method)
     inputs = torch.load(os.path.join(workdir, "batches.pt"))
     losses = []

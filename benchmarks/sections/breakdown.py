@@ -43,12 +43,12 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
         batch = batch.to(bench.runtime.device)
     attacked.eval()
     with watch("neg_attack"), precision.autocast():
-        x_adv = pgd_from_config(attacked, batch["out"].images, cfg.attack, steps=method.curriculum.T,
+        x_adv = pgd_from_config(attacked, batch["out"].images, cfg.method.attack, steps=method.curriculum.T,
                                 y=batch["in"].labels,
-                                objective="lse" if cfg.logsumexp_sampling else "logit",
+                                objective="lse" if cfg.method.logsumexp_sampling else "logit",
                                 random_start_keys=batch["out"].keys)
     with watch("clf_attack"), precision.autocast():
-        x_c_adv = pgd_from_config(attacked, batch["clf"].images, cfg.indist_attack_clf, objective="ce",
+        x_c_adv = pgd_from_config(attacked, batch["clf"].images, cfg.method.indist_attack_clf, objective="ce",
                                   y=batch["clf"].labels, random_start_keys=batch["clf"].keys)
     keep: Dict[str, torch.Tensor] = {"x_adv": x_adv.detach()}
     with watch("fwd_bwd"):
@@ -117,13 +117,13 @@ def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatc
 def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dict:
     cfg = bench.cfg
     intervals = {event: getattr(cfg, field) for event, field in EVENTS.items()}
-    amortized = {event: med[event] * (cfg.batch_size / interval if interval else 0.0)
+    amortized = {event: med[event] * (cfg.schedule.batch_size / interval if interval else 0.0)
                  for event, interval in intervals.items()}
     per_step_s = {k: med.get(k, 0.0) for k in PIECES}
     per_step_s["logging_checkpoint_amortized"] = sum(amortized.values())
     return section_result(
         "breakdown", args, bench, T=bench.parts.method.curriculum.T,
-        K=cfg.indist_attack_clf.max_steps, per_step_s=per_step_s,
+        K=cfg.method.indist_attack_clf.max_steps, per_step_s=per_step_s,
         per_event_s={k: med[k] for k in EVENTS}, intervals_imgs=intervals,
         amortized_s=amortized, sum_of_pieces_s=sum(per_step_s.values()),
         full_loop_step_s=median(full))

@@ -65,8 +65,8 @@ CPU = torch.device("cpu")
 
 def describe(cfg: TrainConfig) -> str:
     """e.g. 'WideResNet16x4, 32 px, batch 32, T=10, K=10, amp none'."""
-    return (f"{cfg.model.model_type}, {cfg.data.image_size} px, batch {cfg.batch_size}, "
-            f"T={cfg.attack.max_steps}, K={cfg.indist_attack_clf.max_steps}, amp {cfg.amp}")
+    return (f"{cfg.model.model_type}, {cfg.data.image_size} px, batch {cfg.schedule.batch_size}, "
+            f"T={cfg.method.attack.max_steps}, K={cfg.method.indist_attack_clf.max_steps}, amp {cfg.distributed.amp}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,14 +182,14 @@ def build(cfg: TrainConfig, runtime: Runtime, load_pretrained: bool = True) -> P
 
 
 def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
-    """A Trainer as `train` builds it, in cfg.run_dir emptied first but for its compile cache
+    """A Trainer as `train` builds it, in cfg.run.run_dir emptied first but for its compile cache
     (so it never resumes a state an earlier section saved there, and a restart finds the
     compiled code), without periodic evaluation."""
     if runtime.is_main:  # everything but the compile cache, which a restart is meant to find
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        for name in os.listdir(cfg.run_dir):
+        os.makedirs(cfg.run.run_dir, exist_ok=True)
+        for name in os.listdir(cfg.run.run_dir):
             if name != RunDirectory.COMPILE_CACHE:
-                path = os.path.join(cfg.run_dir, name)
+                path = os.path.join(cfg.run.run_dir, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
@@ -240,7 +240,7 @@ def section_result(section: str, args, bench: Bench, **fields) -> dict:
     section's own figures in between."""
     return {"section": section, "config": args.config, "label": describe(bench.cfg),
             "threads": args.threads, "reps": args.reps,
-            "params": n_params(bench.parts.raw_model), "batch_size": bench.cfg.batch_size,
+            "params": n_params(bench.parts.raw_model), "batch_size": bench.cfg.schedule.batch_size,
             **fields, "max_rss_mib": [peak_rss_mib()]}
 
 

@@ -111,11 +111,11 @@ def _ddp_worker(opts: dict) -> None:
                 "section": "ddp", "config": opts["config"], "label": describe(cfg),
                 "world_size": runtime.world_size, "threads_per_rank": opts["threads"],
                 "device": str(runtime.device), "backend": runtime.backend,
-                "batch_size": cfg.batch_size, "per_device_batch_size": plan.per_device_batch_size,
+                "batch_size": cfg.schedule.batch_size, "per_device_batch_size": plan.per_device_batch_size,
                 "accumulation_steps": plan.accumulation_steps, "steps": opts["steps"],
                 "params": n_params(bench.parts.raw_model),
                 "step_s": step_s, "data_wait_s": median(data_times),
-                "images_per_s": cfg.batch_size / step_s,
+                "images_per_s": cfg.schedule.batch_size / step_s,
                 "max_rss_mib": rss, **comm,
             })
     finally:

@@ -29,7 +29,7 @@ def _eval_worker(opts: dict) -> None:
     try:
         cfg = make_config("quickstart", opts["workdir"], [*opts["set"], "robust_eval=true"],
                           opts["device"])
-        torch.manual_seed(cfg.rand_seed)
+        torch.manual_seed(cfg.schedule.rand_seed)
         model = model_from_config(cfg.model, cfg.data).to(runtime.device)
         metrics = standard_metrics(cfg.evaluation, samples=False)
         # independent: every rank evaluates the whole test set on its own (no sharding, no
@@ -52,8 +52,8 @@ def _eval_worker(opts: dict) -> None:
                 "section": "eval", "world_size": runtime.world_size,
                 "independent": opts["independent"],
                 "threads_per_rank": opts["threads"], "n_test": result["n_test"],
-                "robust_eval_steps": cfg.robust_eval_steps or cfg.indist_attack_clf.max_steps,
-                "eval_batch_per_rank": eval_batch_size(cfg, eval_runtime.world_size),
+                "robust_eval_steps": cfg.eval.robust_eval_steps or cfg.method.indist_attack_clf.max_steps,
+                "eval_batch_per_rank": eval_batch_size(cfg.schedule, cfg.eval, eval_runtime.world_size),
                 "eval_s": median(per_rep), "eval_all_s": per_rep,
                 "test_acc": result["test_acc"],
                 "robust_test_acc": result.get("robust_test_acc"),

@@ -46,7 +46,7 @@ def _sample_pass(name: str, model_type: str, size: int, classes: int, batch: int
                              f"image_log.num_steps={STEPS}", *args.set])
     torch.manual_seed(0)
     model = model_from_config(cfg.model, cfg.data)
-    if resolve_channels_last(cfg.model.channels_last, device, cfg.amp):
+    if resolve_channels_last(cfg.model.channels_last, device, cfg.distributed.amp):
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device).eval()
     generate = SampleGenerator(model, cfg.evaluation, Runtime(device=device),

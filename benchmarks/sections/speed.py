@@ -115,10 +115,10 @@ def shipped_eval_work(path: str) -> dict:
         sweep = len(list(candidates))
         sweep_steps = sum(candidates)
     return {"config": path, "model": cfg.model.model_type,
-            "interval_images": cfg.n_imgs_per_evaluation_log,
-            "T": cfg.attack.max_steps, "K": cfg.indist_attack_clf.max_steps,
+            "interval_images": cfg.intervals.n_imgs_per_evaluation_log,
+            "T": cfg.method.attack.max_steps, "K": cfg.method.indist_attack_clf.max_steps,
             "test_images": CIFAR_TEST_IMAGES,
-            "robust_steps": robust_eval_attack(cfg.evaluation).max_steps if cfg.robust_eval else 0,
+            "robust_steps": robust_eval_attack(cfg.evaluation).max_steps if cfg.eval.robust_eval else 0,
             "samples": log.num_samples, "sample_steps": log.num_steps,
             "fid_images": (log.num_samples + sweep * log.sweep_num_samples) * log.log_fid,
             "sweep_pgd_image_steps": sweep_steps * log.sweep_num_samples}
@@ -137,7 +137,7 @@ def section_evalshare(args) -> dict:
     device, model = bench.runtime.device, bench.parts.raw_model
     batches = prefetch(bench, 1 + args.reps)
     loop_step(bench, batches[0])
-    b = bench.cfg.batch_size
+    b = bench.cfg.schedule.batch_size
     train = median([loop_step(bench, mb)["total"] for mb in batches[1:]]) / b
     x, y = batches[0][0]["in"].images, batches[0][0]["in"].labels
     model.eval()
@@ -152,7 +152,7 @@ def section_evalshare(args) -> dict:
         fid_features = _per_image(lambda: inception(x299), 8, max(1, args.reps // 2), device)
     return section_result(
         "evalshare", args, bench, T=bench.parts.method.curriculum.T,
-        K=bench.cfg.indist_attack_clf.max_steps, train_image_s=train, forward_image_s=forward,
+        K=bench.cfg.method.indist_attack_clf.max_steps, train_image_s=train, forward_image_s=forward,
         attack_step_image_s=attack, inception_image_s=fid_features,
         model_gflop={name: _model_gflop(name) for name in
                      (bench.cfg.model.model_type, "WideResNet34x10")},
@@ -176,7 +176,7 @@ def section_breakeven(args) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.workdir, "breakeven_inductor")
     shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     eager = single_process(args, ["model.compile=false"])
-    shutil.rmtree(RunDirectory(eager.cfg.run_dir).file(RunDirectory.COMPILE_CACHE),
+    shutil.rmtree(RunDirectory(eager.cfg.run.run_dir).file(RunDirectory.COMPILE_CACHE),
                   ignore_errors=True)
     compiled = single_process(args, ["model.compile=true"])
     device = eager.runtime.device

@@ -37,7 +37,7 @@ def _save(bench: Bench, run_dir: str) -> None:
 
 
 def _checkpoints(bench: Bench, run_dir: str) -> CheckpointManager:
-    return CheckpointManager(RunDirectory(run_dir), bench.runtime, bench.cfg.keep_last_states)
+    return CheckpointManager(RunDirectory(run_dir), bench.runtime, bench.cfg.run.keep_last_states)
 
 
 def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, float]:
@@ -115,4 +115,4 @@ def section_checkpoint(args) -> dict:
         "checkpoint", args, bench, state_mib=size / 2**20, dir=args.workdir,
         save_training_state_s=write_s, state_dict_assembly_s=median(assemble),
         read_state_s=median(reads), write_mib_per_s=size / 2**20 / write_s,
-        training_blocked_s=write_s, every_n_steps=cfg.n_imgs_per_ckpt_save / cfg.batch_size)
+        training_blocked_s=write_s, every_n_steps=cfg.intervals.n_imgs_per_ckpt_save / cfg.schedule.batch_size)

@@ -32,21 +32,21 @@ class MinimalDAT:
         for name in ("attack", "indist_attack_clf"):
             attack = getattr(cfg, name)
             assert attack.norm == "L2" and not attack.random_start, name
-        assert cfg.logsumexp and not cfg.logsumexp_sampling and cfg.r1reg == 0
+        assert cfg.method.logsumexp and not cfg.method.logsumexp_sampling and cfg.method.r1reg == 0
         assert not cfg.model.use_batchnorm
         assert loss_weights(cfg.method) == (0.5, 0.0, 0.5)
         self.cfg = cfg
         self.model = copy.deepcopy(raw_model)
-        params, name = self.model.parameters(), cfg.optimizer.lower()
+        params, name = self.model.parameters(), cfg.optimization.name.lower()
         if name == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True,
-                                             weight_decay=cfg.wd)
+            self.optimizer = torch.optim.SGD(params, lr=cfg.optimization.lr, momentum=0.9, nesterov=True,
+                                             weight_decay=cfg.optimization.wd)
         elif name == "adam":
-            self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.0, 0.99),
-                                              weight_decay=cfg.wd)
+            self.optimizer = torch.optim.Adam(params, lr=cfg.optimization.lr, betas=(0.0, 0.99),
+                                              weight_decay=cfg.optimization.wd)
         else:
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
-                                               weight_decay=cfg.wd)
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.optimization.lr, betas=(0.9, 0.95),
+                                               weight_decay=cfg.optimization.wd)
         self.params = [p for p in self.model.parameters()]
         self.ema = [p.detach().clone() for p in self.params]
 
@@ -74,7 +74,7 @@ class MinimalDAT:
     def step(self, batch, T: int) -> float:
         cfg, model = self.cfg, self.model
         model.eval()
-        a, c = cfg.attack, cfg.indist_attack_clf
+        a, c = cfg.method.attack, cfg.method.indist_attack_clf
         x_adv = self.pgd(batch["out"].images, batch["in"].labels, T, a.step_size, a.eps, ce=False)
         x_c = self.pgd(batch["clf"].images, batch["clf"].labels, c.max_steps, c.step_size, c.eps, ce=True)
         model.train()
@@ -88,7 +88,7 @@ class MinimalDAT:
         loss.backward()
         self.optimizer.step()
         with torch.no_grad():
-            torch._foreach_lerp_(self.ema, self.params, 1.0 - cfg.ema_decay)
+            torch._foreach_lerp_(self.ema, self.params, 1.0 - cfg.ema.ema_decay)
         return float(loss.detach())
 
 
@@ -115,7 +115,7 @@ def section_steps(args) -> dict:
             min_t.append(seconds)
     paired = [a / b for a, b in zip(loop_t, min_t, strict=True)]
     return section_result(
-        "steps", args, bench, T=T, K=cfg.indist_attack_clf.max_steps,
+        "steps", args, bench, T=T, K=cfg.method.indist_attack_clf.max_steps,
         image_size=cfg.data.image_size, model=cfg.model.model_type,
         dat_step_s=median(dat_t), dat_step_all_s=dat_t,
         loop_step_s=median(loop_t), minimal_step_s=median(min_t),

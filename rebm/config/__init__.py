@@ -3,8 +3,9 @@
 from rebm.config.aliases import ALIASES
 from rebm.config.batch import BatchPlan, eval_batch_size, plan_batches
 from rebm.config.errors import ConfigError
-from rebm.config.frozen import explicit_keys, freeze, replace
+from rebm.config.frozen import explicit_keys, freeze
 from rebm.config.identity import RUN_KEYS, default_run_dir, training_diff
+from rebm.config.layout import replace
 from rebm.config.legacy import ignored_fields_notice, ignored_fields_set, legacy_keys
 from rebm.config.loading import (
     load_config,
@@ -13,12 +14,12 @@ from rebm.config.loading import (
     validate,
 )
 from rebm.config.schema import (
-    AttackConfig,
     DataConfig,
     ImageLogConfig,
     ModelConfig,
     TrainConfig,
 )
+from rebm.config.sections import AttackConfig
 
 IGNORED_FIELDS = frozenset(legacy_keys(TrainConfig))
 

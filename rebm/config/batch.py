@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rebm.config.loading import ConfigError
-from rebm.config.schema import TrainConfig
+from rebm.config.errors import ConfigError
+from rebm.config.evaluation import EvalConfig
+from rebm.config.sections import ScheduleSection
 
 # Evaluation without a training method (rebm.eval.evaluate, the robustness test) sizes its
 # batches as three micro-batches, what the loss pass of the stage-2 models it mostly evaluates
@@ -43,7 +44,7 @@ class BatchPlan:
         return step * self.global_batch_size
 
 
-def eval_batch_size(cfg: TrainConfig, world_size: int,
+def eval_batch_size(schedule: ScheduleSection, evaluation: EvalConfig, world_size: int,
                     loss_streams: int = STANDALONE_EVAL_STREAMS) -> int:
     """Evaluation images per rank and batch: `per_device_eval_batch_size`, by default the global
     `batch_size` capped at `loss_streams` training micro-batches.
@@ -52,33 +53,33 @@ def eval_batch_size(cfg: TrainConfig, world_size: int,
     every doubling of ranks made 2-rank evaluation run twice as many half-size batches, which
     small models on CPU pay for in per-batch overhead. The cap keeps memory within what the
     training loss pass already holds. Lenient on purpose: evaluation runs on any world size."""
-    if cfg.per_device_eval_batch_size:
-        return cfg.per_device_eval_batch_size
-    micro_batch = cfg.per_device_batch_size or max(1, cfg.batch_size // world_size)
-    return min(cfg.batch_size, loss_streams * micro_batch)
+    if evaluation.per_device_eval_batch_size:
+        return evaluation.per_device_eval_batch_size
+    micro_batch = schedule.per_device_batch_size or max(1, schedule.batch_size // world_size)
+    return min(schedule.batch_size, loss_streams * micro_batch)
 
 
-def plan_batches(cfg: TrainConfig, world_size: int,
+def plan_batches(schedule: ScheduleSection, evaluation: EvalConfig, world_size: int,
                  loss_streams: int = STANDALONE_EVAL_STREAMS) -> BatchPlan:
     """The plan of a training run on `world_size` ranks whose method's loss pass holds
     `loss_streams` micro-batches (`Method.loss_streams(cfg.method)`: it sizes the evaluation batch);
     a batch size that does not divide is a ConfigError before anything starts."""
-    if cfg.batch_size % world_size:
+    if schedule.batch_size % world_size:
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by the world size {world_size}; "
+            f"batch_size {schedule.batch_size} is not divisible by the world size {world_size}; "
             f"choose a batch_size that is a multiple of {world_size}"
         )
-    per_device = cfg.per_device_batch_size or cfg.batch_size // world_size
-    if cfg.batch_size % (per_device * world_size):
+    per_device = schedule.per_device_batch_size or schedule.batch_size // world_size
+    if schedule.batch_size % (per_device * world_size):
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by per_device_batch_size "
+            f"batch_size {schedule.batch_size} is not divisible by per_device_batch_size "
             f"{per_device} x world size {world_size}; choose per_device_batch_size dividing "
-            f"{cfg.batch_size // world_size}"
+            f"{schedule.batch_size // world_size}"
         )
     return BatchPlan(
-        global_batch_size=cfg.batch_size,
+        global_batch_size=schedule.batch_size,
         per_device_batch_size=per_device,
-        accumulation_steps=cfg.batch_size // (per_device * world_size),
+        accumulation_steps=schedule.batch_size // (per_device * world_size),
         world_size=world_size,
-        eval_batch_size=eval_batch_size(cfg, world_size, loss_streams),
+        eval_batch_size=eval_batch_size(schedule, evaluation, world_size, loss_streams),
     )

@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import fields, is_dataclass
+from dataclasses import is_dataclass
 from typing import List
 
-from rebm.config import (
-    ALIASES,
-    IGNORED_FIELDS,
-    AttackConfig,
-    DataConfig,
-    ImageLogConfig,
-    ModelConfig,
-    TrainConfig,
-)
-from rebm.config.evaluation import EvalConfig
+from rebm.config import ALIASES, IGNORED_FIELDS, TrainConfig
+from rebm.config.layout import file_leaves
 from rebm.config.original_defaults import render_audit
 
+# (the file's prefix, title): the keys of each block of a config file (rebm/config/layout.py)
 SECTIONS = [
-    ("", TrainConfig, "Top level"),
-    ("data.", DataConfig, "`data.*`"),
-    ("model.", ModelConfig, "`model.*`"),
-    ("attack.", AttackConfig, "`attack.*` and `indist_attack_clf.*` (same fields)"),
-    ("image_log.", ImageLogConfig, "`image_log.*`"),
-    ("eval.", EvalConfig, "`eval.*` (rebm/config/evaluation.py)"),
+    ("", "Top level"),
+    ("data.", "`data.*`"),
+    ("model.", "`model.*`"),
+    ("attack.", "`attack.*` and `indist_attack_clf.*` (same fields)"),
+    ("image_log.", "`image_log.*`"),
+    ("eval.", "`eval.*` (rebm/config/evaluation.py)"),
 ]
 FIELD_LINE = re.compile(r"^\s+(\w+):\s*[^=]+?(?:=\s*(.*?))?\s*(?:#\s*(.*))?$")
 
@@ -63,7 +56,7 @@ def render() -> str:
     lines: List[str] = [
         "# Configuration reference",
         "",
-        "Generated from `rebm/config/schema.py` and `rebm/compat/config_fields.py` by "
+        "Generated from `rebm/config/schema.py`, `sections.py` and `rebm/compat/config_fields.py` by "
         "`python -m rebm.config.docs`; do not edit by hand.",
         "",
         "One YAML file is one experiment; override any field on the command line with "
@@ -74,19 +67,17 @@ def render() -> str:
         "do nothing, any other value stops the run at load with one line.",
         "",
     ]
-    for prefix, cls, title in SECTIONS:
-        comments = _comments(cls)
-        instance = cls()
+    leaves = list(file_leaves(TrainConfig()))
+    for prefix, title in SECTIONS:
         lines += [f"## {title}", "", "| field | default | meaning |", "|---|---|---|"]
+        block = [leaf for leaf in leaves if leaf[0].count(".") == (1 if prefix else 0)
+                 and leaf[0].startswith(prefix)]
         # the fields rebm reads first, then the accepted-but-ignored legacy ones
-        for f in sorted(fields(cls), key=lambda f: (prefix + f.name) in IGNORED_FIELDS):
-            if is_dataclass(getattr(instance, f.name)):
-                continue
-            key = prefix + f.name
-            note = comments.get(f.name, "")
+        for key, _, owner, f in sorted(block, key=lambda leaf: leaf[0] in IGNORED_FIELDS):
+            note = _comments(type(owner)).get(f.name, "")
             if key in IGNORED_FIELDS:
                 note = _legacy_note(f)
-            lines.append(f"| `{key}` | `{_default(instance, f.name)}` | {note} |")
+            lines.append(f"| `{key}` | `{_default(owner, f.name)}` | {note} |")
         lines.append("")
     lines += render_audit()
     lines += ["## Aliases", "",

@@ -32,6 +32,10 @@ class EvalConfig(OODCounterfactualFields):
     pr_num_real: Optional[int] = None  # precision/recall: real images of the reference; null: as many as samples
     pr_reference: Optional[str] = None  # precision/recall: reference batch, an .npz in OpenAI's format (arr_0, uint8 N x H x W x 3); null: a seeded class-balanced random subset of pr_reference_split
     sample_pixels: str = "floor"  # 8-bit pixels of the samples (FID, IS, P-R, PNG/npz files): floor (floor(255 x), the original's to_pil_image) or round
+    robust_eval: bool = True  # evaluate robust accuracy (PGD with indist_attack_clf)
+    robust_eval_steps: Optional[int] = None  # PGD steps of robust evaluation (default: K)
+    per_device_eval_batch_size: Optional[int] = None  # eval images per rank and batch; default min(batch_size, 3 x micro-batch)
+    keep_samples: bool = False  # also write every generated sample as a PNG under samples/step_<N>/
     is_resize: str = "pil"  # Inception Score input: pil (8-bit samples resized to 299 px by PIL, the original's path) or fidelity (torch-fidelity's own resize)
 
 

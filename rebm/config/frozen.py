@@ -6,7 +6,6 @@ legacy-field notice and the run identity read them, through the accessors below.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import fields, is_dataclass
 from typing import Any, Optional, Sequence, Tuple, TypeVar
 
@@ -21,6 +20,9 @@ class Frozen:
     _explicit_keys: Tuple[str, ...] = ()  # read through explicit_keys(cfg)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name not in getattr(self, "__dataclass_fields__", {name: None}):  # a key of no section
+            raise AttributeError(f"{type(self).__name__} has no config key '{name}' "
+                                 "(rebm/config/layout.py says which section holds each key)")
         if self._frozen:
             raise AttributeError(f"the config is frozen after loading; cannot set '{name}' "
                                  "(use rebm.config.replace for a changed copy)")
@@ -45,9 +47,3 @@ def explicit_keys(cfg: Any) -> Tuple[str, ...]:
     the command line set, as written there after the aliases of rebm.config.aliases; a config
     built in code has none."""
     return cfg._explicit_keys
-
-
-def replace(cfg: T, **changes: Any) -> T:
-    """A frozen copy of a loaded config with top-level fields changed (e.g. the run directory
-    chosen at start-up); it keeps the record of the keys the user set."""
-    return freeze(dataclasses.replace(cfg, **changes), explicit_keys(cfg))  # type: ignore[type-var]

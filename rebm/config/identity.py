@@ -14,6 +14,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from rebm.config.aliases import canonical_key
+from rebm.config.layout import to_file_layout
 from rebm.config.legacy import legacy_keys
 from rebm.config.schema import TrainConfig
 
@@ -66,7 +67,7 @@ def training_diff(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     can neither set nor read it."""
     legacy = legacy_keys(TrainConfig)
     old, new = flatten(saved), flatten(current)
-    defaults = flatten(dataclasses.asdict(TrainConfig()))
+    defaults = flatten(to_file_layout(dataclasses.asdict(TrainConfig())))
     before_key = {key: value for key, (value, reads) in VALUE_BEFORE_THE_KEY.items() if reads(old)}
     defaults.update(before_key)
     diffs = []

@@ -6,12 +6,13 @@ aliases (rebm/compat/aliases.py), not here.
 
 from __future__ import annotations
 
-from dataclasses import Field, fields, is_dataclass
+from dataclasses import Field, fields
 from typing import Any, List, Optional, Set
 
 from rebm.compat.config_fields import LEGACY_BASES
 from rebm.config.errors import ConfigError
 from rebm.config.frozen import explicit_keys
+from rebm.config.layout import file_leaves
 
 
 def legacy_fields(cls: type) -> List[Field]:
@@ -23,32 +24,24 @@ def legacy_names(cls: type) -> Set[str]:
     return {f.name for f in legacy_fields(cls)}
 
 
-def legacy_keys(cfg_cls: type, prefix: str = "") -> Set[str]:
-    """Dotted keys of every legacy field of a config class and its sections."""
-    keys = {prefix + name for name in legacy_names(cfg_cls)}
-    for f in fields(cfg_cls):
-        section = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
-        if is_dataclass(section):
-            keys |= legacy_keys(type(section), prefix + f.name + ".")
-    return keys
+def legacy_keys(cfg_cls: type) -> Set[str]:
+    """The file's dotted keys of every legacy field of a config class and its sections."""
+    return {key for key, _, owner, f in file_leaves(cfg_cls())
+            if f.name in legacy_names(type(owner))}
 
 
-def check_refused(section: Any, source: str, prefix: str = "") -> None:
-    """ConfigError for a refused field of `section` (the whole config, recursively) set to a value
-    whose effect rebm does not offer."""
-    for f in legacy_fields(type(section)):
-        value = getattr(section, f.name)
-        accepted = f.metadata.get("accepted")
+def check_refused(cfg: Any, source: str) -> None:
+    """ConfigError for a refused field of the config set to a value whose effect rebm does not
+    offer, named by its key in the file."""
+    for key, _, owner, f in file_leaves(cfg):
+        accepted = f.metadata.get("accepted") if f.name in legacy_names(type(owner)) else None
+        value = getattr(owner, f.name)
         if accepted is not None and value not in accepted:
             allowed = " or ".join("null" if a is None else repr(a) for a in accepted)
             raise ConfigError(
-                f"{source}: '{prefix}{f.name}: {value}' is not supported (in the original DAT "
+                f"{source}: '{key}: {value}' is not supported (in the original DAT "
                 f"code: "
                 f"{f.metadata['why']}); remove the key or set it to {allowed}")
-    for f in fields(section):
-        inner = getattr(section, f.name)
-        if is_dataclass(inner):
-            check_refused(inner, source, prefix + f.name + ".")
 
 
 def ignored_fields_set(cfg: Any) -> List[str]:

@@ -24,6 +24,7 @@ from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS
 from rebm.config.errors import ConfigError
 from rebm.config.evaluation import validate_evaluation
 from rebm.config.frozen import freeze
+from rebm.config.layout import file_key, file_keys, file_leaves, to_file_layout, to_stored
 from rebm.config.legacy import check_refused
 from rebm.config.optimizers import OPTIMIZERS
 from rebm.config.schedule import check_lr_schedule_value
@@ -37,24 +38,16 @@ from rebm.config.schema import (
     RESUME_MODES,
     WANDB_MODES,
     WHICH_LOGIT,
-    AttackConfig,
     ModelConfig,
     TrainConfig,
 )
+from rebm.config.sections import AttackConfig
 from rebm.registry import choice_message
 
-
-def _all_keys(obj: Any, prefix: str = "") -> List[str]:
-    keys = []
-    for f in fields(obj):
-        keys.append(prefix + f.name)
-        value = getattr(obj, f.name)
-        if is_dataclass(value):
-            keys.extend(_all_keys(value, prefix + f.name + "."))
-    return keys
+VALID_KEYS = file_keys(TrainConfig())
+_SECTION_PREFIXES = {key.rsplit(".", 1)[0] + "." for key in VALID_KEYS if "." in key}
 
 
-VALID_KEYS = _all_keys(TrainConfig())
 def _dependent_defaults(schema: Any, explicit: Sequence[str]) -> None:
     """The defaults that depend on another field, set where the config leaves them unset."""
     data, model = schema.data, schema.model
@@ -82,7 +75,7 @@ def _suggest(key: str) -> str:
 
 
 def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
-    key = getattr(err, "full_key", None) or "?"
+    key = file_key(getattr(err, "full_key", None) or "?")
     if isinstance(err, ConfigKeyError) or "not in struct" in str(err) or "Key '" in str(err):
         return ConfigError(
             f"{source}: unknown config key '{key}'.{_suggest(key)} "
@@ -126,8 +119,9 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
         if section:
             value = OmegaConf.select(other, section)
             raise ConfigError(
-                f"{source}: '{section}' is a section, not a value (got {value!r}); set one of "
-                f"its keys instead, e.g. {section}.{next(iter(base[section]))}=...") from None
+                f"{source}: '{file_key(section)}' is a section, not a value (got {value!r}); set "
+                f"one of its keys instead, e.g. {file_key(section)}.{next(iter(base[section]))}"
+                "=...") from None
         raise _translate(err, source) from None
 
 
@@ -189,9 +183,11 @@ def load_config(path: Optional[str], overrides: Sequence[str] = (),
     explicit: List[str] = []
     for source, raw in sources:
         apply_aliases(raw, source)
-        explicit += _explicit_keys(OmegaConf.to_container(raw))
-        _refuse_secrets(OmegaConf.to_container(raw), source)
-        schema = _merge(schema, raw, source)
+        container = OmegaConf.to_container(raw)
+        explicit += _explicit_keys(container)
+        _refuse_secrets(container, source)
+        _refuse_unknown_keys(container, source)
+        schema = _merge(schema, OmegaConf.create(to_stored(container)), source)
     _dependent_defaults(schema, explicit)
     try:
         cfg: TrainConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
@@ -204,6 +200,18 @@ def load_config(path: Optional[str], overrides: Sequence[str] = (),
             raise ConfigError(str(err).replace(f"{path}:", f"{overrides_source}:", 1)) from None
         raise
     return freeze(cfg, explicit)
+
+
+def _refuse_unknown_keys(raw: Any, source: str, prefix: str = "") -> None:
+    """ConfigError naming the first key of a source (in the file layout) that no field has; a
+    key holding a mapping is looked into only when it names a section."""
+    for key, value in raw.items() if isinstance(raw, dict) else ():
+        dotted = f"{prefix}{key}"
+        if dotted not in VALID_KEYS:
+            raise ConfigError(f"{source}: unknown config key '{dotted}'.{_suggest(dotted)} "
+                              f"(see docs/configs.md for every field)")
+        if isinstance(value, dict) and f"{dotted}." in _SECTION_PREFIXES:
+            _refuse_unknown_keys(value, source, f"{dotted}.")
 
 
 def _file_alone_is_valid(path: str) -> bool:
@@ -240,31 +248,32 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
 
     found = _non_finite(cfg)
     if found:  # the range checks below let NaN through: every comparison with it is false
-        raise ConfigError(f"{source}: '{found[0]}: {found[1]}' is not a finite number; set a "
+        raise ConfigError(f"{source}: '{file_key(found[0])}: {found[1]}' is not a finite number; set a "
                           "finite value (only a radius, *eps, may be .inf)")
+    flat = {key: getattr(owner, f.name) for key, _, owner, f in file_leaves(cfg)}
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
-    OPTIMIZERS.check(cfg.optimizer, source)
-    _check_choice(cfg.amp, AMP_MODES, "amp", source)
-    _check_choice(cfg.wandb_mode, WANDB_MODES, "wandb_mode", source)
-    _check_choice(cfg.ddp_backend, DDP_BACKENDS, "ddp_backend", source)
-    _check_choice(cfg.device, DEVICES, "device", source)
-    _check_choice(cfg.resume, RESUME_MODES, "resume", source)
+    OPTIMIZERS.check(flat["optimizer"], source)
+    _check_choice(flat["amp"], AMP_MODES, "amp", source)
+    _check_choice(flat["wandb_mode"], WANDB_MODES, "wandb_mode", source)
+    _check_choice(flat["ddp_backend"], DDP_BACKENDS, "ddp_backend", source)
+    _check_choice(flat["device"], DEVICES, "device", source)
+    _check_choice(flat["resume"], RESUME_MODES, "resume", source)
     _check_choice(cfg.model.which_logit, WHICH_LOGIT, "model.which_logit", source)
-    _check_choice(cfg.augm_type_generation, AUGMENTATIONS, "augm_type_generation", source)
+    _check_choice(flat["augm_type_generation"], AUGMENTATIONS, "augm_type_generation", source)
     _check_choice(
-        cfg.augm_type_classification, AUGMENTATIONS, "augm_type_classification", source
+        flat["augm_type_classification"], AUGMENTATIONS, "augm_type_classification", source
     )
     _validate_openimages(cfg, source)
     check_refused(cfg, source)
     MODELS.check(cfg.model.model_type, source)
     _validate_family_options(cfg, source)
     for key, value in (("model.channels_last", cfg.model.channels_last),
-                       ("model.compile", cfg.model.compile), ("fuse_attacks", cfg.fuse_attacks)):
+                       ("model.compile", cfg.model.compile), ("fuse_attacks", flat["fuse_attacks"])):
         if value not in (True, False, "auto"):
             raise ConfigError(f"{source}: '{key}: {value}' is not valid; use true, false or auto")
     for name in ("attack", "indist_attack_clf"):
-        attack: AttackConfig = getattr(cfg, name)
+        attack: AttackConfig = getattr(cfg.method, name)
         _check_choice(attack.attack_type, ATTACK_TYPES, f"{name}.attack_type", source)
         _check_choice(attack.norm, NORMS, f"{name}.norm", source)
         if attack.step_size < 0:
@@ -273,44 +282,44 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: '{name}.eps' must be > 0 (or .inf), got {attack.eps}")
         if attack.max_steps < 0 or attack.start_step < 0:
             raise ConfigError(f"{source}: '{name}.max_steps'/'start_step' must be >= 0")
-    if cfg.attack.attack_type != "pgd":  # argmin_pgd ascends the cross-entropy of labels
-        raise ConfigError(f"{source}: 'attack.attack_type: {cfg.attack.attack_type}' is for "
+    if cfg.method.attack.attack_type != "pgd":  # argmin_pgd ascends the cross-entropy of labels
+        raise ConfigError(f"{source}: 'attack.attack_type: {cfg.method.attack.attack_type}' is for "
                           "indist_attack_clf only; the negatives' attack is pgd")
     if cfg.data.cutout_size is not None and cfg.data.cutout_size < 1:
         raise ConfigError(f"{source}: 'data.cutout_size' must be >= 1 (or null: image_size // 2),"
                           f" got {cfg.data.cutout_size}")
-    if cfg.attack.start_step > cfg.attack.max_steps:
+    if cfg.method.attack.start_step > cfg.method.attack.max_steps:
         raise ConfigError(
-            f"{source}: 'attack.start_step' ({cfg.attack.start_step}) exceeds "
-            f"'attack.max_steps' ({cfg.attack.max_steps})"
+            f"{source}: 'attack.start_step' ({cfg.method.attack.start_step}) exceeds "
+            f"'attack.max_steps' ({cfg.method.attack.max_steps})"
         )
     _validate_image_log(cfg, source)
     validate_evaluation(cfg, source)
-    if cfg.robust_eval_steps is not None and cfg.robust_eval_steps < 0:
+    if flat["robust_eval_steps"] is not None and flat["robust_eval_steps"] < 0:
         raise ConfigError(f"{source}: 'robust_eval_steps' must be >= 0 or null")
     for key in ("batch_size", "min_imgs_per_threshold", "n_imgs_per_metrics_log",
                 "n_imgs_per_image_log", "n_imgs_per_ckpt_save", "keep_last_states"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {getattr(cfg, key)}")
+        if flat[key] <= 0:
+            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {flat[key]}")
     for key in ("per_device_batch_size", "per_device_eval_batch_size", "max_steps",
                 "total_epochs", "samples_per_attack_step", "n_imgs_per_evaluation_log",
                 "max_grad_norm"):
-        value = getattr(cfg, key)
+        value = flat[key]
         if value is not None and value <= 0:
             raise ConfigError(f"{source}: '{key}' must be positive or null, got {value}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"{source}: 'lr' must be > 0, got {cfg.lr}")
-    if not 0 <= cfg.ema_decay < 1:
-        raise ConfigError(f"{source}: 'ema_decay' must be in [0, 1), got {cfg.ema_decay}")
-    if not 0 <= cfg.AUC_th <= 1:  # 0: T advances whenever the window is full (tests use it)
-        raise ConfigError(f"{source}: 'AUC_th' must be in [0, 1], got {cfg.AUC_th}")
+    if flat["lr"] <= 0:
+        raise ConfigError(f"{source}: 'lr' must be > 0, got {flat['lr']}")
+    if not 0 <= flat["ema_decay"] < 1:
+        raise ConfigError(f"{source}: 'ema_decay' must be in [0, 1), got {flat['ema_decay']}")
+    if not 0 <= flat["AUC_th"] <= 1:  # 0: T advances whenever the window is full (tests use it)
+        raise ConfigError(f"{source}: 'AUC_th' must be in [0, 1], got {flat['AUC_th']}")
     for key in ("wd", "r1reg"):
-        if not getattr(cfg, key) >= 0:
-            raise ConfigError(f"{source}: '{key}' must be >= 0, got {getattr(cfg, key)}")
+        if not flat[key] >= 0:
+            raise ConfigError(f"{source}: '{key}' must be >= 0, got {flat[key]}")
     for key in ("num_classes", "image_size"):
         if getattr(cfg.data, key) < 1:
             raise ConfigError(f"{source}: 'data.{key}' must be >= 1, got {getattr(cfg.data, key)}")
-    check_lr_schedule_value(cfg.lr_schedule, source)  # fixed_lr: a stage-2 rule (rebm/methods/stages.py)
+    check_lr_schedule_value(flat["lr_schedule"], source)  # fixed_lr: a stage-2 rule (rebm/methods/stages.py)
     if cfg.data.num_workers < 0:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
 def _validate_family_options(cfg: TrainConfig, source: str) -> None:
@@ -329,11 +338,12 @@ def _validate_family_options(cfg: TrainConfig, source: str) -> None:
 
 
 def _validate_openimages(cfg: TrainConfig, source: str) -> None:
-    if cfg.openimages_augm is not None:
-        _check_choice(cfg.openimages_augm, AUGMENTATIONS, "openimages_augm", source)
-    if cfg.openimages_max_samples is not None and cfg.openimages_max_samples < 1:
+    data = cfg.data
+    if data.openimages_augm is not None:
+        _check_choice(data.openimages_augm, AUGMENTATIONS, "openimages_augm", source)
+    if data.openimages_max_samples is not None and data.openimages_max_samples < 1:
         raise ConfigError(f"{source}: 'openimages_max_samples' must be >= 1 or null, got "
-                          f"{cfg.openimages_max_samples}")
+                          f"{data.openimages_max_samples}")
 
 
 # `seed_images: gaussian` keeps a (3 S^2)^2 float64 covariance: 1.2 GB at 64 px, 180 GB at 224.
@@ -372,13 +382,15 @@ def _validate_image_log(cfg: TrainConfig, source: str) -> None:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config in the file layout, as config.yaml holds it."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """The config as plain nested dicts and lists (what a training state and wandb store).
+    """The config as plain nested dicts and lists in the file layout (rebm/config/layout.py):
+    what a training state, config.yaml and wandb store.
     For a loaded config (OmegaConf has already converted every value to its field's type, and the
     schema has no tuples or enums) dataclasses.asdict gives what
     OmegaConf.to_container(OmegaConf.structured(cfg)) gives, type for type, in 0.3 ms instead of
     40: it runs at every state save."""
-    return dataclasses.asdict(cfg)  # type: ignore[call-overload]
+    return to_file_layout(dataclasses.asdict(cfg))  # type: ignore[call-overload]

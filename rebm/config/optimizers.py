@@ -1,4 +1,4 @@
-"""The optimizer section and its registry: `optimizer`, `lr`, `wd` of the config.
+"""The optimization section and the optimizers' registry: `optimizer`, `lr`, `wd`, `max_grad_norm`.
 
 The section is what an optimizer is built from; `OPTIMIZERS` holds the optimizers by name, for
 validation (an unknown `optimizer` is one line at load, naming the choices). The builders, which
@@ -10,18 +10,21 @@ imports rebm.engine in code and the layers hold. Importing this module imports n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
+from rebm.config.frozen import Frozen
 from rebm.registry import Registry
 
 
-@dataclass(frozen=True)
-class OptimizerSection:
-    """The config keys an optimizer is built from (top-level keys of the original schema)."""
+@dataclass
+class OptimizerSection(Frozen):
+    """The keys an optimizer step is built from (`cfg.optimization`; top-level keys of the
+    file, `optimizer` is `name` here)."""
 
-    name: str  # `optimizer`, exactly as registered (the original's `match` refuses SGD too)
-    lr: float  # `lr`
-    wd: float  # `wd`
+    name: str = "sgd"  # a name of rebm/engine/optimizers.py: sgd (momentum 0.9, nesterov), adam (betas 0, 0.99), adamw (0.9, 0.95)
+    lr: float = 1e-3  # learning rate (stage 1: where its schedule starts)
+    wd: float = 5e-4  # weight decay
+    max_grad_norm: Optional[float] = None  # clip the gradients' total norm to this before each optimizer step, logged as grad_norm (null: no clipping)
 
 
 OptimizerBuilder = Callable[[Iterable, OptimizerSection], Any]

@@ -1,151 +1,128 @@
-"""Typed sections: what each component of a run reads of the config (docs/design.md §2).
+"""The sections of a config that are not nested in its file: what each component of a run reads
+(docs/design.md §2).
 
-The YAML keeps the original's layout (most keys at the top level, so the original's experiment
-files load unchanged). Components do not take that whole config: each takes the section it reads,
-built here by one property of TrainConfig (`cfg.schedule`, `cfg.run`, ...), as the optimizer's
-builder takes `OptimizerSection`. A section is frozen and holds only the keys its readers use; a
-key a component needs is added to its section, so the section shows what a component depends on.
-`data`, `model`, `attack`, `indist_attack_clf`, `image_log` and `eval` are sections already
-(nested in the YAML); the sections below gather the top-level keys by concern. Importing this
-module imports no torch.
+`TrainConfig` (schema.py) stores sections, each key declared once, in the section that owns it,
+as torchtitan's JobConfig does; a component takes the section it reads (`cfg.schedule`,
+`cfg.run`, ...). The YAML keeps the original's layout, most keys at the top level, so the
+original's experiment files load unchanged: rebm/config/layout.py maps each top-level key of a
+file to its section. The trailing comment of each field is its documentation (docs/configs.md
+is generated from it). Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Type, TypeVar, Union
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
 
-S = TypeVar("S")
-
-
-def gather(section: Type[S], cfg: Any) -> S:
-    """The section `section` of `cfg`: each of its fields read from the config's key of that name."""
-    return section(**{f.name: getattr(cfg, f.name) for f in fields(section)})  # type: ignore[arg-type]
+from rebm.compat.config_fields import LegacyAttackFields
+from rebm.config.frozen import Frozen
 
 
-@dataclass(frozen=True)
-class InputSection:
-    """The training and evaluation data: the datasets, their augmentations, the seed."""
+@dataclass
+class ScheduleSection(Frozen):
+    """How long a run is, its batches, the seed that orders them, and its learning rate over
+    the steps."""
 
-    data: Any  # DataConfig
-    augm_type_classification: str
-    augm_type_generation: str
-    openimages_max_samples: Optional[int]
-    openimages_augm: Optional[str]
-    rand_seed: int
-    batch_size: int
-
-
-@dataclass(frozen=True)
-class ScheduleSection:
-    """How long a run is, its batches and its learning rate over the steps."""
-
-    batch_size: int
-    per_device_batch_size: Optional[int]
-    total_epochs: Optional[int]
-    max_steps: Optional[int]
-    lr: float
-    lr_schedule: Optional[str]
-    fixed_lr: bool
-    max_grad_norm: Optional[float]
-    amp: str
-    rand_seed: int
+    fixed_lr: bool = True  # stage 2: must be true (DAT uses a constant learning rate, as the original requires); stage 1 does not read it
+    lr_schedule: Optional[str] = None  # cosine (to 0 over the run) or constant; null: the stage's default, stage 1 cosine (the In-N-Out recipe), stage 2 constant (the only one it offers)
+    batch_size: int = 128  # GLOBAL images per optimizer step, whatever the world size
+    per_device_batch_size: Optional[int] = None  # micro-batch; default batch_size / world_size
+    rand_seed: int = 0  # seeds weights, shuffles, augmentations and attack noise
+    total_epochs: Optional[int] = None  # stop after this many epochs of the in-dist stream
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
 
 
-@dataclass(frozen=True)
-class IntervalSection:
+@dataclass
+class IntervalSection(Frozen):
     """Every how many images a run logs, evaluates and saves its state."""
 
-    n_imgs_per_metrics_log: int
-    n_imgs_per_image_log: int
-    n_imgs_per_evaluation_log: Optional[int]
-    n_imgs_per_ckpt_save: int
+    n_imgs_per_metrics_log: int = 12800  # metrics.jsonl / wandb record
+    n_imgs_per_image_log: int = 128000  # PNG grid of training negatives
+    n_imgs_per_evaluation_log: Optional[int] = None  # accuracy, robust accuracy, samples, FID
+    n_imgs_per_ckpt_save: int = 256000  # full training state in <run_dir>/checkpoints
 
 
-@dataclass(frozen=True)
-class MethodSection:
-    """The training method's keys: loss weights, energies, attacks and the curriculum."""
-
-    attack: Any  # AttackConfig: the negatives' PGD (T)
-    indist_attack_clf: Any  # AttackConfig: the classifier batch's PGD (K)
-    clf_indist_weight: float
-    clf_outdist_weight: float
-    clf_adv_weight: float
-    xent_indist_weight: Optional[float]
-    xent_outdist_weight: Optional[float]
-    xent_adv_weight: Optional[float]
-    r1reg: float
-    track_r1: bool
-    logsumexp: bool
-    logsumexp_sampling: bool
-    fuse_attacks: Union[bool, str]
-    min_imgs_per_threshold: int
-    samples_per_attack_step: Optional[int]
-    AUC_th: float  # the curriculum's threshold on the window's mean AUC
-    batch_size: int
-
-
-@dataclass(frozen=True)
-class EmaSection:
+@dataclass
+class EmaSection(Frozen):
     """The moving average of the weights."""
 
-    use_ema: bool
-    ema_decay: float
+    use_ema: bool = False  # keep an EMA of the weights; evaluate and export it (the original's default is false)
+    ema_decay: float = 0.999  # EMA decay, reached by the original's warm-up: min(ema_decay, (1 + n) / (10 + n)) at the n-th average
 
 
-@dataclass(frozen=True)
-class EvaluationSection:
-    """What an evaluation reads: its own section, generation, the data it tests on (and the
-    inputs the out-distribution's loaders read), robust accuracy's attack, its batch, the energies
-    the samples ascend and the seed."""
-
-    eval: Any  # EvalConfig
-    image_log: Any  # ImageLogConfig
-    data: Any  # DataConfig
-    indist_attack_clf: Any  # AttackConfig
-    robust_eval: bool
-    robust_eval_steps: Optional[int]
-    per_device_eval_batch_size: Optional[int]
-    batch_size: int  # with per_device_batch_size: the default evaluation batch (eval_batch_size)
-    per_device_batch_size: Optional[int]
-    inputs: InputSection  # the out-distribution's loaders (OOD detection's training out-dist)
-    keep_samples: bool
-    logsumexp: bool
-    logsumexp_sampling: bool
-    use_ema: bool
-    rand_seed: int
-
-
-@dataclass(frozen=True)
-class RunSection:
+@dataclass
+class RunSection(Frozen):
     """The run directory: where it is, resuming, how many training states it keeps."""
 
-    run_dir: Optional[str]
-    resume_from_state: Optional[str]
-    resume: str
-    keep_last_states: int
+    run_dir: Optional[str] = None  # output directory; default runs/<config folder>/<config name>[-<hash of training overrides>]
+    resume_from_state: Optional[str] = None  # a state file (or run dir) to resume from
+    resume: str = "auto"  # auto: continue from the newest state in run_dir (same training config); force: even if the config changed; never: refuse a run_dir with states
+    keep_last_states: int = 3  # training states kept in <run_dir>/checkpoints
 
 
-@dataclass(frozen=True)
-class LoggingSection:
+@dataclass
+class LoggingSection(Frozen):
     """Tracking: wandb's project, folder, mode and tags."""
 
-    wandb_project: str
-    wandb_dir: Optional[str]
-    wandb_disabled: bool
-    wandb_mode: str
-    tags: List[str]
+    wandb_project: str = "rebm"  # wandb project
+    wandb_dir: Optional[str] = None  # wandb files (default: the run directory)
+    wandb_disabled: bool = False  # original switch; same as wandb_mode=disabled
+    wandb_mode: str = "auto"  # auto (online with an API key, else offline), online, offline, disabled
+    tags: List[str] = field(default_factory=list)  # wandb tags
 
 
-@dataclass(frozen=True)
-class DistributedSection:
-    """The processes: device, backend, DDP's options and the collectives' timeouts."""
+@dataclass
+class DistributedSection(Frozen):
+    """The hardware a run computes on: its processes, device, backend, DDP's options, the
+    collectives' timeouts and the precision."""
 
-    use_ddp: bool
-    ddp_backend: str
-    device: str
-    sync_batchnorm: bool
-    find_unused_parameters: bool
-    ddp_timeout_s: float
-    ddp_step_timeout_s: float
-    amp: str
+    amp: str = "none"  # none, bf16 or fp16 (with GradScaler)
+    use_ddp: bool = True  # DDP under a multi-process launcher; false + 1 process: DataParallel
+    ddp_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), nccl or gloo
+    device: str = "auto"  # auto, cpu or cuda (cuda:LOCAL_RANK)
+    sync_batchnorm: bool = False  # SyncBatchNorm under DDP (only with use_batchnorm)
+    find_unused_parameters: bool = False  # DDP option, for models with unused parameters
+    ddp_timeout_s: float = 1800.0  # collective timeout during start-up (data, compile)
+    ddp_step_timeout_s: float = 180.0  # collective timeout after step 1, so a stuck rank surfaces
+
+
+@dataclass
+class AttackConfig(LegacyAttackFields, Frozen):
+    """PGD threat model. `attack` = negatives (generation), `indist_attack_clf` = adversarial
+    training of the classifier."""
+
+    attack_type: str = "pgd"  # pgd, or for indist_attack_clf argmin_pgd: In-N-Out's momentum PGD keeping the best iterate (stage 1's configs; the original's adam attack is not supported)
+    max_steps: int = 0  # attack: curriculum cap on T; indist_attack_clf: PGD steps K
+    start_step: int = 0  # attack: T at the start of training
+    step_size: float = 0.1  # alpha: L2 normalised-gradient step length (Linf: sign step)
+    eps: float = math.inf  # radius around the start point; .inf = only the [0, 1] clamp
+    norm: str = "L2"  # L2 or Linf
+    random_start: bool = False  # start at a random point of the eps-ball (seeded per sample)
+
+
+@dataclass
+class MethodSection(Frozen):
+    """The training method's keys: its two attacks, the loss weights, the energies and the
+    curriculum."""
+
+    attack: AttackConfig = field(default_factory=AttackConfig)  # the negatives' PGD (T)
+    indist_attack_clf: AttackConfig = field(
+        default_factory=lambda: AttackConfig(max_steps=10, step_size=0.1, eps=0.5)
+    )  # the classifier batch's PGD (K)
+    r1reg: float = 0.0  # weight of 1/2 mean ||grad_x s(x_in)||^2
+    clf_indist_weight: float = 0.5  # energy-BCE weight of the in-dist term (weights normalised to sum 1)
+    clf_outdist_weight: float = 0.0  # energy-BCE weight of clean out-dist images (costs a forward)
+    clf_adv_weight: float = 0.5  # energy-BCE weight of the PGD negatives
+    xent_indist_weight: Optional[float] = None  # older spelling of clf_indist_weight
+    xent_outdist_weight: Optional[float] = None  # older spelling of clf_outdist_weight
+    xent_adv_weight: Optional[float] = None  # older spelling of clf_adv_weight
+    min_imgs_per_threshold: int = 10000  # curriculum window = ceil(this / batch_size) steps
+    AUC_th: float = 0.8  # T advances when the window's mean adversarial AUC reaches this
+    samples_per_attack_step: Optional[int] = None  # instead: advance T after this many images
+    fuse_attacks: Union[bool, str] = "auto"  # DAT: run the negatives' and the classifier batch's PGD as one batched pass while both run: true, false or auto (see docs/performance.md)
+    logsumexp: bool = True  # energy s(x) = logsumexp_k f_k(x); false: f_y(x)
+    logsumexp_sampling: bool = False  # negatives ascend logsumexp instead of f_y
+    track_r1: bool = False  # log 1/2 mean ||grad_x s(x_in)||^2 (train_r1_loss, unweighted, on metrics-log steps) without training on it
+
+

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rebm.config import BatchPlan, DataConfig
 from rebm.config.datasets import INDIST_DATASETS, OUTDIST_DATASETS
-from rebm.config.sections import InputSection
+from rebm.config.views import InputSection
 from rebm.data.augmentations import (
     Transform,
     build_augmentation,
@@ -295,10 +295,10 @@ class TrainData:
 
 
 def _schedule(n: int, inputs: InputSection, stream: str, source: ImageSource) -> StreamSchedule:
-    if n < inputs.batch_size:
+    if n < inputs.schedule.batch_size:
         raise DataError(f"{source.name}: {n} images, fewer than one global batch "
-                        f"(batch_size={inputs.batch_size}); lower batch_size or add data")
-    return StreamSchedule(n=n, global_batch=inputs.batch_size, seed=inputs.rand_seed,
+                        f"(batch_size={inputs.schedule.batch_size}); lower batch_size or add data")
+    return StreamSchedule(n=n, global_batch=inputs.schedule.batch_size, seed=inputs.schedule.rand_seed,
                           stream=stream)
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterator, Tuple
 
 from torch import Tensor
 
-from rebm.config.sections import InputSection
+from rebm.config.views import InputSection
 
 DATASETS = ("indist", "outdist")
 
@@ -41,20 +41,20 @@ def outdist_augmentation(inputs: InputSection) -> str:
     (as the original): `openimages_augm` if set, else generation_od_randomcrop when the
     in-distribution uses generation_id_randomcrop, else generation_od."""
     if inputs.data.outdist_dataset != "OpenImageO":
-        return inputs.augm_type_generation
-    if inputs.openimages_augm is not None:
-        return inputs.openimages_augm
-    if inputs.augm_type_generation == "generation_id_randomcrop":
+        return inputs.data.augm_type_generation
+    if inputs.data.openimages_augm is not None:
+        return inputs.data.openimages_augm
+    if inputs.data.augm_type_generation == "generation_id_randomcrop":
         return "generation_od_randomcrop"
     return "generation_od"
 
 
 def _generation(inputs: InputSection) -> str:
-    return inputs.augm_type_generation
+    return inputs.data.augm_type_generation
 
 
 def _classification(inputs: InputSection) -> str:
-    return inputs.augm_type_classification
+    return inputs.data.augm_type_classification
 
 
 INDIST = Stream("in", "indist", _generation, "in-distribution, generation augmentation")

@@ -142,7 +142,7 @@ class Parts:
 def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
-    torch.manual_seed(cfg.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
+    torch.manual_seed(cfg.schedule.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
     model, raw_model = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime,
                                              load_pretrained=load_pretrained,
                                              planned_steps=last_step)
@@ -152,12 +152,12 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
     optimizer = build_optimizer(cfg.optimization, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=method.lr_scheduler(optimizer, last_step),
-                 ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.amp, runtime.device),
+                 ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.distributed.amp, runtime.device),
                  method=method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
                  compile_cache=get_compile_cache(cfg.model, cfg.data, cfg.distributed,
-                                                 cfg.run_dir, runtime, last_step),
-                 max_grad_norm=cfg.max_grad_norm)
+                                                 cfg.run.run_dir, runtime, last_step),
+                 max_grad_norm=cfg.optimization.max_grad_norm)
 
 
 def state_fit_check(model: ModelConfig, data: DataConfig, optimization: OptimizerSection,

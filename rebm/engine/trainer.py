@@ -70,13 +70,13 @@ MethodFactory = Callable[[TrainConfig], Method]
 
 
 def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dict[str, Any]:
-    """Train with the method `make_method(cfg)` builds, in cfg.run_dir, held by this job (rank
+    """Train with the method `make_method(cfg)` builds, in cfg.run.run_dir, held by this job (rank
     0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
     # the inputs first: a wrong path stops the run before anything is written
     on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
                   "find model.ckpt_path")
-    run_dir, lock = resolve_run_dir_all_ranks(cfg.run_dir, to_dict(cfg), runtime)
+    run_dir, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_dir.path)
     try:
         return Trainer(cfg, runtime, make_method, started).fit()
@@ -140,7 +140,7 @@ def resume_point_all_ranks(run: RunSection, config: Dict[str, Any],
 
 
 class Trainer:
-    """One training run in cfg.run_dir (already resolved and held by this job). It builds its
+    """One training run in cfg.run.run_dir (already resolved and held by this job). It builds its
     parts from the config's sections and keeps the sections its loop reads."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory,
@@ -153,16 +153,16 @@ class Trainer:
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
-        self.run_dir = RunDirectory(cfg.run_dir)  # every path in it; nothing else builds one
-        self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.keep_last_states,
-                                             cfg.n_imgs_per_ckpt_save)
+        self.run_dir = RunDirectory(cfg.run.run_dir)  # every path in it; nothing else builds one
+        self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.run.keep_last_states,
+                                             cfg.intervals.n_imgs_per_ckpt_save)
         method = make_method(cfg)
-        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg.method))
+        self.plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size, method.loss_streams(cfg.method))
         self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
         self.evaluator = Evaluator(cfg.evaluation, self.runtime,
                                    standard_metrics(cfg.evaluation, method.eval_samples),
-                                   batch_size=self.plan.eval_batch_size, run_dir=cfg.run_dir)
-        if cfg.n_imgs_per_evaluation_log:
+                                   batch_size=self.plan.eval_batch_size, run_dir=cfg.run.run_dir)
+        if cfg.intervals.n_imgs_per_evaluation_log:
             # a missing FID, seed-image or other metric file (on any node) stops the run now,
             # not after hours
             self.evaluator.start_all_ranks()
@@ -337,7 +337,7 @@ class Trainer:
             self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
         if self.parts.method.keep_best:
             self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
-                                                 robust_eval=self.evaluation.robust_eval)
+                                                 robust_eval=self.evaluation.eval.robust_eval)
         return results
 
     def save_all_ranks(self) -> None:

@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from torch import nn
 
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.config import DataConfig, ModelConfig, eval_batch_size
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.parallel import unwrap
@@ -74,9 +74,9 @@ class Evaluator:
         self.classes: List[Type[Metric]] = metric_classes(metrics)
         self.sections = {cls.name: (sections or {}).get(cls.name, evaluation)
                          for cls in self.classes}
-        self.batch_size = batch_size or eval_batch_size(evaluation, runtime.world_size)
+        self.batch_size = batch_size or eval_batch_size(evaluation.schedule, evaluation.eval, runtime.world_size)
         self.resources: Dict[str, Any] = {}  # feature networks, reference statistics, seeds
-        self.test_data: Dict[int, TestData] = {}  # by id of the section: built on first use
+        self.test_data: List[Tuple[EvaluationSection, TestData]] = []  # built on first use
         self.started = False
 
     @property
@@ -145,21 +145,27 @@ class Evaluator:
     def _test_groups(self, names: Sequence[str]) -> List[List[Type[Metric]]]:
         """The test-set metrics of `names` by the section they read (one pass each: the test
         images follow the section)."""
-        groups: Dict[int, List[Type[Metric]]] = {}
+        groups: List[Tuple[EvaluationSection, List[Type[Metric]]]] = []
         for cls in self._of(TEST_SET, names):
-            groups.setdefault(id(self.sections[cls.name]), []).append(cls)
-        return list(groups.values())
+            section = self.sections[cls.name]
+            group = next((g for s, g in groups if s == section), None)
+            if group is None:
+                groups.append((section, [cls]))
+            else:
+                group.append(cls)
+        return [group for _, group in groups]
 
     def _test_pass_all_ranks(self, model: nn.Module, step: Optional[int],
                              classes: List[Type[Metric]], evaluation: Evaluation) -> None:
         section = self.sections[classes[0].name]
-        if id(section) not in self.test_data:
-            self.test_data[id(section)] = TestData(section, self.runtime, self.batch_size)
+        test_data = next((d for s, d in self.test_data if s == section), None)
+        if test_data is None:  # sections equal in value read the same test images
+            test_data = TestData(section, self.runtime, self.batch_size)
+            self.test_data.append((section, test_data))
         metrics = [cls(self._context(model, cls, step)) for cls in classes]
         for metric in metrics:
             metric.start_all_ranks()
-        n_test, results = run_test_pass_all_ranks(self.test_data[id(section)], model, self.runtime,
-                                                  metrics)
+        n_test, results = run_test_pass_all_ranks(test_data, model, self.runtime, metrics)
         self._record(evaluation, metrics, results, {"n_test": n_test})
 
     def _sample_pass_all_ranks(self, model: nn.Module, step: Optional[int],

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.config.evaluation import SAMPLE_PIXELS
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.errors import UserError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence, Tuple, Type
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.eval.metric import EvalError, Metric
 from rebm.eval.metrics.accuracy import CleanAccuracy, RobustAccuracy
 from rebm.eval.metrics.autoattack import AutoAttackAccuracy
@@ -79,9 +79,9 @@ def standard_metrics(evaluation: EvaluationSection, samples: bool, extra: Sequen
     """The usual metrics of an evaluation: clean accuracy, robust accuracy (`robust_eval`), with
     `samples` the sample grid, FID (`image_log.log_fid`) and every sample as PNG
     (`keep_samples`), then `eval.metrics` and `extra`, without repeats."""
-    names = ["accuracy"] + (["robust_accuracy"] if evaluation.robust_eval else [])
+    names = ["accuracy"] + (["robust_accuracy"] if evaluation.eval.robust_eval else [])
     if samples and evaluation.image_log.num_samples > 0:
         names.append("sample_grid")
         names += ["fid"] if evaluation.image_log.log_fid else []
-        names += ["keep_samples"] if evaluation.keep_samples else []
+        names += ["keep_samples"] if evaluation.eval.keep_samples else []
     return tuple(dict.fromkeys([*names, *evaluation.eval.metrics, *extra]))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rebm.config.datasets import indist_root_files
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.indexing import eval_chunks
 from rebm.data.pipeline import build_eval_data, indist_source
 from rebm.distributed import Runtime, all_reduce_sum

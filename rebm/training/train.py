@@ -49,7 +49,7 @@ def check_dat(args, cfg) -> None:
         from rebm.eval.registry import standard_metrics
 
         # a batch split that cannot work is the one line --check prints, before any note
-        plan_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
+        plan_batches(cfg.schedule, cfg.eval, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
         evaluator = Evaluator(cfg.evaluation, Runtime(),
                               standard_metrics(cfg.evaluation, DAT.eval_samples))
         for problem in evaluator.problems():  # what its evaluations would stop on at start
@@ -73,12 +73,12 @@ def training_images_line(inputs) -> Optional[str]:
         if not os.path.exists(inputs.data.indist_ds_dir):
             return None
         return f"warning: the training images cannot be counted here: {err}"
-    if n < inputs.batch_size:
-        return (f"warning: batch_size={inputs.batch_size} is larger than the {n} training images "
+    if n < inputs.schedule.batch_size:
+        return (f"warning: batch_size={inputs.schedule.batch_size} is larger than the {n} training images "
                 f"of {inputs.data.indist_dataset}; training would stop at start (lower batch_size "
                 "or point data.indist_ds_dir at the full data)")
     return (f"note: {n} training images of {inputs.data.indist_dataset}, "
-            f"{n // inputs.batch_size} steps per epoch at batch_size={inputs.batch_size}")
+            f"{n // inputs.schedule.batch_size} steps per epoch at batch_size={inputs.schedule.batch_size}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

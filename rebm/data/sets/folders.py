@@ -8,7 +8,7 @@ import os
 
 from rebm.config import DataConfig
 from rebm.config.datasets import indist, outdist
-from rebm.config.sections import InputSection
+from rebm.config.views import InputSection
 from rebm.data.files import load_labelled_folder, load_tensor_file, load_unlabelled_folder
 from rebm.data.imagenet import load_openimage_o
 from rebm.data.sources import ImageSource
@@ -27,7 +27,7 @@ def unlabelled_folder(inputs: InputSection, _length) -> ImageSource:
 @outdist("OpenImageO")
 def openimage_o(inputs: InputSection, _length) -> ImageSource:
     return load_openimage_o(inputs.data.outdist_std_dir, inputs.data.image_size,
-                            inputs.openimages_max_samples)
+                            inputs.data.openimages_max_samples)
 
 
 @outdist("tensorfile")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rebm.config.datasets import outdist
-from rebm.config.sections import InputSection
+from rebm.config.views import InputSection
 from rebm.data.sources import DEFAULT_NOISE_LENGTH, NoiseSource
 
 
@@ -16,4 +16,4 @@ from rebm.data.sources import DEFAULT_NOISE_LENGTH, NoiseSource
 def noise(inputs: InputSection, length: Optional[int]) -> NoiseSource:
     size = inputs.data.image_size
     low_res = max(1, size // 4) if inputs.data.outdist_dataset == "lowfreq-noise" else None
-    return NoiseSource(length or DEFAULT_NOISE_LENGTH, size, inputs.rand_seed, low_res)
+    return NoiseSource(length or DEFAULT_NOISE_LENGTH, size, inputs.schedule.rand_seed, low_res)

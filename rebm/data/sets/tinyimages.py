@@ -19,7 +19,7 @@ from typing import List
 import numpy as np
 
 from rebm.config.datasets import outdist
-from rebm.config.sections import InputSection
+from rebm.config.views import InputSection
 from rebm.data.sources import DataError, TinyImagesSource, one_line, tinyimages_record_count
 
 LOGGER = logging.getLogger(__name__)

@@ -55,7 +55,7 @@ def run(cfg, runtime, args) -> Dict[str, Any]:
 
     with stop_on_signal(runtime, STOP_NOTICE) as runtime:
         try:
-            return evaluate_all_ranks(cfg.evaluation, cfg.model, cfg.run_dir, runtime, args)
+            return evaluate_all_ranks(cfg.evaluation, cfg.model, cfg.run.run_dir, runtime, args)
         except Preempted:
             exit_stopped(runtime, "the evaluation did not finish, so no eval.json was written; "
                          "run the same command to evaluate again")
@@ -83,7 +83,7 @@ def evaluate_all_ranks(evaluation, model, run_dir: Optional[str], runtime, args
     evaluator.start_all_ranks()  # before any other work: a missing file is one line
     if model.ckpt_path:  # model.ckpt_path=RUN_DIR: its model_final.pth
         model = dataclasses.replace(model, ckpt_path=model_file(model.ckpt_path))
-    network = load_eval_model(model, evaluation.data, evaluation.use_ema, runtime)
+    network = load_eval_model(model, evaluation.data, evaluation.ema.use_ema, runtime)
     folder = run_dir or os.path.dirname(os.path.abspath(model.ckpt_path))
     evaluator.run_dir = broadcast_object(runtime, folder)  # one folder for all ranks
     held: List[OutputFolderLock] = []  # rank 0's: no other evaluation writes into the folder

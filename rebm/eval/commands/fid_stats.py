@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from rebm import cli
 from rebm.config import eval_batch_size
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.augmentations import build_augmentation, center_square_resize
 from rebm.data.indexing import eval_chunks
 from rebm.data.pipeline import indist_source, loader_workers
@@ -93,7 +93,7 @@ def dataset_statistics_all_ranks(evaluation: EvaluationSection, runtime: Runtime
     if n < 2:
         raise FIDError(f"FID statistics need at least 2 images; the {split} split of "
                        f"{evaluation.data.indist_dataset} gives {n}")
-    batch_size = batch_size or eval_batch_size(evaluation, runtime.world_size)
+    batch_size = batch_size or eval_batch_size(evaluation.schedule, evaluation.eval, runtime.world_size)
     features = feature_extractor(runtime.device, evaluation.image_log)
     mine = [i for chunk in eval_chunks(n, batch_size, runtime.rank, runtime.world_size)
             for i in chunk]

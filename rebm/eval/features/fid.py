@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.network import (  # noqa: F401  (FIDError and the names are re-exported)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 import torch
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.distributed.collectives import all_gather_by_index
 from rebm.eval.features.fid import env_features, offline_loader

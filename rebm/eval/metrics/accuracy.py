@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rebm.attacks.argmin_pgd import attack_from_config
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.indexing import sample_keys
 from rebm.distributed import all_reduce_sum
 from rebm.eval.metric import TEST_SET, EvalContext, Metric, TestBatch
@@ -40,9 +40,9 @@ def index_keys(seed: int, indices: Tensor, epoch: int = ROBUST_EVAL_EPOCH) -> Te
 def robust_eval_attack(evaluation: EvaluationSection):
     """The indist_attack_clf threat model, with `robust_eval_steps` PGD steps when set (robust
     evaluation usually wants more steps than adversarial training uses)."""
-    if evaluation.robust_eval_steps is None:
-        return evaluation.indist_attack_clf
-    return dataclasses.replace(evaluation.indist_attack_clf, max_steps=evaluation.robust_eval_steps)
+    if evaluation.eval.robust_eval_steps is None:
+        return evaluation.method.indist_attack_clf
+    return dataclasses.replace(evaluation.method.indist_attack_clf, max_steps=evaluation.eval.robust_eval_steps)
 
 
 def ratio(num: float, den: float) -> float:
@@ -108,7 +108,7 @@ class RobustAccuracy(CorrectCount):
         attack = robust_eval_attack(evaluation)
         name = "argmin PGD" if attack.attack_type == "argmin_pgd" else "PGD"  # the cache's key
         return {"attack": name, "loss": "cross-entropy",
-                **attack_settings(attack), "seed": evaluation.rand_seed,
+                **attack_settings(attack), "seed": evaluation.schedule.rand_seed,
                 **test_set_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
@@ -116,7 +116,7 @@ class RobustAccuracy(CorrectCount):
         self.attack = robust_eval_attack(ctx.evaluation)
 
     def correct(self, batch: TestBatch) -> Tensor:
-        keys = index_keys(self.ctx.evaluation.rand_seed, batch.index).to(batch.x.device)
+        keys = index_keys(self.ctx.evaluation.schedule.rand_seed, batch.index).to(batch.x.device)
         x_adv = attack_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
                                 random_start_keys=keys)
         with torch.no_grad():

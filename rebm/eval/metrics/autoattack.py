@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed.logs import progress_enabled
 from rebm.eval.metric import EvalContext, TestBatch
 from rebm.eval.metrics.accuracy import CorrectCount
@@ -45,14 +45,14 @@ class AutoAttackAccuracy(CorrectCount):
 
     @classmethod
     def settings(cls, evaluation: EvaluationSection) -> Dict[str, Any]:
-        attack = evaluation.indist_attack_clf
+        attack = evaluation.method.indist_attack_clf
         return {"library": f"pyautoattack {library_version()}", "version": VERSION,
-                "norm": attack.norm, "eps": attack.eps, "seed": evaluation.rand_seed,
+                "norm": attack.norm, "eps": attack.eps, "seed": evaluation.schedule.rand_seed,
                 **test_set_settings(evaluation)}
 
     @classmethod
     def problems(cls, evaluation: EvaluationSection) -> List[str]:
-        attack, found = evaluation.indist_attack_clf, []
+        attack, found = evaluation.method.indist_attack_clf, []
         if library_version() == "missing":
             found.append("AutoAttack needs the pyautoattack package (a dependency of rebm): "
                          "pip install pyautoattack")
@@ -65,9 +65,9 @@ class AutoAttackAccuracy(CorrectCount):
         super().__init__(ctx)
         from pyautoattack import AutoAttack
 
-        attack = ctx.evaluation.indist_attack_clf
+        attack = ctx.evaluation.method.indist_attack_clf
         self.attack = AutoAttack(ctx.model, norm=attack.norm, eps=attack.eps,
-                                 seed=ctx.evaluation.rand_seed, version=VERSION,
+                                 seed=ctx.evaluation.schedule.rand_seed, version=VERSION,
                                  device=ctx.runtime.device)
         self.chunks_done = 0
         self.report_attacks()

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed.collectives import on_main
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.files import write_replacing

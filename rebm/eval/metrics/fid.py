@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.eval.features.fid import MomentSums, fid_scorer, reference_problems, weights_files
 from rebm.eval.features.network import network_description, network_key, shown_as
 from rebm.eval.metric import SAMPLES, EvalContext, Metric, SampleChunk

@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import Runtime
 from rebm.eval.exact_sums import ExactSums
 from rebm.eval.features.fid import weights_files
@@ -138,7 +138,7 @@ class InceptionScore(Metric):
         if evaluation.eval.is_resize == "pil":
             protocol = {"resize": "PIL bilinear to 299 (the original's)",
                         "statistics": "torchmetrics' (float32, torch.chunk)",
-                        "permutation_seed": evaluation.rand_seed}
+                        "permutation_seed": evaluation.schedule.rand_seed}
         else:
             protocol = {"resize": "torch-fidelity's own", "statistics": "torch-fidelity's",
                         "shuffle_seed": SHUFFLE_SEED}
@@ -167,7 +167,7 @@ class InceptionScore(Metric):
         self.layer = feature_layer(self.extractor, "isc")
         total = ctx.evaluation.image_log.num_samples
         if self.pil:  # torchmetrics' float32 softmax
-            split_of, dtype = pil_split_of(total, SPLITS, ctx.evaluation.rand_seed), torch.float32
+            split_of, dtype = pil_split_of(total, SPLITS, ctx.evaluation.schedule.rand_seed), torch.float32
         else:  # torch-fidelity's float64
             split_of, dtype = fidelity_split_of(total, SPLITS), torch.float64
         self.statistics = SplitStatistics(split_of, SPLITS, dtype)

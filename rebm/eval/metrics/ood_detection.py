@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rebm.auc import binary_auc
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed import all_reduce_sum
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
@@ -32,7 +32,7 @@ PROCEDURAL_OUTDISTS = ("noise", "uniform-noise", "lowfreq-noise")  # rebm.data.p
 
 
 def score_name(evaluation: EvaluationSection) -> str:
-    return "lse" if evaluation.logsumexp else "max_softmax"
+    return "lse" if evaluation.method.logsumexp else "max_softmax"
 
 
 class OODDetection(Metric):

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from rebm.attacks.pgd import pgd_attack
 from rebm.auc import binary_auc
 from rebm.config.evaluation_ood import OOD_SET_NAMES
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.indexing import eval_shard
 from rebm.data.ood_datasets import DEFAULT_ROOTS, load_ood_set, ood_set_name
 from rebm.data.pipeline import load_outdist, loader_workers
@@ -288,7 +288,7 @@ class OODSets(Metric):
         attack = ood.attack
         return {"datasets": list(ood.datasets), "num_samples": ood.num_samples,
                 "roots": {d: roots[d] for d in ood.datasets if d in roots},
-                "score": canonical_score(ood.score), "subset_seed": evaluation.rand_seed,
+                "score": canonical_score(ood.score), "subset_seed": evaluation.schedule.rand_seed,
                 "image_size": ood_image_size(evaluation),
                 "model_image_size": evaluation.data.image_size,
                 "attack": ({"norm": "L2", "eps": attack.eps, "steps": attack.steps,
@@ -325,7 +325,7 @@ class OODSets(Metric):
                  else torch.zeros(0, dtype=torch.float64, device=rt.device))
         return evaluate_ood_sets_all_ranks(ctx.model, gather_scores_all_ranks(rt, local), self.ood,
                                            rt, image_size=ood_image_size(ctx.evaluation),
-                                           seed=ctx.evaluation.rand_seed, batch_size=ctx.batch_size,
+                                           seed=ctx.evaluation.schedule.rand_seed, batch_size=ctx.batch_size,
                                            num_workers=loader_workers(ctx.evaluation.data, rt))
 
     @classmethod

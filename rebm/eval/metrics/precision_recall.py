@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from rebm.config.datasets import indist_root_files
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.indexing import eval_chunks
 from rebm.data.pipeline import load_indist
 from rebm.distributed.logs import progress
@@ -167,7 +167,7 @@ class _Reference:
         self.dataset = load_indist(evaluation.data, split, "test")
         labels = self.dataset.source.labels(np.arange(len(self.dataset))).numpy()
         self.indices = reference_indices(labels, num_real(evaluation, len(labels)),
-                                         evaluation.rand_seed)
+                                         evaluation.schedule.rand_seed)
         self.n = len(self.indices)
 
     def images(self, positions: range) -> torch.Tensor:
@@ -213,7 +213,7 @@ class PrecisionRecall(Metric):
             reference = {"reference": "class-balanced random subset",
                          "reference_dataset": evaluation.data.indist_dataset,
                          "reference_split": ev.pr_reference_split,
-                         "reference_seed": evaluation.rand_seed}
+                         "reference_seed": evaluation.schedule.rand_seed}
         return {"library": library_version(), "neighborhood": NEIGHBORHOOD,
                 "features": fidelity_network_name(evaluation.image_log), "quantized": "8 bit",
                 **reference,

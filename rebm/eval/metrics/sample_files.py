@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed.collectives import (
     WriteFailed,
     all_gather_by_index,

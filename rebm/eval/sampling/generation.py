@@ -46,7 +46,7 @@ from torchvision.utils import make_grid
 
 from rebm.attacks.pgd import keyed_normal, keyed_uniform, pgd_attack
 from rebm.config.loading import GAUSSIAN_SEED_MAX_IMAGE_SIZE
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.files import image_tensor_file, list_image_files
 from rebm.data.indexing import sample_keys
 from rebm.data.pipeline import indist_source
@@ -272,7 +272,7 @@ def sampling_mode(evaluation: EvaluationSection) -> Tuple[bool, str]:
     explicit = evaluation.eval.unconditional_samples
     if explicit is not None:
         return bool(explicit), f"eval.unconditional_samples={str(bool(explicit)).lower()}"
-    if evaluation.logsumexp_sampling:
+    if evaluation.method.logsumexp_sampling:
         return True, "logsumexp_sampling=true"
     return False, "class-conditional by default"
 
@@ -285,7 +285,7 @@ def sampling_notice(evaluation: EvaluationSection) -> Optional[str]:
     """The line that says the samples' kind where logsumexp_sampling decides it (or an explicit
     eval.unconditional_samples overrules it); None otherwise."""
     unconditional, _ = sampling_mode(evaluation)
-    if not evaluation.logsumexp_sampling:
+    if not evaluation.method.logsumexp_sampling:
         return None
     if unconditional and evaluation.eval.unconditional_samples is None:
         return ("samples are unconditional (ascending logsumexp_k f_k) because "

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from rebm.config.datasets import indist_root_files
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.indexing import eval_chunks
 from rebm.distributed.logs import progress
 from rebm.distributed.signals import stop_points_all_ranks
@@ -33,10 +33,10 @@ def seed_source(evaluation: EvaluationSection, resources: Dict[str, Any]):
     opened once per Evaluator and kept in its `resources` (SeedImageError, one line, when
     unusable)."""
     log, blur = evaluation.image_log, seed_blur_kernel_size(evaluation)
-    key = f"seeds {log.seed_images} {evaluation.data.image_size} {evaluation.rand_seed} {blur}"
+    key = f"seeds {log.seed_images} {evaluation.data.image_size} {evaluation.schedule.rand_seed} {blur}"
     if key not in resources:
         resources[key] = SeedImages(log.seed_images, evaluation.data.image_size,
-                                    evaluation.rand_seed, evaluation, blur_kernel_size=blur)
+                                    evaluation.schedule.rand_seed, evaluation, blur_kernel_size=blur)
     return resources[key]
 
 
@@ -83,7 +83,7 @@ def sample_settings(evaluation: EvaluationSection) -> Dict[str, Any]:
             "num_steps": log.num_steps, "step_size": log.step_size, "eps": log.eps,
             "norm": log.norm, "seed_images": log.seed_images,
             "seed_blur_kernel_size": seed_blur_kernel_size(evaluation),
-            "seed": evaluation.rand_seed,
+            "seed": evaluation.schedule.rand_seed,
             # with FID in the pass, its adaptive sweep picks the steps of every sample metric
             "step_sweep": ({"range": log.step_sweep_range, "radius": log.sweep_radius,
                             "num_samples": log.sweep_num_samples}

@@ -43,7 +43,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.config import DataConfig, ModelConfig
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.eval.files import write_text_replacing
 from rebm.eval.results import jsonable
 from rebm.eval.table.spec import TableError
@@ -52,6 +52,8 @@ LOGGER = logging.getLogger("rebm")
 
 # data.* fields that decide how the data is read, never which values come out
 DATA_FIELDS_WITHOUT_EFFECT = ("num_workers", "download")
+# data.* fields of the training streams: every evaluation reads its data un-augmented
+TRAINING_AUGMENTATIONS = ("augm_type_classification", "augm_type_generation", "openimages_augm")
 # model.* fields that are not settings of the network: its file (hashed by content instead) and
 # whether that file may be unpickled
 MODEL_FIELDS_WITHOUT_EFFECT = ("ckpt_path", "trust_checkpoint")
@@ -120,9 +122,14 @@ def model_settings(model: ModelConfig, use_ema: bool) -> Dict[str, Any]:
 
 
 def data_settings(data: DataConfig) -> Dict[str, Any]:
-    """The resolved `data` section but the fields that cannot change a value."""
+    """The resolved `data` section but the fields that cannot change a value.
+    `openimages_max_samples` (the OpenImage-O subset OOD detection scores) counts once it is set:
+    unset, it leaves the keys of before it was a `data` field as they were."""
     fields = dataclasses.asdict(data)
-    return {k: v for k, v in fields.items() if k not in DATA_FIELDS_WITHOUT_EFFECT}
+    if fields["openimages_max_samples"] is None:
+        del fields["openimages_max_samples"]
+    return {k: v for k, v in fields.items()
+            if k not in DATA_FIELDS_WITHOUT_EFFECT + TRAINING_AUGMENTATIONS}
 
 
 def metric_key(evaluation: EvaluationSection, model: ModelConfig, metric_cls,
@@ -131,7 +138,7 @@ def metric_key(evaluation: EvaluationSection, model: ModelConfig, metric_cls,
     section is stored (module docstring)."""
     files = {label: hashes.identity(path, label)
              for label, path in metric_cls.files(evaluation).items()}
-    payload = {"checkpoint": checkpoint_sha256, **model_settings(model, evaluation.use_ema),
+    payload = {"checkpoint": checkpoint_sha256, **model_settings(model, evaluation.ema.use_ema),
                "data": data_settings(evaluation.data), "files": files, "batch_size": batch_size,
                "metric": metric_cls.name, "protocol": metric_cls.protocol,
                "settings": metric_cls.settings(evaluation)}

@@ -25,7 +25,7 @@ from rebm.eval.table.paths import (
     missing_target,
     rule_line,
 )
-from rebm.eval.table.spec import evaluation_sections, own_metrics, own_rows, row_configs
+from rebm.eval.table.spec import own_metrics, own_rows, row_sections
 
 EXIT_MISSING = 1  # --check found a missing file
 Needs = Dict[Tuple[str, str], List[str]]  # (what, path) -> the metrics that read it
@@ -101,7 +101,7 @@ def note(found: Dict[str, Wanted], key: str, wanted: Wanted, metrics: List[str],
 
 def check_table(spec, checkpoints: str, verbose: bool, found: Findings) -> None:
     """Collect what every row of `spec` needs into `found`; print its rows under --verbose."""
-    sections = evaluation_sections(row_configs(spec, checkpoints))
+    sections = row_sections(spec, checkpoints)
     print(f"{spec.path} ({spec.stem}: {spec.title}): {len(spec.rows)} row(s); metrics "
           f"{', '.join(spec.metrics)}")
     found.tables[spec.stem] = [row.name for row in spec.rows]

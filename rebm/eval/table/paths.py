@@ -19,7 +19,7 @@ import os
 from typing import Any, Dict, List, Sequence, Tuple
 
 from rebm.config import replace
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 
 
 def search_folders(root: str) -> Tuple[str, ...]:

@@ -44,7 +44,7 @@ from rebm.eval.table.cache import (
 )
 from rebm.eval.table.paths import looked_in, missing_data_paths
 from rebm.eval.table.report import write_report
-from rebm.eval.table.spec import evaluation_sections, own_metrics, own_rows, row_configs
+from rebm.eval.table.spec import own_metrics, own_rows, row_sections
 
 LOGGER = logging.getLogger("rebm")
 
@@ -60,8 +60,7 @@ class TableRun:
         self.spec, self.runtime, self.out = spec, runtime, out
         self.checkpoints, self.force = args.checkpoints, args.force
         self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
-        self.configs = row_configs(spec, self.checkpoints)  # {row: {metric: its config}}
-        self.sections = evaluation_sections(self.configs)  # their evaluation sections
+        self.sections = row_sections(spec, self.checkpoints)  # {row: {metric: its section}}
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
         self.finished: List[str] = []  # rows whose selected metrics are all cached now
@@ -76,7 +75,7 @@ class TableRun:
     def keys(self, row, metrics, checkpoint: str) -> Dict[str, str]:
         """{metric: cache key} of the row for the checkpoint content `checkpoint` (rank 0)."""
         return {cls.name: metric_key(self.sections[row.name][cls.name],
-                                     self.configs[row.name][cls.name].model, cls, checkpoint,
+                                     self.sections[row.name][cls.name].model, cls, checkpoint,
                                      self.spec.batch_size, self.hashes)
                 for cls in metric_classes(metrics)}
 
@@ -179,8 +178,8 @@ class TableRun:
         ordered = metric_classes(pending)
         for cls in [c for c in ordered if c.source != SAMPLES] + [
                 c for c in ordered if c.source == SAMPLES]:
-            config = self.configs[row.name][cls.name]
-            settings = model_settings(config.model, config.use_ema)
+            section = self.sections[row.name][cls.name]
+            settings = model_settings(section.model, section.ema.use_ema)
             by_model.setdefault(json.dumps(settings, sort_keys=True, default=str),
                                 []).append(cls.name)
         return list(by_model.values())
@@ -196,8 +195,8 @@ class TableRun:
                               label: str) -> None:
         """Compute and store `names` (metrics of one model) of the row: the test-set metrics
         one by one, the sample metrics in one generation pass per set of samples they draw."""
-        config = self.configs[row.name][names[0]]
-        model = load_eval_model(config.model, config.data, config.use_ema, self.runtime)
+        section = self.sections[row.name][names[0]]
+        model = load_eval_model(section.model, section.data, section.ema.use_ema, self.runtime)
         evaluator = self.evaluator(row, names)
         for cls in evaluator.classes:
             if cls.source == SAMPLES:

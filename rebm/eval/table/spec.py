@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from rebm.config import ConfigError, load_config
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.errors import UserError
 from rebm.eval.metric import EvalError
 from rebm.eval.registry import did_you_mean, metric_classes, metric_names
@@ -228,36 +228,27 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
     return [m for m in metrics if m in spec.metrics]
 
 
-def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
-    """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
-    override or key stops the table at once, naming the table file and the row. Relative data
-    paths are read under `checkpoints` when they are there (rebm/eval/table/paths.py)."""
+def row_sections(spec, checkpoints: str) -> Dict[str, Dict[str, EvaluationSection]]:
+    """{row: {metric: its evaluation section}} of every row, loaded before any work: an unknown
+    metric, a bad override or key stops the table at once, naming the table file and the row.
+    Relative data paths are read under `checkpoints` when they are there (rebm/eval/table/
+    paths.py). Metrics with the same overrides share one section object."""
     try:
         classes = metric_classes(spec.metrics)
     except EvalError as err:
         raise EvalError(f"{spec.path}: metrics: {err}") from None
-    configs: Dict[str, Dict[str, Any]] = {}
+    sections: Dict[str, Dict[str, EvaluationSection]] = {}
     for row in spec.rows:
         path = os.path.join(checkpoints, row.checkpoint)
-        loaded: Dict[tuple, Any] = {}  # most metrics share the row's overrides: load those once
-        configs[row.name] = {}
+        loaded: Dict[tuple, EvaluationSection] = {}  # most metrics share the row's overrides
+        sections[row.name] = {}
         for metric in spec.metrics:
             overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
             if overrides not in loaded:  # every metric's files: the configs stay shared
                 loaded[overrides] = rooted_config(_row_config(spec, row, metric, overrides),
-                                                  classes, checkpoints)
-            configs[row.name][metric] = loaded[overrides]
-    return configs
-
-
-def evaluation_sections(configs: Dict[str, Dict[str, Any]]
-                        ) -> Dict[str, Dict[str, EvaluationSection]]:
-    """{row: {metric: evaluation section}} of `row_configs`: the metrics that share a config
-    share its section (the Evaluator runs one test pass per section)."""
-    made: Dict[int, EvaluationSection] = {}
-    return {row: {metric: made.setdefault(id(config), config.evaluation)
-                  for metric, config in by_metric.items()}
-            for row, by_metric in configs.items()}
+                                                  classes, checkpoints).evaluation
+            sections[row.name][metric] = loaded[overrides]
+    return sections
 
 
 def _row_config(spec, row: RowSpec, metric: str, overrides: Tuple[str, ...]):

@@ -42,14 +42,14 @@ class Curriculum:
         self.images_at_T = 0
 
     @classmethod
-    def from_config(cls, method: MethodSection) -> "Curriculum":
+    def from_config(cls, method: MethodSection, batch_size: int) -> "Curriculum":
         """From the config's method section: window = ceil(min_imgs_per_threshold / global
         batch_size) steps."""
         return cls(
             start_step=method.attack.start_step,
             max_steps=method.attack.max_steps,
             auc_threshold=method.AUC_th,
-            window_size=math.ceil(method.min_imgs_per_threshold / method.batch_size),
+            window_size=math.ceil(method.min_imgs_per_threshold / batch_size),
             samples_per_attack_step=method.samples_per_attack_step,
         )
 

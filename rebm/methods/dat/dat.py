@@ -85,8 +85,8 @@ class DAT(Method):
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)
-        self.method = method
-        self.curriculum = Curriculum.from_config(method)
+        self.method, self.global_batch_size = method, schedule.batch_size
+        self.curriculum = Curriculum.from_config(method, schedule.batch_size)
         self.loss_options = loss_options(method, model)
         self.frozen_bn = not model.use_batchnorm  # train-mode logits equal eval-mode ones
         self.track_r1 = method.track_r1 and not method.r1reg > 0  # measured, not trained
@@ -160,7 +160,7 @@ class DAT(Method):
         """AUCs of the all-gathered global batch, then the curriculum's update; every rank."""
         outdist_steps = self.curriculum.T  # the T this step trained with
         adv_auc, clean_auc = global_aucs_all_ranks(runtime, result.scores)
-        self.curriculum.update(adv_auc, self.method.batch_size)
+        self.curriculum.update(adv_auc, self.global_batch_size)
         stats = {"train_adv_auc": adv_auc, "cur_outdist_steps": outdist_steps}
         if clean_auc is not None:
             stats["train_clean_auc"] = clean_auc

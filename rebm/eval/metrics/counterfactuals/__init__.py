@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from rebm.config.datasets import indist_root_files
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.ood_datasets import indist_test_set
 from rebm.data.pipeline import loader_workers
 from rebm.eval.features.fid import weights_files
@@ -88,7 +88,7 @@ class Counterfactuals(Metric):
             found.update(dataset=evaluation.data.indist_dataset, split="train",
                          num_images=cf.num_images or "all", image_size=evaluation.data.image_size,
                          targets="one random other class per image",
-                         target_seed=evaluation.rand_seed)
+                         target_seed=evaluation.schedule.rand_seed)
         else:
             found.update(test_set_settings(evaluation))  # its num_images: of the test set
             found.update(test_num_images=found["num_images"], num_images=cf.num_images,
@@ -132,7 +132,7 @@ class Counterfactuals(Metric):
         if settings.protocol == "original":
             sources = train_image_set(evaluation, settings.num_images)
             targets = random_targets(sources.labels(np.arange(len(sources))), sources.indices,
-                                     evaluation.data.num_classes, evaluation.rand_seed)
+                                     evaluation.data.num_classes, evaluation.schedule.rand_seed)
             results = evaluate_original_counterfactuals_all_ranks(
                 ctx.model, sources, targets, settings, ctx.runtime,
                 num_classes=evaluation.data.num_classes, batch_size=ctx.batch_size, folder=folder,

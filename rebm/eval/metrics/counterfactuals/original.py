@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision.utils import save_image
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.augmentations import build_augmentation
 from rebm.data.indexing import sample_keys
 from rebm.data.ood_datasets import FixedImageSet

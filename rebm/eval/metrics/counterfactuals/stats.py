@@ -12,7 +12,7 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from rebm.config.sections import EvaluationSection
+from rebm.config.views import EvaluationSection
 from rebm.data.augmentations import build_augmentation
 from rebm.data.ood_datasets import FixedImageSet
 from rebm.data.pipeline import indist_source

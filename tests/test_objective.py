@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rebm.config import ConfigError, TrainConfig
+from rebm.methods.dat import DAT
 from rebm.methods.dat.objective import (
     TERMS,
-    check_term_weights,
     dat_loss,
     energy,
     energy_bce_weights,
@@ -217,5 +217,7 @@ def test_inputs_are_not_modified():
 
 
 def test_a_negative_term_weight_is_refused_naming_its_key():
+    """At start-up and under --check (DAT.check_config), for every term with a weight key."""
+    method = dataclasses.replace(DEFAULTS.method, r1reg=-0.5)
     with pytest.raises(ConfigError, match=r"^run\.yaml: 'r1reg' must be >= 0, got -0\.5$"):
-        check_term_weights(dataclasses.replace(DEFAULTS.method, r1reg=-0.5), "run.yaml")
+        DAT.check_config(method, DEFAULTS.model, DEFAULTS.schedule, "run.yaml")

@@ -4,8 +4,8 @@ It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batc
 x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
 if it is, in eval mode, and with `fuse_attacks` as one batched pass while both run
-(`dat_attacks`); then the energy + classifier loss through the wrapper, so the engine's
-backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
+(`dat_attacks`); then the loss terms (objective.TERMS: energy BCE, R1, classifier CE) through
+the wrapper, so the engine's backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
 all-gathered global batch, so T follows the same schedule on any number of ranks.
 
 `track_r1` (with r1reg = 0): on metrics-log steps only, one more input-gradient pass per

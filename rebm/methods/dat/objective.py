@@ -39,7 +39,6 @@ class LossForward:
     """What one loss pass computed, the input of every term's function."""
 
     x_in: Tensor  # the in-distribution batch as the model saw it (requires grad for R1)
-    y_in: Tensor  # its labels, also the negatives' target classes when not logsumexp
     scores: List[Tensor]  # s(x) of the energy streams: [in, adv(, clean out)]
     bce_weights: Tuple[float, float, float]  # the energy BCE's (in, clean out, adv) weights
     clf_logits: Tensor  # f(x_c_adv), the adversarial classifier batch
@@ -132,6 +131,8 @@ def check_term_weights(method: MethodSection, source: str = "config") -> None:
 
 @dataclass
 class DATLoss:
+    """What `dat_loss` returns: the loss to backpropagate, its terms and the AUC's scores."""
+
     loss: Tensor  # the sum of `terms`: what to backpropagate
     terms: Dict[str, Tensor]  # every term by name, in TERMS' order; logged as train_<name>_loss
     logit_in: Tensor  # detached f_y(x_in): positives of the curriculum's AUC
@@ -187,7 +188,7 @@ def dat_loss(model: nn.Module, x_in: Tensor, y_in: Tensor, x_adv: Tensor, x_clf:
         streams.append(x_out.detach())
     logits = _forward(model, streams + [x_clf.detach()], options.fused,
                       own_first=options.input_grad)
-    out = LossForward(x_in=streams[0], y_in=y_in,
+    out = LossForward(x_in=streams[0],
                       scores=[_score(lg, y_in, options.logsumexp) for lg in logits[:-1]],
                       bce_weights=options.bce_weights, clf_logits=logits[-1], y_clf=y_clf)
     terms: Dict[str, Tensor] = {}

@@ -17,7 +17,7 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
 from rebm.eval.sampling.generation import SeedImages, blur_kernel_size, gaussian_blur
-from rebm.methods.dat import DAT, ebm_loss
+from rebm.methods.dat import DAT, dat_loss, loss_options
 from rebm.methods.dat.objective import r1_penalty
 from rebm.models import build_model, dataset_stats
 from rebm.models.wideresnet import WideResNet
@@ -208,7 +208,9 @@ def test_r1_penalty_is_the_trained_term_without_weight():
     torch.manual_seed(0)
     model = _randomise_bn(build_model("WideResNet10x1", 10)).eval()
     x, y = torch.rand(6, 3, 16, 16), torch.randint(0, 10, (6,))
-    trained = ebm_loss(model, x, y, torch.rand(6, 3, 16, 16), r1reg=2.0).r1
+    cfg = load_config(DIGITS, ["r1reg=2.0"])
+    trained = dat_loss(model, x, y, torch.rand(6, 3, 16, 16), torch.rand(6, 3, 16, 16), y, None,
+                       loss_options(cfg.method, cfg.model)).terms["r1"]
     measured = r1_penalty(model, x, y, logsumexp=True)
     torch.testing.assert_close(measured, trained.detach() / 2.0)
     assert all(p.grad is None and p.requires_grad for p in model.parameters())

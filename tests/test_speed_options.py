@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from rebm.attacks import pgd as pgd_module
 from rebm.attacks.pgd import pgd_attack, pgd_from_config
 from rebm.checkpoint.weights import load_checkpoint
-from rebm.config import load_config, plan_batches
+from rebm.config import TrainConfig, load_config, plan_batches
 from rebm.data.pipeline import build_train_data
 from rebm.distributed import Runtime
 from rebm.distributed.parallel import strip_parallel, unwrap
@@ -23,13 +23,14 @@ from rebm.distributed.precision import Precision
 from rebm.engine.build import build_model_all_ranks
 from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.dat import DAT
-from rebm.methods.dat.objective import dat_loss
+from rebm.methods.dat.objective import dat_loss, loss_options
 from rebm.models import build_model
 from tests.steps import dat_update
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.numbers]
 
 ARCH = "WideResNet10x1"
+DEFAULTS = TrainConfig()  # the default loss: energy BCE (0.5, 0, 0.5), logsumexp, fused
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -49,7 +50,8 @@ def _loss_and_grads(model, batch, autocast):
     model.zero_grad(set_to_none=True)
     x_in, y_in, x_adv, x_c, y_c, x_out = batch
     with autocast:
-        losses = dat_loss(model, x_in, y_in, x_adv, x_c, y_c, x_out)
+        losses = dat_loss(model, x_in, y_in, x_adv, x_c, y_c, x_out,
+                          loss_options(DEFAULTS.method, DEFAULTS.model))
     losses.loss.backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     return losses, grads
@@ -66,9 +68,9 @@ def test_bf16_autocast_dat_loss_is_close_to_fp32():
     low, g_low = _loss_and_grads(model, batch, torch.autocast("cpu", dtype=torch.bfloat16))
     # The losses are reduced in float32 (autocast runs BCE / CE / logsumexp in fp32).
     assert low.loss.dtype == torch.float32
-    assert low.ebm.bce.dtype == torch.float32 and low.clf.loss.dtype == torch.float32
+    assert all(term.dtype == torch.float32 for term in low.terms.values())
     # bf16 keeps 8 mantissa bits: ~0.4 % per rounding; the losses agree to a few 1e-2.
-    for a, b in ((ref.loss, low.loss), (ref.ebm.bce, low.ebm.bce), (ref.clf.loss, low.clf.loss)):
+    for a, b in ((ref.loss, low.loss), *((ref.terms[k], low.terms[k]) for k in ref.terms)):
         a, b = a.detach(), b.detach()
         assert torch.isfinite(b)
         assert abs(float(a) - float(b)) <= 2e-2 * max(1.0, abs(float(a))), (float(a), float(b))
@@ -77,7 +79,7 @@ def test_bf16_autocast_dat_loss_is_close_to_fp32():
     assert cosine > 0.99, float(cosine)
     assert abs(g_low.norm() / g_ref.norm() - 1) < 0.05
     # The energy-curriculum scores (AUC inputs) stay close too.
-    assert torch.allclose(ref.ebm.logit_in, low.ebm.logit_in.float(), atol=0.1, rtol=0.05)
+    assert torch.allclose(ref.logit_in, low.logit_in.float(), atol=0.1, rtol=0.05)
 
 
 @pytest.mark.slow

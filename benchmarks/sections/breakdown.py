@@ -60,10 +60,10 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
             with precision.autocast():
                 losses = dat_loss(parts.model, batch["in"].images, batch["in"].labels, x_adv,
                                   x_c_adv, batch["clf"].labels, batch["out"].images,
-                                  **method.loss_options)
+                                  method.loss_options)
             precision.backward(losses.loss / bench.plan.accumulation_steps)
     if method.frozen_bn:
-        keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
+        keep["in"], keep["adv"] = losses.logit_in, losses.logit_adv
     terms = {name: term.detach() for name, term in losses.terms.items()}
     return MicroOutput(loss=losses.loss.detach(), terms=terms, keep=keep)
 

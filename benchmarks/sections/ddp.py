@@ -52,7 +52,7 @@ def _comm_timings(bench: Bench, batch, reps: int) -> Dict[str, float]:
         with contextlib.nullcontext() if synced else model.no_sync():
             losses = dat_loss(model, batch["in"].images, batch["in"].labels,
                               batch["out"].images, batch["clf"].images, batch["clf"].labels,
-                              batch["out"].images, **method.loss_options)
+                              batch["out"].images, method.loss_options)
             losses.loss.backward()
 
     flat = torch.zeros(n_params(parts.raw_model), device=_comm_device(runtime))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rebm.config import TrainConfig
-from rebm.methods.dat import loss_weights
+from rebm.methods.dat import energy_bce_weights
 from sections.common import (
     loop_step,
     median,
@@ -34,7 +34,7 @@ class MinimalDAT:
             assert attack.norm == "L2" and not attack.random_start, name
         assert cfg.method.logsumexp and not cfg.method.logsumexp_sampling and cfg.method.r1reg == 0
         assert not cfg.model.use_batchnorm
-        assert loss_weights(cfg.method) == (0.5, 0.0, 0.5)
+        assert energy_bce_weights(cfg.method) == (0.5, 0.0, 0.5)
         self.cfg = cfg
         self.model = copy.deepcopy(raw_model)
         params, name = self.model.parameters(), cfg.optimization.name.lower()

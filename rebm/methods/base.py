@@ -48,7 +48,7 @@ class StepResult:
     """What one optimizer step leaves behind on this rank (all tensors detached)."""
 
     loss: Tensor  # the total loss, mean over this rank's micro-batches
-    losses: Dict[str, Tensor]  # each loss term, same mean (e.g. {"ebm": ..., "clf": ...})
+    losses: Dict[str, Tensor]  # each loss term, same mean (e.g. {"ebm_binary": ..., "clf": ...})
     window: Dict[str, float]  # sums this step adds to the metrics window (summed over ranks)
     # images the engine saves as grids every n_imgs_per_image_log, as <name>_step<step>.png
     previews: Dict[str, Tensor] = field(default_factory=dict)

@@ -2,8 +2,8 @@
 
 from rebm.methods.dat.curriculum import Curriculum
 from rebm.methods.dat.dat import DAT, global_aucs_all_ranks
-from rebm.methods.dat.objective import clf_loss, dat_loss, ebm_loss, energy
-from rebm.methods.dat.rules import loss_weights, raw_loss_weights
+from rebm.methods.dat.objective import TERMS, LossTerm, dat_loss, energy, loss_options
+from rebm.methods.dat.rules import energy_bce_weights, raw_energy_bce_weights
 
-__all__ = ["DAT", "Curriculum", "clf_loss", "dat_loss", "ebm_loss", "energy",
-           "global_aucs_all_ranks", "loss_weights", "raw_loss_weights"]
+__all__ = ["DAT", "TERMS", "Curriculum", "LossTerm", "dat_loss", "energy", "energy_bce_weights",
+           "global_aucs_all_ranks", "loss_options", "raw_energy_bce_weights"]

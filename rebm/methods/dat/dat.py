@@ -4,8 +4,8 @@ It reads three input streams (`DAT.streams`: "in", "clf", "out"). Per micro-batc
 x_adv = PGD_T(x_out) on f_y and the adversarial classifier batch
 x_c_adv = PGD_K^CE(x_c), both on the module without DDP (whose forward arms collectives), compiled
 if it is, in eval mode, and with `fuse_attacks` as one batched pass while both run
-(`dat_attacks`); then the energy + classifier loss through the wrapper, so the engine's
-backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
+(`dat_attacks`); then the loss terms (objective.TERMS: energy BCE, R1, classifier CE) through
+the wrapper, so the engine's backward all-reduces the gradients. After an applied step, the curriculum gets the AUC of the
 all-gathered global batch, so T follows the same schedule on any number of ranks.
 
 `track_r1` (with r1reg = 0): on metrics-log steps only, one more input-gradient pass per
@@ -31,8 +31,8 @@ from rebm.distributed.collectives import all_gather_cat
 from rebm.distributed.runtime import Runtime
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
 from rebm.methods.dat.curriculum import Curriculum
-from rebm.methods.dat.objective import dat_loss, loss_options, r1_penalty
-from rebm.methods.dat.rules import check_loss_weights, scores_clean_outdist
+from rebm.methods.dat.objective import check_term_weights, dat_loss, loss_options, r1_penalty
+from rebm.methods.dat.rules import check_energy_bce_weights, scores_clean_outdist
 from rebm.methods.stages import STAGE2
 
 
@@ -94,7 +94,8 @@ class DAT(Method):
     @classmethod
     def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
                      source: str = "config") -> None:
-        check_loss_weights(method)
+        check_energy_bce_weights(method)
+        check_term_weights(method, source)
         if method.indist_attack_clf.attack_type != "pgd":  # the fused pass and dat_attacks run PGD
             raise ConfigError(
                 f"{source}: 'indist_attack_clf.attack_type' is "
@@ -109,7 +110,7 @@ class DAT(Method):
 
     def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool
                    ) -> MicroOutput:
-        """Attacks -> energy + classifier loss of one micro-batch (forward only). `log_now`
+        """Attacks -> the loss terms of one micro-batch (forward only). `log_now`
         adds the clean out-distribution scores (one more forward) and, with track_r1, the
         measured R1 penalty (one input-gradient pass)."""
         method = self.method
@@ -131,9 +132,9 @@ class DAT(Method):
         ctx.model.train()
         with ctx.autocast():
             losses = dat_loss(ctx.model, x_in, y_in, x_adv, x_c_adv, clf.labels,
-                              out.images, **self.loss_options)
+                              out.images, self.loss_options)
         if self.frozen_bn:  # reuse the loss forward's f_y instead of a second forward
-            keep["in"], keep["adv"] = losses.ebm.logit_in, losses.ebm.logit_adv
+            keep["in"], keep["adv"] = losses.logit_in, losses.logit_adv
         if index == 0:
             keep["x_adv"] = x_adv.detach()
         terms = {name: term.detach() for name, term in losses.terms.items()}
@@ -167,8 +168,8 @@ class DAT(Method):
         return stats
 
     def summarize(self, totals: Dict[str, float]) -> Dict[str, float]:
-        """Mean of each loss term over ranks and steps: train_ebm_binary_loss, train_clf_loss,
-        train_r1_loss. A term with its own count `n_<name>` (the tracked R1, measured on log
+        """Mean of each loss term (objective.TERMS) over ranks and steps: train_ebm_binary_loss,
+        train_r1_loss, train_clf_loss. A term with its own count `n_<name>` (the tracked R1, measured on log
         steps only) is averaged over those."""
         return {f"train_{name}_loss": value / totals.get(f"n_{name}", totals["n"])
                 for name, value in totals.items() if name != "n" and not name.startswith("n_")}

@@ -65,13 +65,30 @@ _TOP_LEVEL_KEYS = (
     ("ddp_timeout_s", "distributed.ddp_timeout_s"),
     ("ddp_step_timeout_s", "distributed.ddp_step_timeout_s"),
 )
+# Sections whose keys all sit at the file's top level (but the sections nested in the file): a
+# key added to one is a top-level key of the file under its own name, written after the keys
+# above, with no entry here.
+FLAT_SECTIONS = ("method", "optimization", "schedule", "intervals", "ema", "logging", "run",
+                 "distributed")
+
+
+def _new_top_level_keys(listed: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str], ...]:
+    from rebm.config.schema import TrainConfig
+
+    paths = {path for _, path in listed}
+    config = TrainConfig()
+    return tuple((f.name, f"{name}.{f.name}") for name in FLAT_SECTIONS
+                 for f in fields(getattr(config, name))
+                 if f"{name}.{f.name}" not in paths and not is_dataclass(
+                     getattr(getattr(config, name), f.name)))
+
+
 # (file key, stored path) of every top-level key of a file, in the order config.yaml writes them:
 # the original's fields that do nothing here first (they stay on TrainConfig itself), then as
-# the schema listed them when it was flat.
-FILE_LAYOUT: Tuple[Tuple[str, str], ...] = (
-    *((f.name, f.name) for f in fields(LegacyTrainFields)),
-    *_SECTIONS_IN_THE_FILE, *_TOP_LEVEL_KEYS,
-)
+# the schema listed them when it was flat, then keys added since to the flat sections.
+_LISTED = (*((f.name, f.name) for f in fields(LegacyTrainFields)),
+           *_SECTIONS_IN_THE_FILE, *_TOP_LEVEL_KEYS)
+FILE_LAYOUT: Tuple[Tuple[str, str], ...] = (*_LISTED, *_new_top_level_keys(_LISTED))
 STORED_PATH: Dict[str, str] = dict(FILE_LAYOUT)
 # stored paths that another file key claims: not part of their section's block in the file
 _CLAIMED = {path for key, path in FILE_LAYOUT if key != path}

@@ -142,8 +142,8 @@ def config_summary(cfg: TrainConfig) -> str:
             + f"# {rest} more keys at their defaults (--check --all prints every key)\n")
 
 
-def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
-                 loss_streams: Optional[LossStreams] = None, show_all: bool = False) -> int:
+def print_config_and_plan(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
+                          loss_streams: Optional[LossStreams] = None, show_all: bool = False) -> int:
     """--check: validate what can be validated here, print the config (`show_all`: every key;
     else config_summary) and the memory plan (`gpu_mem_gib`: also the largest micro-batch that
     fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
@@ -256,7 +256,7 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
             prepare(args, cfg)
         if args.check:
             streams = method().loss_streams if method is not None else None
-            return check_config(cfg, args.gpu_mem_gib, streams, args.all)
+            return print_config_and_plan(cfg, args.gpu_mem_gib, streams, args.all)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:

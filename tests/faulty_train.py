@@ -25,7 +25,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--nan-grad-at", help="STEP:RANK: NaN gradients at that step, rank")
     parser.add_argument("--slow-step-at", help="STEP:RANK:SECONDS: that step sleeps first")
     return cli.run_entry(parser, argv, run, prepare=dat_entry.check_dat,
-                         method=dat_entry.method)
+                         method_class=dat_entry.method_class)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
 from rebm.engine.trainer import Trainer  # noqa: E402
 from rebm.methods.base import StepContext  # noqa: E402
 from rebm.methods.dat import DAT  # noqa: E402
-from rebm.training.train import make_method  # noqa: E402
+from rebm.training.train import make_training_method  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "experiments", "quickstart", "digits.yaml")
 WRN_OVERRIDES = [
@@ -193,7 +193,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
-    trainer = Trainer(cfg, runtime, make_method)
+    trainer = Trainer(cfg, runtime, make_training_method)
     return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.parts.step_context, trainer)
 
 

@@ -101,7 +101,7 @@ def section_checkpoint(args) -> dict:
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
         _, t_assemble = timed(lambda: training_state(   # what the save assembles
-            parts.stateful(), parts.method.stage, parts.progress.step, to_dict(cfg),
+            parts.stateful(), parts.training_method.stage, parts.progress.step, to_dict(cfg),
             runtime.world_size))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
         _, t_read = timed(lambda: read_state(RunDirectory(run_dir).states()[0]))

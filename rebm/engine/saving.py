@@ -44,7 +44,7 @@ def save_training_state_all_ranks(parts: Parts, checkpoints: CheckpointManager,
     parts.progress.window.gather_all_ranks(runtime)  # an all-reduce; rank 0 saves the sums
     with patient_collectives(runtime, distributed, parts.progress):
         checkpoints.save_state_all_ranks(lambda: training_state(
-            parts.stateful(), parts.method.stage, step, config, runtime.world_size))
+            parts.stateful(), parts.training_method.stage, step, config, runtime.world_size))
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The one training loop, for every stage: `Trainer(cfg, runtime, make_method).fit()`.
+"""The one training loop, for every stage: `Trainer(cfg, runtime, make_training_method).fit()`.
 
 The Trainer builds and owns what a run is made of — config, batch plan, runtime (with the
 preemption flag), run tracking, the parts (model, optimizer, EMA, method, ...) and the data — and
@@ -69,9 +69,10 @@ LOGGER = logging.getLogger("rebm")
 MethodFactory = Callable[[TrainConfig], Method]
 
 
-def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dict[str, Any]:
-    """Train with the method `make_method(cfg)` builds, in cfg.run_dir, held by this job (rank
-    0 locks it) until the run ends. Every rank calls this."""
+def train(cfg: TrainConfig, runtime: Runtime,
+          make_training_method: MethodFactory) -> Dict[str, Any]:
+    """Train with the training method `make_training_method(cfg)` builds, in cfg.run_dir, held
+    by this job (rank 0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
     # the inputs first: a wrong path stops the run before anything is written
     on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
@@ -79,7 +80,7 @@ def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dic
     run_dir, lock = resolve_run_dir_all_ranks(cfg.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_dir.path)
     try:
-        return Trainer(cfg, runtime, make_method, started).fit()
+        return Trainer(cfg, runtime, make_training_method, started).fit()
     finally:
         if lock is not None:
             lock.release()
@@ -143,7 +144,7 @@ class Trainer:
     """One training run in cfg.run_dir (already resolved and held by this job). It builds its
     parts from the config's sections and keeps the sections its loop reads."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory,
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, make_training_method: MethodFactory,
                  started: Optional[float] = None):
         self.schedule, self.intervals = cfg.schedule, cfg.intervals
         self.distributed, self.evaluation = cfg.distributed, cfg.evaluation
@@ -156,11 +157,11 @@ class Trainer:
         self.run_dir = RunDirectory(cfg.run_dir)  # every path in it; nothing else builds one
         self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.keep_last_states,
                                              cfg.n_imgs_per_ckpt_save)
-        method = make_method(cfg)
-        self.plan = plan_batches(cfg, runtime.world_size, method.loss_streams(cfg.method))
-        self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
+        training_method = make_training_method(cfg)
+        self.plan = plan_batches(cfg, runtime.world_size, training_method.loss_streams(cfg.method))
+        self._start_logging_all_ranks(training_method, ignored_fields_notice(cfg))
         self.evaluator = Evaluator(cfg.evaluation, self.runtime,
-                                   standard_metrics(cfg.evaluation, method.eval_samples),
+                                   standard_metrics(cfg.evaluation, training_method.eval_samples),
                                    batch_size=self.plan.eval_batch_size, run_dir=cfg.run_dir)
         if cfg.n_imgs_per_evaluation_log:
             # a missing FID, seed-image or other metric file (on any node) stops the run now,
@@ -168,15 +169,16 @@ class Trainer:
             self.evaluator.start_all_ranks()
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage,
+        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints,
+                                       training_method.stage,
                                        fits=state_fit_check(cfg.model, cfg.data,
                                                             cfg.optimization, cfg.ema,
-                                                            method.stage))
-        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
+                                                            training_method.stage))
+        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, training_method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)
-        self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,
-                                        load_pretrained=state is None)
+        self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, training_method,
+                                                  self.last_step, load_pretrained=state is None)
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
@@ -185,20 +187,20 @@ class Trainer:
                                last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
-        LOGGER.info("%s | data: %s | training to step %s", method.describe(),
+        LOGGER.info("%s | data: %s | training to step %s", training_method.describe(),
                     self.data.describe(), self.last_step)
 
     @property
     def progress(self) -> Progress:
         return self.parts.progress
 
-    def _start_logging_all_ranks(self, method: Method, notice: Optional[str]) -> None:
+    def _start_logging_all_ranks(self, training_method: Method, notice: Optional[str]) -> None:
         """Every rank's log file, then the run's first lines (and `notice`, if any)."""
         runtime, plan = self.runtime, self.plan
         on_every_rank(runtime, lambda: setup_logging(runtime, self.run_dir.log_file(runtime.rank)),
                       "create its log file")
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
-                    "accumulation", method.name, self.run_dir.path, runtime.world_size,
+                    "accumulation", training_method.name, self.run_dir.path, runtime.world_size,
                     runtime.device, plan.per_device_batch_size, plan.accumulation_steps)
         if notice:
             LOGGER.info(notice)
@@ -228,7 +230,7 @@ class Trainer:
                         if decision["write_failed"]:  # the previous metrics log's record
                             self.tracker.raise_write_failure()
                         bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
-                                   epoch=self.epoch, **self.parts.method.progress())
+                                   epoch=self.epoch, **self.parts.training_method.progress())
                         if log_now:
                             self.log_all_ranks(result)
                         if plan.crossed(intervals.n_imgs_per_image_log, progress.step):
@@ -254,7 +256,7 @@ class Trainer:
     def log_due(self, step: int) -> bool:
         """Training metrics are logged at optimizer step `step` (counted from 1)."""
         return (self.plan.crossed(self.intervals.n_imgs_per_metrics_log, step)
-                or (self.parts.method.log_final_step and step == self.last_step))
+                or (self.parts.training_method.log_final_step and step == self.last_step))
 
     def train_step_all_ranks(self, micro_batches, log_now: bool) -> StepResult:
         """One optimizer step: the update (zero_grad, the method's losses and their backward
@@ -277,7 +279,7 @@ class Trainer:
             if parts.ema is not None:
                 parts.ema.update()
             progress.step += 1
-            result.stats = {**parts.method.after_step_all_ranks(self.runtime, result),
+            result.stats = {**parts.training_method.after_step_all_ranks(self.runtime, result),
                             "learning_rate": learning_rate}
             if result.grad_norm is not None:
                 result.stats["grad_norm"] = result.grad_norm
@@ -308,7 +310,7 @@ class Trainer:
         elapsed = time.perf_counter() - window.started
         totals, peaks = window.global_sums_all_ranks(runtime, peak_memory_mib(runtime))
         data_counts = pop_data_counts(totals)
-        summary = {**self.parts.method.summarize(totals), **data_counts, **result.stats,
+        summary = {**self.parts.training_method.summarize(totals), **data_counts, **result.stats,
                    "imgs_per_s": window.steps * self.plan.global_batch_size / max(elapsed, 1e-9),
                    **peaks}
         step = self.progress.step
@@ -335,7 +337,7 @@ class Trainer:
         self.tracker.log_table_all_ranks("eval/table", step, results)
         if "sample_grid" in evaluation.files:  # the same on every rank
             self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
-        if self.parts.method.keep_best:
+        if self.parts.training_method.keep_best:
             self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
                                                  robust_eval=self.evaluation.robust_eval)
         return results

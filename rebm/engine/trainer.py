@@ -328,15 +328,15 @@ class Trainer:
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
         with patient_collectives(self.runtime, self.distributed, progress):
-            evaluation = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
-        results = evaluation.values
+            eval_results = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
+        results = eval_results.values
         progress.last_eval, progress.last_eval_step = results, step
         progress.eval_pending = False
         self.tracker.log_all_ranks(step, self.plan.images(step), self.epoch, results)
         LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
         self.tracker.log_table_all_ranks("eval/table", step, results)
-        if "sample_grid" in evaluation.files:  # the same on every rank
-            self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
+        if "sample_grid" in eval_results.files:  # the same on every rank
+            self.tracker.log_image_all_ranks(eval_results.files["sample_grid"], step)
         if self.parts.training_method.keep_best:
             self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
                                                  robust_eval=self.evaluation.robust_eval)

@@ -237,8 +237,9 @@ def sample_files_written(evaluator) -> Dict[str, str]:
     """Where the pass writes: the grids' folder and keep_samples' PNG folder."""
     from rebm.checkpoint.run_directory import RunDirectory
 
-    run = RunDirectory(evaluator.run_dir)
-    return {"grids": os.path.dirname(run.sample_grid(None)), "pngs": run.samples_folder(None)}
+    run_directory = RunDirectory(evaluator.run_dir)
+    return {"grids": os.path.dirname(run_directory.sample_grid(None)),
+            "pngs": run_directory.samples_folder(None)}
 
 
 def generated_samples(evaluator, network) -> torch.Tensor:

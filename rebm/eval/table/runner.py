@@ -58,9 +58,9 @@ class TableRun:
 
     def __init__(self, spec, args, runtime, out: str):
         self.spec, self.runtime, self.out = spec, runtime, out
-        self.checkpoints, self.force = args.checkpoints, args.force
+        self.checkpoint_root, self.force = args.checkpoint_root, args.force
         self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
-        self.configs = row_configs(spec, self.checkpoints)  # {row: {metric: its config}}
+        self.configs = row_configs(spec, self.checkpoint_root)  # {row: {metric: its config}}
         self.sections = evaluation_sections(self.configs)  # their evaluation sections
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
@@ -70,7 +70,7 @@ class TableRun:
 
     def checkpoint_sha256(self, row) -> Optional[str]:
         """The content hash of the row's checkpoint (rank 0; None when it is missing)."""
-        path = os.path.join(self.checkpoints, row.checkpoint)
+        path = os.path.join(self.checkpoint_root, row.checkpoint)
         return self.hashes.sha256(path) if os.path.isfile(path) else None
 
     def keys(self, row, metrics, checkpoint: str) -> Dict[str, str]:
@@ -116,7 +116,7 @@ class TableRun:
         (the end of the line that stops the run)."""
         for metric in self.selected.metrics:
             missing = missing_data_paths(self.sections[row.name][metric],
-                                         metric_classes([metric]), self.checkpoints)
+                                         metric_classes([metric]), self.checkpoint_root)
             if missing:
                 return f" (relative data paths: {looked_in(missing[0][2])})"
         return ""
@@ -132,7 +132,7 @@ class TableRun:
         found = decide_on_main(self.runtime, look, f"look for row {row.name}'s checkpoint")
         if found is None:
             LOGGER.warning("%s: checkpoint missing: expected %s; the other rows still run",
-                           label, os.path.join(self.checkpoints, row.checkpoint))
+                           label, os.path.join(self.checkpoint_root, row.checkpoint))
             self.skipped.append(row.name)
             return
         cache, keys, sha256 = found
@@ -263,7 +263,7 @@ class TableRun:
         missing: Dict[str, str] = {}
         unread: List[str] = []
         for row in self.spec.rows:
-            path = os.path.join(self.checkpoints, row.checkpoint)
+            path = os.path.join(self.checkpoint_root, row.checkpoint)
             if not os.path.isfile(path):
                 missing[row.name] = path
                 continue

@@ -228,24 +228,24 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
     return [m for m in metrics if m in spec.metrics]
 
 
-def row_configs(spec, checkpoints: str) -> Dict[str, Dict[str, Any]]:
+def row_configs(spec, checkpoint_root: str) -> Dict[str, Dict[str, Any]]:
     """{row: {metric: config}} of every row, loaded before any work: an unknown metric, a bad
     override or key stops the table at once, naming the table file and the row. Relative data
-    paths are read under `checkpoints` when they are there (rebm/eval/table/paths.py)."""
+    paths are read under `checkpoint_root` when they are there (rebm/eval/table/paths.py)."""
     try:
         classes = metric_classes(spec.metrics)
     except EvalError as err:
         raise EvalError(f"{spec.path}: metrics: {err}") from None
     configs: Dict[str, Dict[str, Any]] = {}
     for row in spec.rows:
-        path = os.path.join(checkpoints, row.checkpoint)
+        path = os.path.join(checkpoint_root, row.checkpoint)
         loaded: Dict[tuple, Any] = {}  # most metrics share the row's overrides: load those once
         configs[row.name] = {}
         for metric in spec.metrics:
             overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
             if overrides not in loaded:  # every metric's files: the configs stay shared
                 loaded[overrides] = rooted_config(_row_config(spec, row, metric, overrides),
-                                                  classes, checkpoints)
+                                                  classes, checkpoint_root)
             configs[row.name][metric] = loaded[overrides]
     return configs
 

@@ -156,8 +156,8 @@ def make_config(name: str, workdir: str, overrides: Sequence[str] = (), device: 
     items = [*base, *pinned, *overrides, f"device={device}", "wandb_disabled=true",
              "wandb_mode=disabled",
              f"run_dir={os.path.join(workdir, f'run_{name}')}"]
-    max_steps = load_config(path, items).attack.max_steps
-    return load_config(path, [*items, f"attack.start_step={max_steps}"])
+    t_cap = load_config(path, items).attack.max_steps  # the curriculum's cap on T
+    return load_config(path, [*items, f"attack.start_step={t_cap}"])
 
 
 # ---------------------------------------------------------------------------------------------

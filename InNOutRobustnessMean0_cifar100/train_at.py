@@ -28,7 +28,7 @@ DATASETS = {"cifar100": 100, "cifar10": 10}
 SCHEDULES = STAGE1.schedules  # the values of lr_schedule (and --schedule) stage 1 offers
 
 
-def run(cfg, runtime, _args) -> dict:
+def train_stage1_all_ranks(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
 
     return train(cfg, runtime, make_training_method)
@@ -106,7 +106,7 @@ def schedule_override(overrides: List[str], schedule: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     with cli.user_errors_exit():
         argv = with_default_config(sys.argv[1:] if argv is None else argv)
-    return cli.run_entry(build_parser(), argv, run, prepare=check_stage1,
+    return cli.run_entry(build_parser(), argv, train_stage1_all_ranks, prepare=check_stage1,
                          method_class=method_class)
 
 

@@ -235,7 +235,7 @@ def check_environment() -> None:
                           "it to online, offline or disabled, or unset it")
 
 
-Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]  # an entry's run(cfg, runtime, args)
+Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]  # an entry's body (cfg, runtime, args)
 Worker = Callable[[Any, argparse.Namespace], Any]  # what each process runs: (runtime, args)
 
 

@@ -1,8 +1,8 @@
 """The table runner's work: `TableRun` evaluates the selected rows and metrics of one table on
 every rank (each metric cached as soon as it is computed, rebm/eval/table/cache.py), through one
 Evaluator per row and model (rebm/eval/evaluator.py); `launch_tables` launches the tables'
-processes through the entry points' launch (rebm.cli.launch), each running `run`. The command:
-rebm/eval/commands/table.py."""
+processes through the entry points' launch (rebm.cli.launch), each running
+`tables_process_all_ranks`. The command: rebm/eval/commands/table.py."""
 
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def log_dir(specs, args) -> str:
     return args.out or os.path.join("runs", "tables")
 
 
-def run(specs, runtime, args) -> None:
+def tables_process_all_ranks(specs, runtime, args) -> None:
     """Every process of the tables (under torchrun, every rank): the entry's body, which
     `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
     setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank))
@@ -339,6 +339,6 @@ def run(specs, runtime, args) -> None:
 
 
 def launch_tables(specs, args) -> int:
-    """The tables' processes, through the entry points' launch (rebm.cli.launch): `run` on
-    each."""
-    return launch(functools.partial(run, specs), args)
+    """The tables' processes, through the entry points' launch (rebm.cli.launch): `tables_process_all_ranks`
+    on each."""
+    return launch(functools.partial(tables_process_all_ranks, specs), args)

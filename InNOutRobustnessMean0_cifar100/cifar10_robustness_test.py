@@ -21,15 +21,16 @@ from typing import List, Optional
 from rebm import cli
 
 
-def run(cfg, runtime, calibration_only: bool, autoattack: bool) -> dict:
+def robustness_test_all_ranks(cfg, runtime, args) -> dict:
     from rebm.distributed import print_line, setup_logging
     from rebm.eval.evaluator import Evaluator, load_eval_model
     from rebm.eval.registry import standard_metrics
 
     setup_logging(runtime)
+    calibration_only = args.calibration_only
     names = (("ece",) if calibration_only else
              standard_metrics(cfg.evaluation, samples=False,
-                              extra=["autoattack"] if autoattack else []))
+                              extra=["autoattack"] if args.autoattack else []))
     evaluator = Evaluator(cfg.evaluation, runtime, names).start_all_ranks()
     # EMA weights of a training state when use_ema
     model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, runtime)
@@ -53,9 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--autoattack", action="store_true",
                         help="also AutoAttack accuracy (pyautoattack, standard version)")
     parser.epilog = __doc__.split("\n", 2)[2]  # usage lines (torchrun runs the script file)
-    return cli.run_entry(parser, argv,
-                         lambda cfg, runtime, args: run(cfg, runtime, args.calibration_only,
-                                                         args.autoattack))
+    return cli.run_entry(parser, argv, robustness_test_all_ranks)
 
 
 if __name__ == "__main__":

@@ -28,18 +28,18 @@ DATASETS = {"cifar100": 100, "cifar10": 10}
 SCHEDULES = STAGE1.schedules  # the values of lr_schedule (and --schedule) stage 1 offers
 
 
-def run(cfg, runtime, _args) -> dict:
+def train_stage1_all_ranks(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
 
-    return train(cfg, runtime, make_method)
+    return train(cfg, runtime, make_training_method)
 
 
-def make_method(cfg):
+def make_training_method(cfg):
     """Stage 1's method on the config's sections it reads (the engine's method factory)."""
-    return method()(cfg.method, cfg.model, cfg.schedule)
+    return method_class()(cfg.method, cfg.model, cfg.schedule)
 
 
-def method():
+def method_class():
     """This entry's method, stage 1's adversarial training (imported when called: `--help`
     imports no torch)."""
     from rebm.methods.at import AdversarialTraining
@@ -50,7 +50,7 @@ def method():
 def check_stage1(args, cfg) -> None:
     """The method's config rules (stage 1's: live BatchNorm, a schedule it offers), and one
     warning line (rank 0's) naming the stage-2 keys the config sets, which stage 1 does not read."""
-    method().check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
+    method_class().check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
     unread = STAGE1.unread_keys_set(explicit_keys(cfg))
     if unread and os.environ.get("RANK", "0") == "0":
         print(f"warning: stage 1 does not read {', '.join(unread)} (stage-2 keys, DAT's); "
@@ -106,8 +106,8 @@ def schedule_override(overrides: List[str], schedule: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     with cli.user_errors_exit():
         argv = with_default_config(sys.argv[1:] if argv is None else argv)
-    return cli.run_entry(build_parser(), argv, run, prepare=check_stage1,
-                         method=method)
+    return cli.run_entry(build_parser(), argv, train_stage1_all_ranks, prepare=check_stage1,
+                         method_class=method_class)
 
 
 if __name__ == "__main__":

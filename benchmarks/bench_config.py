@@ -40,12 +40,12 @@ def omegaconf_dict(cfg) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
-def every_pair(spec, checkpoints: str) -> dict:
+def every_pair(spec, checkpoint_root: str) -> dict:
     """What row_sections did before: one load_config per (row, metric)."""
     from rebm.config import load_config
 
     return {row.name: {metric: load_config(row.config, [*spec.row_overrides(row, metric),
-                                                        f"model.ckpt_path={checkpoints}"])
+                                                        f"model.ckpt_path={checkpoint_root}"])
                        for metric in spec.metrics}
             for row in spec.rows}
 

@@ -142,8 +142,8 @@ def config_summary(cfg: TrainConfig) -> str:
             + f"# {rest} more keys at their defaults (--check --all prints every key)\n")
 
 
-def check_config(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
-                 loss_streams: Optional[LossStreams] = None, show_all: bool = False) -> int:
+def print_config_and_plan(cfg: TrainConfig, gpu_mem_gib: Optional[float] = None,
+                          loss_streams: Optional[LossStreams] = None, show_all: bool = False) -> int:
     """--check: validate what can be validated here, print the config (`show_all`: every key;
     else config_summary) and the memory plan (`gpu_mem_gib`: also the largest micro-batch that
     fits a device of that size) of a training entry's method (`loss_streams`), exit 0."""
@@ -235,28 +235,28 @@ def check_environment() -> None:
                           "it to online, offline or disabled, or unset it")
 
 
-Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]  # an entry's run(cfg, runtime, args)
+Body = Callable[[TrainConfig, Any, argparse.Namespace], Any]  # an entry's body (cfg, runtime, args)
 Worker = Callable[[Any, argparse.Namespace], Any]  # what each process runs: (runtime, args)
 
 
 def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: Body,
               prepare: Optional[Callable[[argparse.Namespace, TrainConfig], None]] = None,
-              method: Optional[MethodLoader] = None) -> int:
+              method_class: Optional[MethodLoader] = None) -> int:
     """The shared body of the entry points: parse, load and validate the config (`prepare` adds
     the entry's own checks; `--check` stops there), then run `body(cfg, runtime, args)` in this
     process, or in `args.nproc` spawned ones when the parser has `--nproc`. A training entry
-    names its method (`method`, a loader): it is a training run, so `--check` prints that method's
-    memory plan (its `loss_streams`) and a config without `run_dir` gets the deterministic
+    names its method (`method_class`, a loader of its class): it is a training run, so `--check`
+    prints that method's memory plan (its `loss_streams`) and a config without `run_dir` gets the deterministic
     default. A user-fixable error anywhere is one line
     and exit code 2."""
     with user_errors_exit(), collector_paused():  # loading the config imports torch already
-        args, cfg = parse_and_load(parser, argv, with_default_run_dir=method is not None)
+        args, cfg = parse_and_load(parser, argv, with_default_run_dir=method_class is not None)
         check_environment()
         if prepare is not None:
             prepare(args, cfg)
         if args.check:
-            streams = method().loss_streams if method is not None else None
-            return check_config(cfg, args.gpu_mem_gib, streams, args.all)
+            streams = method_class().loss_streams if method_class is not None else None
+            return print_config_and_plan(cfg, args.gpu_mem_gib, streams, args.all)
         nproc = getattr(args, "nproc", 1)
         if nproc > 1:
             if "WORLD_SIZE" in os.environ:

@@ -3,7 +3,7 @@ the static half is tests/test_all_ranks_rule.py, over the call graph).
 
 In every process the tests start, each torch.distributed collective first looks at the stack: the
 innermost frame of the repository's code outside rebm/distributed/ (the collectives' own module)
-must be a function whose name ends in `_all_ranks`, or an exempt one (`EXEMPT`; an entry's `run`).
+must be a function whose name ends in `_all_ranks`, or an exempt one (`EXEMPT`).
 So a collective reached through a callback or a parameter (a metric's hook, a function handed to
 `decide_on_main`), which the call graph cannot follow, is caught when it runs. Frames of the tests'
 own code end the search: a test may call a collective helper itself. A violation is appended to a
@@ -48,23 +48,21 @@ CONSTRUCTION = ("_verify_params_across_processes",)
 
 # (file, qualified name) of the functions exempt besides the suffix (docs/design.md §3): the
 # entry points every rank runs from the start, and the original DAT's `get_model`, whose name
-# scripts written against the original import (it builds DDP when use_ddp). An entry's `run`
-# (a module-level function named run, handed to rebm.cli.run_entry or launch) is exempt too.
+# scripts written against the original import (it builds DDP when use_ddp). An entry's body
+# (handed to rebm.cli.run_entry or launch) ends in `_all_ranks` itself: every rank runs it.
 EXEMPT = frozenset({
     ("rebm/engine/trainer.py", "train"),
     ("rebm/engine/trainer.py", "Trainer.__init__"),
     ("rebm/engine/trainer.py", "Trainer.fit"),
     ("rebm/training/modeling.py", "get_model"),
 })
-ENTRY_RUN = "run"
 _INLINE = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
 
 
 def exempt(path: str, qualname: str) -> bool:
     """`path` relative to the repository, `qualname` as Python writes it (Class.method,
     outer.<locals>.inner)."""
-    return qualname.rpartition(".")[2].endswith(SUFFIX) or (path, qualname) in EXEMPT \
-        or qualname == ENTRY_RUN
+    return qualname.rpartition(".")[2].endswith(SUFFIX) or (path, qualname) in EXEMPT
 
 
 _PATHS: Dict[str, str] = {}

@@ -11,7 +11,7 @@ from rebm import cli
 from rebm.training import train as dat_entry
 
 
-def run(cfg, runtime, args) -> dict:
+def train_faulty_dat_all_ranks(cfg, runtime, args) -> dict:
     from rebm.engine.trainer import train
     from tests.faults import FaultyDAT, parse_fault
 
@@ -24,8 +24,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("tests.faulty_train", __doc__.splitlines()[0])
     parser.add_argument("--nan-grad-at", help="STEP:RANK: NaN gradients at that step, rank")
     parser.add_argument("--slow-step-at", help="STEP:RANK:SECONDS: that step sleeps first")
-    return cli.run_entry(parser, argv, run, prepare=dat_entry.check_dat,
-                         method=dat_entry.method)
+    return cli.run_entry(parser, argv, train_faulty_dat_all_ranks, prepare=dat_entry.check_dat,
+                         method_class=dat_entry.method_class)
 
 
 if __name__ == "__main__":

@@ -50,14 +50,16 @@ def main(run_dir: str, state_file: str, config: str, limits) -> None:
     cfg = load_config(config)
     model = model_from_config(cfg.model, cfg.data)
     model.load_state_dict(state["model"])
-    newest = manager.run.states()[0]
+    newest = manager.run_directory.states()[0]
     for limit in limits:
         for writer, write, kept in (
                 ("state", lambda: manager.save_state_all_ranks(lambda: state), newest),
-                ("model", lambda: manager.save_final_all_ranks(model), manager.run.final_model)):
+                ("model", lambda: manager.save_final_all_ranks(model),
+                 manager.run_directory.final_model)):
             print(json.dumps({"limit": limit, "writer": writer,
                               **attempt(limit, write, kept, run_dir)}), flush=True)
-    lock = attempt(16, lambda: RunDirLock(run_dir).release(), manager.run.lock_file, run_dir)
+    lock = attempt(16, lambda: RunDirLock(run_dir).release(), manager.run_directory.lock_file,
+                   run_dir)
     print(json.dumps({"limit": 16, "writer": "lock", **lock}), flush=True)
 
 

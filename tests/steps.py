@@ -22,9 +22,10 @@ def dat_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                plan: BatchPlan, precision: Precision, log_now: bool = False) -> StepResult:
     """The update of one DAT step with T = `outdist_steps` (no scheduler, EMA or curriculum:
     those follow an applied update in the Trainer)."""
-    method = DAT(cfg.method, cfg.model, cfg.schedule)
-    method.curriculum.T = outdist_steps
+    training_method = DAT(cfg.method, cfg.model, cfg.schedule)
+    training_method.curriculum.T = outdist_steps
     parts = Parts(model=model, raw_model=unwrap(model), optimizer=optimizer, scheduler=None,
-                  ema=None, precision=precision, method=method, progress=Progress(),
+                  ema=None, precision=precision, training_method=training_method,
+                  progress=Progress(),
                   max_grad_norm=cfg.optimization.max_grad_norm)
     return update_all_ranks(parts, plan, micro_batches, log_now=log_now)

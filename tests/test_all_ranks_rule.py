@@ -7,7 +7,6 @@ the calls the code names ends in `_all_ranks`, or is exempt. The calls it cannot
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -24,33 +23,14 @@ from tests.helpers import REPO, base_env
 
 FOLDERS = ("rebm", "InNOutRobustnessMean0_cifar100")
 OWN = "rebm.distributed."  # the collectives' own package: exempt, the rule's ground
-ENTRY_CALLS = ("run_entry", "launch")
 
 
 def _qualified(path: str, qualname: str) -> str:
     return ".".join([*Path(path).with_suffix("").parts, qualname])
 
 
-def entry_runs(graph: CallGraph) -> Set[str]:
-    """The module-level `run` functions that their module hands to rebm.cli.run_entry or
-    launch (directly, in a lambda or a functools.partial): each entry's body."""
-    found = set()
-    for module in graph.modules.values():
-        name = f"{module.name}.{collective_guard.ENTRY_RUN}"
-        if name not in graph.functions:
-            continue
-        for call in ast.walk(module.tree):
-            if isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(
-                    call.func, "id", None)) in ENTRY_CALLS and any(
-                    isinstance(n, ast.Name) and n.id == collective_guard.ENTRY_RUN
-                    for arg in call.args for n in ast.walk(arg)):
-                found.add(name)
-    return found
-
-
-def exemptions(graph: CallGraph) -> Set[str]:
-    return {_qualified(path, qualname) for path, qualname in collective_guard.EXEMPT} \
-        | entry_runs(graph)
+def exemptions() -> Set[str]:
+    return {_qualified(path, qualname) for path, qualname in collective_guard.EXEMPT}
 
 
 def violations(graph: CallGraph, exempt: Set[str]) -> List[str]:
@@ -70,19 +50,15 @@ def violations(graph: CallGraph, exempt: Set[str]) -> List[str]:
 
 def test_functions_that_reach_a_collective_end_in_all_ranks():
     graph = CallGraph(REPO, FOLDERS)
-    found = violations(graph, exemptions(graph))
+    found = violations(graph, exemptions())
     assert not found, "\n".join(["functions that reach a collective must end in _all_ranks "
                                  "(docs/design.md §3, \"Collectives in plain sight\"):", *found])
 
 
 def test_every_exemption_names_a_function_that_exists():
     graph = CallGraph(REPO, FOLDERS)
-    listed = {_qualified(path, qualname) for path, qualname in collective_guard.EXEMPT}
+    listed = exemptions()
     assert listed <= set(graph.functions), sorted(listed - set(graph.functions))
-    runs = {n for n in graph.functions if n.rpartition(".")[2] == collective_guard.ENTRY_RUN
-            and n.count(".") == graph.functions[n].module.count(".") + 1}
-    assert runs == entry_runs(graph), ("a module-level `run` that is not an entry's body "
-                                       f"(not handed to run_entry/launch): {runs - entry_runs(graph)}")
 
 
 def _planted(tmp_path: Path, files: Dict[str, str]) -> CallGraph:
@@ -159,15 +135,11 @@ def test_the_guard_names_a_collective_reached_outside_all_ranks(monkeypatch, tmp
 
         def direct_all_ranks(x):
             all_reduce_sum(x)
-
-        def run(x):
-            all_reduce_sum(x)
         """, namespace)
     namespace["direct_all_ranks"](1)
-    namespace["run"](2)
     assert collective_guard.violations() == []
     namespace["total_all_ranks"](3)
-    assert calls == [1, 2, 3]  # the collective still runs: a violation never becomes a hang
+    assert calls == [1, 3]  # the collective still runs: a violation never becomes a hang
     found = collective_guard.violations()
     assert len(found) == 1, found
     assert found[0].startswith(
@@ -195,7 +167,8 @@ def test_the_guard_is_on_in_the_processes_the_tests_start():
     assert getattr(dist._verify_params_across_processes, "__guarded__", False)
 
 
-@pytest.mark.parametrize("qualname", ["Trainer.fit", "x.<locals>.gather_all_ranks", "run"])
+@pytest.mark.parametrize("qualname", ["Trainer.fit", "x.<locals>.gather_all_ranks"])
 def test_exempt_frames(qualname):
     assert collective_guard.exempt("rebm/engine/trainer.py", qualname)
     assert not collective_guard.exempt("rebm/engine/trainer.py", "Trainer.build")
+    assert not collective_guard.exempt("rebm/training/train.py", "run")  # a body says what it does

@@ -76,9 +76,9 @@ def _metrics_worker(root: str, ckpt: str, out_dir: str) -> None:
     run_dir = os.path.join(out_dir, f"w{runtime.world_size}")
     evaluator = Evaluator(cfg.evaluation, runtime, ("accuracy", "robust_accuracy", "ece", "ood",
                                          "samples_npz"), batch_size=16, run_dir=run_dir)
-    evaluation = evaluator.evaluate_all_ranks(model)
-    result = dict(evaluation.values)
-    with np.load(evaluation.files["samples_npz"]) as npz:  # every sample, index order
+    eval_results = evaluator.evaluate_all_ranks(model)
+    result = dict(eval_results.values)
+    with np.load(eval_results.files["samples_npz"]) as npz:  # every sample, index order
         result["pixels"] = torch.from_numpy(npz["arr_0"])
     torch.save(result, os.path.join(out_dir, f"w{runtime.world_size}_rank{runtime.rank}.pt"))
     rd.teardown(runtime)

@@ -340,9 +340,9 @@ def test_calibration_writes_the_reliability_diagram(data, tmp_path):
     cfg = _cfg(data)
     evaluator = Evaluator(cfg.evaluation, Runtime(), ("ece",), batch_size=8, run_dir=str(tmp_path))
     model = load_eval_model(cfg.model, cfg.data, cfg.ema.use_ema, Runtime())
-    evaluation = evaluator.evaluate_all_ranks(model, step=12)
-    result = evaluation.values
-    assert evaluation.files == {
+    eval_results = evaluator.evaluate_all_ranks(model, step=12)
+    result = eval_results.values
+    assert eval_results.files == {
         "reliability_diagram": str(tmp_path / "reliability_step00000012.png")}
     assert 0 <= result["ece"] <= 1 and result["n_test"] == N_TEST
     with Image.open(tmp_path / "reliability_step00000012.png") as image:

@@ -245,8 +245,8 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin
     fid.write_statistics(str(ref), mu, sigma, f"stand-in {STANDIN}", "the sweep's own samples")
     evaluator = Evaluator(cfg.evaluation, runtime, ("sample_grid", "keep_samples", "fid"),
                           batch_size=8, run_dir=str(tmp_path))
-    evaluation = evaluator.evaluate_all_ranks(model, step=7)
-    metrics = evaluation.values
+    eval_results = evaluator.evaluate_all_ranks(model, step=7)
+    metrics = eval_results.values
     sweep = {s: metrics[f"fid_standin_sweep/{s}"] for s in (1, 2, 3, 4)}
     assert metrics["fid_standin_best_steps"] == 4
     assert sweep[4] == pytest.approx(0.0, abs=1e-6)
@@ -258,7 +258,7 @@ def test_sweep_picks_the_step_count_with_the_lowest_fid(setup, tmp_path, standin
     assert sorted(os.listdir(kept)) == sorted(f"{i}.png" for i in range(30))
     grid = tmp_path / "samples" / "gen_samples_step00000007.png"
     seeds = tmp_path / "samples" / "seed_samples_step00000007.png"
-    assert evaluation.files == {"sample_grid": str(grid), "seed_grid": str(seeds),
+    assert eval_results.files == {"sample_grid": str(grid), "seed_grid": str(seeds),
                                 "samples": str(kept)}
     assert grid.is_file()
     assert metrics["fid_standin"] == pytest.approx(_fid_of(final, ref, batch_size=8),

@@ -1,4 +1,4 @@
-"""The ImageNet models (rebm.models.imagenet): every registered type builds, has timm's parameter
+"""The ImageNet models (rebm.models.timm_families): every registered type builds, has timm's parameter
 names and shapes, and gives timm's own logits for the same weights; ConvStem, input
 normalisation, frozen BatchNorm, forward(x, y), and the config path (model_from_config)."""
 
@@ -14,8 +14,8 @@ from timm.models.resnet import Bottleneck, ResNet
 
 from rebm.config import TrainConfig
 from rebm.models import build_model, model_from_config, model_names
-from rebm.models.imagenet import CONVNEXTS, RESNETS
 from rebm.models.stats import IMAGENET_MEAN, IMAGENET_STD
+from rebm.models.timm_families import CONVNEXTS, RESNETS
 from tests.timm_reference import timm_arguments, timm_name
 
 pytestmark = pytest.mark.numbers

@@ -21,7 +21,7 @@ from rebm.engine.build import build_model_all_ranks
 from rebm.engine.compiling import REPAYING_STEPS, decide_compile
 from rebm.engine.optimizers import build_optimizer
 from rebm.methods.dat.dat import DAT
-from rebm.training.train import make_method
+from rebm.training.train import make_training_method
 from tests.helpers import REPO, TRAINING_CONFIGS, base_env, run_command
 from tests.steps import dat_update
 
@@ -191,7 +191,7 @@ def test_the_start_up_line_says_whether_auto_compiles_and_why(tmp_path, override
 
     cfg = load_config("experiments/quickstart/digits.yaml",
                       [*overrides, f"run_dir={tmp_path}", "wandb_mode=disabled"])
-    trainer = Trainer(cfg, Runtime(), make_method)
+    trainer = Trainer(cfg, Runtime(), make_training_method)
     steps = int(trainer.last_step)
     assert (steps >= REPAYING_STEPS) is compiled
     log = (tmp_path / "logs" / "rank0.log").read_text()

@@ -85,17 +85,18 @@ def _save_with_replicas(run_dir: str, perturb_rank: int) -> None:
     runtime = rd.setup_distributed()
     cfg = load_config(CONFIG, [f"run_dir={run_dir}", "wandb_disabled=true"])
     parts = build_parts_all_ranks(cfg, runtime, DAT(cfg.method, cfg.model, cfg.schedule), 10)
-    checkpoints = CheckpointManager(RunDirectory(run_dir), runtime, cfg.run.keep_last_states)
+    checkpoint_manager = CheckpointManager(RunDirectory(run_dir), runtime, cfg.run.keep_last_states)
     parts.progress.step = 1
     config = to_dict(cfg)
-    save_training_state_all_ranks(parts, checkpoints, config, cfg.distributed, runtime)  # written
+    # written
+    save_training_state_all_ranks(parts, checkpoint_manager, config, cfg.distributed, runtime)
     if runtime.rank == perturb_rank:  # one ulp of one EMA weight
         weight = next(parts.ema.ema_model.parameters()).data
         first = (0,) * weight.dim()
         weight[first] = torch.nextafter(weight[first], torch.tensor(float("inf")))
     parts.progress.step = 2
     try:
-        save_training_state_all_ranks(parts, checkpoints, config, cfg.distributed, runtime)
+        save_training_state_all_ranks(parts, checkpoint_manager, config, cfg.distributed, runtime)
         outcome = "saved"
     except ReplicasDiffer as err:
         outcome = str(err)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 
 from rebm.config import TrainConfig
-
 from tests.helpers import REPO
 
 WHOLE = "TrainConfig"
@@ -22,21 +21,21 @@ MAKERS = {"load_config", "TrainConfig", "parse_and_load"}
 REACHES_IT = {
     "rebm/cli.py parse_and_load": "every entry point loads its config here",
     "rebm/cli.py run_entry": "runs an entry point on the config it loaded",
-    "rebm/cli.py check_config": "--check: validates and prints every section",
+    "rebm/cli.py print_config_and_plan": "--check: validates and prints every section",
     "rebm/cli.py config_summary": "--check: the summary names keys of every section",
     "rebm/cli.py environment_warnings": "--check: data folders, devices and the backend",
     "rebm/cli.py memory_plan_lines": "--check: the memory plan reads the model, batches, "
                                      "optimizer, EMA and precision",
-    "rebm/training/train.py run": "the training entry point",
+    "rebm/training/train.py train_dat_all_ranks": "the training entry point",
     "rebm/training/train.py check_dat": "stage 2's --check",
-    "rebm/training/train.py make_method": "builds the method from its three sections",
+    "rebm/training/train.py make_training_method": "builds the method from its three sections",
     "rebm/engine/trainer.py train": "one engine owns a run: it resolves the run directory",
     "rebm/engine/trainer.py Trainer.__init__": "one engine owns a run: it hands out the sections",
     "rebm/engine/parts.py build_parts_all_ranks": "the run's parts from six sections",
-    "rebm/eval/commands/evaluate.py run": "the evaluation entry point",
+    "rebm/eval/commands/evaluate.py evaluate_command_all_ranks": "the evaluation entry point",
     "rebm/eval/commands/evaluate.py check_metrics": "the evaluation entry point's checks",
-    "rebm/eval/commands/class_stats.py run": "the class statistics entry point",
-    "rebm/eval/commands/fid_stats.py run": "the FID statistics entry point",
+    "rebm/eval/commands/class_stats.py class_stats_all_ranks": "the class statistics entry point",
+    "rebm/eval/commands/fid_stats.py fid_stats_all_ranks": "the FID statistics entry point",
     "rebm/eval/commands/fid_stats.py check_args": "the FID statistics entry point's checks",
     "rebm/eval/table/spec.py _row_config": "loads a row's config, naming the overrides that "
                                            "broke it; the table keeps its section only",

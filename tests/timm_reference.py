@@ -1,11 +1,11 @@
 """The registered ImageNet models in timm's own terms, for the tests that build timm's network
-next to rebm's and compare them (rebm/models/imagenet.py holds the registrations)."""
+next to rebm's and compare them (rebm/models/timm_families.py holds the registrations)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from rebm.models.imagenet import CONVNEXTS, RESNETS
+from rebm.models.timm_families import CONVNEXTS, RESNETS
 
 
 def timm_name(model_type: str) -> Optional[str]:

@@ -105,11 +105,11 @@ def build_trainer(job: Job, variant: str):
     from rebm.config import load_config
     from rebm.distributed import Runtime
     from rebm.engine.trainer import Trainer
-    from rebm.training.train import make_method
+    from rebm.training.train import make_training_method
 
     cfg = load_config(None, config_overrides(job, variant))
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
-    return Trainer(cfg, Runtime(device=torch.device(job.device)), make_method), cfg
+    return Trainer(cfg, Runtime(device=torch.device(job.device)), make_training_method), cfg
 
 
 def micro_batches(batches: Dict[str, torch.Tensor], step: int, device: str) -> list:
@@ -135,7 +135,7 @@ def train_step(trainer, micro: list, log_now: bool = True) -> Dict[str, float]:
     `log_now`: a metrics-log step, which also scores the clean out-distribution batch (the
     clean AUC; one more forward, no effect on the weights). The loop logs every
     n_imgs_per_metrics_log images, so a timed step passes False."""
-    T = trainer.parts.method.curriculum.T
+    T = trainer.parts.training_method.curriculum.T
     result = trainer.train_step_all_ranks(micro, log_now=log_now)
     if not (result.applied and all(math.isfinite(float(v)) for v in result.losses.values())):
         raise FloatingPointError(f"rebm's step {trainer.progress.step} is not finite")
@@ -165,8 +165,9 @@ def memory_plan_mib(trainer, cfg) -> Optional[float]:
     plan = trainer.plan
     model = uninitialised_copy(lambda: model_from_config(cfg.model, cfg.data))
     memory = plan_memory(model, cfg.data.image_size, plan.per_device_batch_size,
-                         type(trainer.parts.method).loss_streams(cfg.method), cfg.optimization.name,
-                         cfg.ema.use_ema, 1, amp=cfg.distributed.amp, eval_batch=plan.eval_batch_size)
+                         type(trainer.parts.training_method).loss_streams(cfg.method),
+                         cfg.optimization.name, cfg.ema.use_ema, 1, amp=cfg.distributed.amp,
+                         eval_batch=plan.eval_batch_size)
     return memory.total / 2**20 if hasattr(memory, "total") else None
 
 
@@ -236,8 +237,9 @@ def sample_files_written(evaluator) -> Dict[str, str]:
     """Where the pass writes: the grids' folder and keep_samples' PNG folder."""
     from rebm.checkpoint.run_directory import RunDirectory
 
-    run = RunDirectory(evaluator.run_dir)
-    return {"grids": os.path.dirname(run.sample_grid(None)), "pngs": run.samples_folder(None)}
+    run_directory = RunDirectory(evaluator.run_dir)
+    return {"grids": os.path.dirname(run_directory.sample_grid(None)),
+            "pngs": run_directory.samples_folder(None)}
 
 
 def generated_samples(evaluator, network) -> torch.Tensor:

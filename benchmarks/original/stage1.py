@@ -181,7 +181,7 @@ def write_inputs(workdir: str, spec: dict) -> None:
 def run_rebm(workdir: str, spec: dict, attack_type: str = "argmin_pgd") -> dict:
     import shutil
 
-    from InNOutRobustnessMean0_cifar100.train_at import make_method
+    from InNOutRobustnessMean0_cifar100.train_at import make_training_method
     from rebm.config import load_config
     from rebm.data import MicroBatch
     from rebm.data.streams import StreamBatch
@@ -190,7 +190,7 @@ def run_rebm(workdir: str, spec: dict, attack_type: str = "argmin_pgd") -> dict:
 
     cfg = load_config(None, rebm_overrides(workdir, spec, attack_type))
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
-    trainer = Trainer(cfg, Runtime(device=torch.device("cpu")), make_method)
+    trainer = Trainer(cfg, Runtime(device=torch.device("cpu")), make_training_method)
     inputs = torch.load(os.path.join(workdir, "batches.pt"))
     losses = []
     for step, (images, labels) in enumerate(zip(inputs["images"], inputs["labels"],

@@ -37,13 +37,15 @@ def _fy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOutput:
     """One micro-batch of DAT.micro_loss and its backward, piece by piece: attacks on the module without DDP (compiled
     if it is) in eval mode, then the loss forward and backward through the wrapper."""
-    cfg, parts, method, attacked = bench.cfg, bench.parts, bench.parts.method, bench.ctx.attacked
+    cfg, parts, attacked = bench.cfg, bench.parts, bench.ctx.attacked
+    training_method = parts.training_method
     precision = parts.precision
     with watch("data_wait"):
         batch = batch.to(bench.runtime.device)
     attacked.eval()
     with watch("neg_attack"), precision.autocast():
-        x_adv = pgd_from_config(attacked, batch["out"].images, cfg.method.attack, steps=method.curriculum.T,
+        x_adv = pgd_from_config(attacked, batch["out"].images, cfg.method.attack,
+                                steps=training_method.curriculum.T,
                                 y=batch["in"].labels,
                                 objective="lse" if cfg.method.logsumexp_sampling else "logit",
                                 random_start_keys=batch["out"].keys)
@@ -52,7 +54,7 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
                                   y=batch["clf"].labels, random_start_keys=batch["clf"].keys)
     keep: Dict[str, torch.Tensor] = {"x_adv": x_adv.detach()}
     with watch("fwd_bwd"):
-        if not method.frozen_bn:
+        if not training_method.frozen_bn:
             keep["in"], keep["adv"] = _fy(attacked, batch["in"].images, batch["in"].labels), _fy(
                 attacked, x_adv, batch["in"].labels)
         parts.model.train()
@@ -60,9 +62,9 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
             with precision.autocast():
                 losses = dat_loss(parts.model, batch["in"].images, batch["in"].labels, x_adv,
                                   x_c_adv, batch["clf"].labels, batch["out"].images,
-                                  method.loss_options)
+                                  training_method.loss_options)
             precision.backward(losses.loss / bench.plan.accumulation_steps)
-    if method.frozen_bn:
+    if training_method.frozen_bn:
         keep["in"], keep["adv"] = losses.logit_in, losses.logit_adv
     terms = {name: term.detach() for name, term in losses.terms.items()}
     return MicroOutput(loss=losses.loss.detach(), terms=terms, keep=keep)
@@ -91,7 +93,8 @@ def _pieces_step(bench: Bench, batches, watch: Stopwatch) -> StepResult:
         scores={k: torch.cat([o.keep[k] for o in outputs]).float() for k in ("in", "adv")})
     with watch("bookkeeping"):
         parts.progress.step += 1
-        result.stats = parts.method.after_step_all_ranks(runtime, result)  # AUCs, curriculum
+        # AUCs, curriculum
+        result.stats = parts.training_method.after_step_all_ranks(runtime, result)
         parts.progress.window.add(result.window)
         rd.consensus(runtime, preempt=False, nonfinite=not (applied and result.finite),
                      write_failed=False)
@@ -105,7 +108,7 @@ def _events(bench: Bench, result: StepResult, tracker, rep: int, watch: Stopwatc
         totals, peaks = parts.progress.window.global_sums_all_ranks(runtime,
                                                                     peak_memory_mib(runtime))
         tracker.log_training(parts.progress.step, bench.plan.images(parts.progress.step), 0,
-                             {**parts.method.summarize(totals), **result.stats, **peaks})
+                             {**parts.training_method.summarize(totals), **result.stats, **peaks})
         parts.progress.window = MetricsWindow()
     with watch("image_log"):
         tracker.save_grid_all_ranks(result.previews["train_adv"], f"bench_{rep:03d}.png",
@@ -122,7 +125,7 @@ def _result(args, bench: Bench, med: Dict[str, float], full: List[float]) -> dic
     per_step_s = {k: med.get(k, 0.0) for k in PIECES}
     per_step_s["logging_checkpoint_amortized"] = sum(amortized.values())
     return section_result(
-        "breakdown", args, bench, T=bench.parts.method.curriculum.T,
+        "breakdown", args, bench, T=bench.parts.training_method.curriculum.T,
         K=cfg.method.indist_attack_clf.max_steps, per_step_s=per_step_s,
         per_event_s={k: med[k] for k in EVENTS}, intervals_imgs=intervals,
         amortized_s=amortized, sum_of_pieces_s=sum(per_step_s.values()),

@@ -31,7 +31,7 @@ from rebm.engine.parts import Parts, build_parts_all_ranks  # noqa: E402
 from rebm.engine.trainer import Trainer  # noqa: E402
 from rebm.methods.base import StepContext  # noqa: E402
 from rebm.methods.dat import DAT  # noqa: E402
-from rebm.training.train import make_method  # noqa: E402
+from rebm.training.train import make_training_method  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "experiments", "quickstart", "digits.yaml")
 WRN_OVERRIDES = [
@@ -156,8 +156,8 @@ def make_config(name: str, workdir: str, overrides: Sequence[str] = (), device: 
     items = [*base, *pinned, *overrides, f"device={device}", "wandb_disabled=true",
              "wandb_mode=disabled",
              f"run_dir={os.path.join(workdir, f'run_{name}')}"]
-    max_steps = load_config(path, items).attack.max_steps
-    return load_config(path, [*items, f"attack.start_step={max_steps}"])
+    t_cap = load_config(path, items).attack.max_steps  # the curriculum's cap on T
+    return load_config(path, [*items, f"attack.start_step={t_cap}"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Bench:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     rd.barrier(runtime)
     cfg = dataclasses.replace(cfg, n_imgs_per_evaluation_log=None)
-    trainer = Trainer(cfg, runtime, make_method)
+    trainer = Trainer(cfg, runtime, make_training_method)
     return Bench(cfg, runtime, trainer.plan, trainer.parts, trainer.parts.step_context, trainer)
 
 

@@ -43,7 +43,7 @@ from sections.common import (
 def _comm_timings(bench: Bench, batch, reps: int) -> Dict[str, float]:
     """Backward through DDP with and without gradient synchronisation (no_sync), and a raw
     all-reduce of a buffer as large as all gradients together."""
-    parts, runtime, method = bench.parts, bench.runtime, bench.parts.method
+    parts, runtime, training_method = bench.parts, bench.runtime, bench.parts.training_method
     model = parts.model
 
     def forward_backward(synced: bool) -> None:
@@ -52,7 +52,7 @@ def _comm_timings(bench: Bench, batch, reps: int) -> Dict[str, float]:
         with contextlib.nullcontext() if synced else model.no_sync():
             losses = dat_loss(model, batch["in"].images, batch["in"].labels,
                               batch["out"].images, batch["clf"].images, batch["clf"].labels,
-                              batch["out"].images, method.loss_options)
+                              batch["out"].images, training_method.loss_options)
             losses.loss.backward()
 
     flat = torch.zeros(n_params(parts.raw_model), device=_comm_device(runtime))

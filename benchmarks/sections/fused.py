@@ -38,7 +38,7 @@ def section_fused(args) -> dict:
     bench = single_process(args)  # eager (the sections pin model.compile=false)
     cfg, ctx, device = bench.cfg, bench.ctx, bench.runtime.device
     raw = bench.parts.raw_model
-    T, K = bench.parts.method.curriculum.T, cfg.method.indist_attack_clf.max_steps
+    T, K = bench.parts.training_method.curriculum.T, cfg.method.indist_attack_clf.max_steps
     attacked = {"eager": ctx.attacked, "compiled_separate": torch.compile(_SeparateView(raw)),
                 "compiled_fused": torch.compile(_FusedView(raw))}
     variants: Dict[str, Callable] = {}

@@ -72,7 +72,7 @@ def section_peer(args) -> dict:
     cfg, parts, device = base.cfg, base.parts, base.runtime.device
     n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles the compiled variant
     prefetched = prefetch(base, n)
-    T, K = parts.method.curriculum.T, cfg.method.indist_attack_clf.max_steps
+    T, K = parts.training_method.curriculum.T, cfg.method.indist_attack_clf.max_steps
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for rep in range(n):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))

@@ -151,7 +151,7 @@ def section_evalshare(args) -> dict:
     with torch.no_grad():
         fid_features = _per_image(lambda: inception(x299), 8, max(1, args.reps // 2), device)
     return section_result(
-        "evalshare", args, bench, T=bench.parts.method.curriculum.T,
+        "evalshare", args, bench, T=bench.parts.training_method.curriculum.T,
         K=bench.cfg.method.indist_attack_clf.max_steps, train_image_s=train, forward_image_s=forward,
         attack_step_image_s=attack, inception_image_s=fid_features,
         model_gflop={name: _model_gflop(name) for name in

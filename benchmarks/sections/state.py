@@ -31,12 +31,12 @@ RESUME_STEPS = (10, 10_000)
 
 def _save(bench: Bench, run_dir: str) -> None:
     """The training state of the current step into run_dir, written as the loop writes it."""
-    save_training_state_all_ranks(bench.parts, _checkpoints(bench, run_dir),
+    save_training_state_all_ranks(bench.parts, _checkpoint_manager(bench, run_dir),
                                   to_dict(dataclasses.replace(bench.cfg, run_dir=run_dir)),
                                   bench.cfg.distributed, bench.runtime)
 
 
-def _checkpoints(bench: Bench, run_dir: str) -> CheckpointManager:
+def _checkpoint_manager(bench: Bench, run_dir: str) -> CheckpointManager:
     return CheckpointManager(RunDirectory(run_dir), bench.runtime, bench.cfg.run.keep_last_states)
 
 
@@ -47,7 +47,7 @@ def _resume_once(bench: Bench, k: int, run_dir: str, path: str) -> Dict[str, flo
     _, t_read = timed(lambda: read_state(path))
     fresh = build(cfg, runtime, load_pretrained=False)
     _, t_restore = timed(lambda: fresh.load_state_all_ranks(
-        _checkpoints(bench, run_dir).resume_state_all_ranks(None, allow_auto=True), runtime))
+        _checkpoint_manager(bench, run_dir).resume_state_all_ranks(None, allow_auto=True), runtime))
     assert fresh.progress.step == k
 
     def first_batch():
@@ -101,7 +101,7 @@ def section_checkpoint(args) -> dict:
     for rep in range(args.warmup + args.reps):
         parts.progress.step = 1000 * (rep + 1)
         _, t_assemble = timed(lambda: training_state(   # what the save assembles
-            parts.stateful(), parts.method.stage, parts.progress.step, to_dict(cfg),
+            parts.stateful(), parts.training_method.stage, parts.progress.step, to_dict(cfg),
             runtime.world_size))
         _, t_blocked = timed(lambda: _save(bench, run_dir))
         _, t_read = timed(lambda: read_state(RunDirectory(run_dir).states()[0]))

@@ -99,7 +99,7 @@ def section_steps(args) -> dict:
     minimal = MinimalDAT(parts.raw_model, cfg)
     n = args.warmup + args.reps
     prefetched = prefetch(bench, n)
-    T = parts.method.curriculum.T
+    T = parts.training_method.curriculum.T
     loop_t, dat_t, min_t = [], [], []
     for rep in range(n):
         batch = prefetched[rep]

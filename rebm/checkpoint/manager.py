@@ -37,12 +37,13 @@ def trusted(path: str, fits: Optional[StateCheck] = None) -> Dict[str, Any]:
 
 
 class CheckpointManager:
-    """The training states and model files of the run in `run`: a state every `interval_imgs`
-    images (None: only at the end and on a preemption), the newest `keep_last` kept."""
+    """The training states and model files of the run in `run_directory`: a state every
+    `interval_imgs` images (None: only at the end and on a preemption), the newest `keep_last`
+    kept."""
 
-    def __init__(self, run: RunDirectory, runtime: Runtime, keep_last: int,
+    def __init__(self, run_directory: RunDirectory, runtime: Runtime, keep_last: int,
                  interval_imgs: Optional[int] = None):
-        self.run = run
+        self.run_directory = run_directory
         self.runtime = runtime
         self.keep_last = keep_last
         self.interval_imgs = interval_imgs
@@ -54,19 +55,19 @@ class CheckpointManager:
     def write_state(self, state: Dict[str, Any]) -> str:
         """Write atomically (temp file + os.replace), then prune all but the newest `keep_last`.
         A failed write raises StateError and leaves earlier states untouched."""
-        run = self.run
-        path = run.state_file(int(state["step"]))
+        run_directory = self.run_directory
+        path = run_directory.state_file(int(state["step"]))
         try:
-            os.makedirs(run.checkpoints, exist_ok=True)
+            os.makedirs(run_directory.states_dir, exist_ok=True)
             atomic_torch_save(state, path)
         except OSError as err:  # WriteError: torch.save's RuntimeError on a full disk too
-            previous = run.states()
+            previous = run_directory.states()
             raise StateError(
                 f"cannot write training state '{path}' ({err.strerror or err}); free disk space "
-                f"or fix permissions of '{run.checkpoints}'. Previous state "
+                f"or fix permissions of '{run_directory.states_dir}'. Previous state "
                 f"{'%r is intact' % previous[0] if previous else 'none exists'}"
             ) from None
-        for old in run.states()[self.keep_last:]:
+        for old in run_directory.states()[self.keep_last:]:
             try:
                 os.remove(old)
             except OSError:
@@ -102,7 +103,7 @@ class CheckpointManager:
             return target, trusted(target, fits)
         if not auto:
             return None
-        candidates = self.run.states()
+        candidates = self.run_directory.states()
         for path in candidates:
             try:
                 return path, trusted(path, fits)
@@ -113,9 +114,9 @@ class CheckpointManager:
                                _set_aside(path))
         if candidates:
             raise StateError(
-                f"none of the {len(candidates)} training states in '{self.run.checkpoints}' is "
-                "usable (see the lines above); delete them to start afresh, or pass "
-                "resume_from_state=PATH"
+                f"none of the {len(candidates)} training states in "
+                f"'{self.run_directory.states_dir}' is usable (see the lines above); delete them "
+                "to start afresh, or pass resume_from_state=PATH"
             )
         return None
 
@@ -131,12 +132,12 @@ class CheckpointManager:
             # resume=never or an explicit state: the run must not start behind run_dir's states
             # (saving would prune the new states, and a later auto-resume would jump to the old).
             start = int(found[1]["step"]) if found else 0
-            newer = [p for p in self.run.states() if state_step(p) > start]
+            newer = [p for p in self.run_directory.states() if state_step(p) > start]
             if newer:
                 raise StateError(
-                    f"'{self.run.checkpoints}' holds states of a later step than this run starts "
-                    f"from (newest: {os.path.basename(newer[0])}); use a new run_dir, or move "
-                    "them away")
+                    f"'{self.run_directory.states_dir}' holds states of a later step than this "
+                    f"run starts from (newest: {os.path.basename(newer[0])}); use a new run_dir, "
+                    "or move them away")
             return found[0] if found else None
 
         chosen = decide_on_main(self.runtime, choose)
@@ -158,17 +159,17 @@ class CheckpointManager:
             previous = best.get(metric)
             if previous is None or (value > previous if higher_is_better else value < previous):
                 best[metric] = value
-                path = self.run.file(filename)
+                path = self.run_directory.file(filename)
                 on_main(self.runtime, lambda p=path: save_model(model, p), f"write {path}")
 
     def finished_all_ranks(self) -> bool:
         """The run has its model_final.pth (rank 0 looks; every rank learns it)."""
-        return decide_on_main(self.runtime, lambda: os.path.exists(self.run.final_model))
+        return decide_on_main(self.runtime, lambda: os.path.exists(self.run_directory.final_model))
 
     def save_final_all_ranks(self, model: torch.nn.Module) -> str:
         """model_final.pth, a plain state dict (it loads as model.ckpt_path of the next stage),
         written by rank 0."""
-        path = self.run.final_model
+        path = self.run_directory.final_model
         on_main(self.runtime, lambda: save_model(model, path), f"write {path}")
         return path
 

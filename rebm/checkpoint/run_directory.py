@@ -117,18 +117,18 @@ class RunDirectory:
         return self.file(self.SHARED_CHECK)
 
     @property
-    def checkpoints(self) -> str:
+    def states_dir(self) -> str:
         """The folder of the training states."""
         return self.file(self.CHECKPOINTS)
 
     def state_file(self, step: int) -> str:
-        return os.path.join(self.checkpoints, f"state_{step:09d}.pt")
+        return os.path.join(self.states_dir, f"state_{step:09d}.pt")
 
     def states(self) -> List[str]:
         """Saved states of the run, newest first. The folder is listed and its names matched:
         a pattern built from the path would read `[`, `*`, `?` in a run_dir's name as wildcards
         and find another run's states."""
-        paths = [os.path.join(self.checkpoints, name) for name in _names(self.checkpoints)
+        paths = [os.path.join(self.states_dir, name) for name in _names(self.states_dir)
                  if STATE_PATTERN.fullmatch(name)]
         return sorted(paths, key=state_step, reverse=True)
 
@@ -195,7 +195,7 @@ class RunDirectory:
         """Temp files of writes a killed job never finished (`atomic_torch_save`, metrics
         rewrite) in the run directory and its checkpoints/ (listed, never globbed: see
         `states`). Only the lock holder calls this, so no live writer owns them."""
-        for folder in (self.path, self.checkpoints):
+        for folder in (self.path, self.states_dir):
             for name in _names(folder):
                 path = os.path.join(folder, name)
                 if not name.endswith(".tmp") or not os.path.isfile(path):
@@ -360,23 +360,23 @@ def resolve_run_dir_all_ranks(run_dir: Optional[str], config: Dict[str, Any], ru
 
     def choose() -> Tuple[str, str]:
         chosen = os.path.abspath(run_dir or os.path.join("runs", "run"))
-        run = RunDirectory(chosen)
-        notice = None if os.path.exists(run.config_file) else (
+        run_directory = RunDirectory(chosen)
+        notice = None if os.path.exists(run_directory.config_file) else (
             run_dir and new_run_notice(run_dir, config))
         if notice:
             LOGGER.info("%s", notice)
         create_run_dir(chosen)
         held.append(RunDirLock(chosen))
-        run.remove_stale_temp_files()
+        run_directory.remove_stale_temp_files()
         token = secrets.token_hex(8)
         try:
-            with open(run.shared_check_file, "w") as fh:
+            with open(run_directory.shared_check_file, "w") as fh:
                 fh.write(token + "\n")
         except OSError as err:
             held.pop().release()
-            raise RunDirError(f"cannot write '{run.shared_check_file}' ({reason(err)}; "
-                              f"{room_for(run.shared_check_file)}); free disk space, or choose "
-                              "a run_dir on another filesystem") from None
+            raise RunDirError(f"cannot write '{run_directory.shared_check_file}' ({reason(err)}; "
+                              f"{room_for(run_directory.shared_check_file)}); free disk space, or "
+                              "choose a run_dir on another filesystem") from None
         return chosen, token
 
     chosen, token = decide_on_main(runtime, choose, "create the run directory")

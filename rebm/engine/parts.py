@@ -88,7 +88,7 @@ class Parts:
     scheduler: Optional[Any]  # the method's LR scheduler, stepped once per applied step
     ema: Optional[torch.nn.Module]
     precision: Precision
-    method: Method
+    training_method: Method
     progress: Progress
     identity: RunIdentity = field(default_factory=RunIdentity)
     live_batchnorm: bool = False  # model.use_batchnorm: BatchNorm normalises with batch stats
@@ -123,7 +123,7 @@ class Parts:
             parts["scheduler"] = self.scheduler
         if self.ema is not None:
             parts["ema"] = self.ema
-        parts.update(scaler=self.precision, method=self.method, progress=self.progress,
+        parts.update(scaler=self.precision, method=self.training_method, progress=self.progress,
                      rng=ProcessRNG(), tracker=self.identity)
         return parts
 
@@ -136,24 +136,24 @@ class Parts:
         if not identical:
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
         LOGGER.info("resumed from %s at step %d (%s)", state["_path"], self.progress.step,
-                    self.method.describe())
+                    self.training_method.describe())
 
 
-def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, method: Method,
+def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, training_method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
     torch.manual_seed(cfg.schedule.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
     model, raw_model = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime,
                                              load_pretrained=load_pretrained,
                                              planned_steps=last_step)
-    method_options = method.speed_options(runtime.device)
+    method_options = training_method.speed_options(runtime.device)
     if method_options:
         LOGGER.info("speed options: %s", method_options)
     optimizer = build_optimizer(cfg.optimization, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
-                 scheduler=method.lr_scheduler(optimizer, last_step),
+                 scheduler=training_method.lr_scheduler(optimizer, last_step),
                  ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.distributed.amp, runtime.device),
-                 method=method, progress=Progress(is_main=runtime.is_main),
+                 training_method=training_method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
                  compile_cache=get_compile_cache(cfg.model, cfg.data, cfg.distributed,
                                                  cfg.run.run_dir, runtime, last_step),

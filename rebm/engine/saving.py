@@ -24,7 +24,7 @@ class ReplicasDiffer(UserError, RuntimeError):
     """The ranks' weights are no longer bit-identical; all ranks stop before a save."""
 
 
-def save_training_state_all_ranks(parts: Parts, checkpoints: CheckpointManager,
+def save_training_state_all_ranks(parts: Parts, checkpoint_manager: CheckpointManager,
                                   config: Dict[str, Any], distributed: DistributedSection,
                                   runtime: Runtime) -> None:
     """Rank 0 writes the state of every part (and `config`, the run's as to_dict gives it) into
@@ -36,15 +36,16 @@ def save_training_state_all_ranks(parts: Parts, checkpoints: CheckpointManager,
     if not finite:
         raise TrainingDiverged(
             f"the weights became non-finite by step {step}; not saving them (the newest state "
-            f"in {checkpoints.run.checkpoints} is from before; try a lower lr)")
+            f"in {checkpoint_manager.run_directory.states_dir} is from before; try a lower lr)")
     if not identical:
         raise ReplicasDiffer(
             f"the ranks' weights differ at step {step}; not saving them (the newest state in "
-            f"{checkpoints.run.checkpoints} is from before: the same command resumes from it)")
+            f"{checkpoint_manager.run_directory.states_dir} is from before: the same command "
+            "resumes from it)")
     parts.progress.window.gather_all_ranks(runtime)  # an all-reduce; rank 0 saves the sums
     with patient_collectives(runtime, distributed, parts.progress):
-        checkpoints.save_state_all_ranks(lambda: training_state(
-            parts.stateful(), parts.method.stage, step, config, runtime.world_size))
+        checkpoint_manager.save_state_all_ranks(lambda: training_state(
+            parts.stateful(), parts.training_method.stage, step, config, runtime.world_size))
 
 
 @contextmanager

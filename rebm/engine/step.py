@@ -29,8 +29,8 @@ def update_all_ranks(parts: Parts, plan: BatchPlan, micro_batches: List[MicroBat
     DDP's all-reduce) and, when clipping (`parts.max_grad_norm`), `grad_norm` (before clipping).
     `log_now`: the step's metrics are logged (the method computes its log-only values). Every
     rank calls this: the last micro-batch's backward all-reduces the gradients under DDP."""
-    ctx, method, optimizer, precision = (parts.step_context, parts.method, parts.optimizer,
-                                         parts.precision)
+    ctx, training_method, optimizer, precision = (parts.step_context, parts.training_method,
+                                                  parts.optimizer, parts.precision)
     accumulation_steps, max_grad_norm = plan.accumulation_steps, parts.max_grad_norm
     optimizer.zero_grad(set_to_none=True)
     outputs = []
@@ -38,13 +38,13 @@ def update_all_ranks(parts: Parts, plan: BatchPlan, micro_batches: List[MicroBat
     for index, batch in enumerate(micro_batches):
         batch = batch.to(device, non_blocking=True)  # pinned by the loader on CUDA
         with micro_step_sync(ctx.model, last=index == len(micro_batches) - 1):
-            out = method.micro_loss(ctx, batch, index, log_now)
+            out = training_method.micro_loss(ctx, batch, index, log_now)
             precision.backward(out.loss / accumulation_steps)
         outputs.append(out)
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = float(precision.clip_grad_norm(optimizer, max_grad_norm))
     applied = precision.step(optimizer)
-    result = method.step_result(outputs, micro_batches)
+    result = training_method.step_result(outputs, micro_batches)
     result.applied, result.grad_norm = applied, grad_norm
     return result

@@ -56,15 +56,15 @@ class Tracker:
     `config_yaml` is the run's config as config.yaml holds it (to_yaml), `config` as wandb
     stores it (to_dict)."""
 
-    def __init__(self, logging: LoggingSection, runtime: Runtime, run: RunDirectory,
+    def __init__(self, logging: LoggingSection, runtime: Runtime, run_directory: RunDirectory,
                  config_yaml: str, config: Dict[str, Any], wandb_run_id: Optional[str] = None,
                  last_step: float = math.inf):
         self.runtime = runtime
         self.last_step = last_step  # for the console summary's "step s/last"
-        self.run = run
+        self.run_directory = run_directory
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
-        self.metrics_path = run.metrics_file
+        self.metrics_path = run_directory.metrics_file
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
         self.logging = logging
         self.config_yaml = config_yaml
@@ -77,7 +77,7 @@ class Tracker:
         return self
 
     def _start(self) -> None:
-        with open(self.run.config_file, "w") as fh:
+        with open(self.run_directory.config_file, "w") as fh:
             fh.write(self.config_yaml)
         mode = wandb_mode(self.logging)
         if mode != "disabled":
@@ -92,7 +92,7 @@ class Tracker:
         # The id is the run's identity in wandb: kept in every training state and in
         # <run_dir>/wandb_id (for a run that dies before its first state), so a resumed run
         # (any attempt, any world size) continues the same wandb run.
-        id_file = self.run.wandb_id_file
+        id_file = self.run_directory.wandb_id_file
         if not self.wandb_run_id and os.path.exists(id_file):
             with open(id_file) as fh:
                 self.wandb_run_id = fh.read().strip() or None
@@ -104,9 +104,11 @@ class Tracker:
         # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.
         quiet = None if "WANDB_SILENT" in os.environ else wandb.Settings(silent=True)
         self.wandb_run = wandb.init(
-            project=self.logging.wandb_project, dir=self.logging.wandb_dir or self.run.path,
+            project=self.logging.wandb_project,
+            dir=self.logging.wandb_dir or self.run_directory.path,
             config=self.config, tags=list(self.logging.tags), mode=mode, id=self.wandb_run_id,
-            resume="allow", name=os.path.basename(os.path.normpath(self.run.path)), settings=quiet,
+            resume="allow", name=os.path.basename(os.path.normpath(self.run_directory.path)),
+            settings=quiet,
         )
         folder = os.path.dirname(self.wandb_run.dir)  # .../wandb/<offline-run-...>
         if not self.wandb_run.offline:
@@ -181,7 +183,7 @@ class Tracker:
     def save_grid_all_ranks(self, images: torch.Tensor, name: str, step: int, nrow: int = 8
                             ) -> Optional[str]:
         """A PNG grid in samples/, also logged to wandb as an image."""
-        path = self.run.samples(name)
+        path = self.run_directory.samples(name)
         on_main(self.runtime, lambda: self._save_grid(images, path, step, nrow), f"write {path}")
         return path
 

@@ -1,4 +1,4 @@
-"""The one training loop, for every stage: `Trainer(cfg, runtime, make_method).fit()`.
+"""The one training loop, for every stage: `Trainer(cfg, runtime, make_training_method).fit()`.
 
 The Trainer builds and owns what a run is made of — config, batch plan, runtime (with the
 preemption flag), run tracking, the parts (model, optimizer, EMA, method, ...) and the data — and
@@ -69,17 +69,18 @@ LOGGER = logging.getLogger("rebm")
 MethodFactory = Callable[[TrainConfig], Method]
 
 
-def train(cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory) -> Dict[str, Any]:
-    """Train with the method `make_method(cfg)` builds, in cfg.run.run_dir, held by this job (rank
-    0 locks it) until the run ends. Every rank calls this."""
+def train(cfg: TrainConfig, runtime: Runtime,
+          make_training_method: MethodFactory) -> Dict[str, Any]:
+    """Train with the training method `make_training_method(cfg)` builds, in cfg.run.run_dir, held
+    by this job (rank 0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
     # the inputs first: a wrong path stops the run before anything is written
     on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
                   "find model.ckpt_path")
-    run_dir, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
-    cfg = replace(cfg, run_dir=run_dir.path)
+    run_directory, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
+    cfg = replace(cfg, run_dir=run_directory.path)
     try:
-        return Trainer(cfg, runtime, make_method, started).fit()
+        return Trainer(cfg, runtime, make_training_method, started).fit()
     finally:
         if lock is not None:
             lock.release()
@@ -118,15 +119,15 @@ def finished_line(schedule: ScheduleSection, steps_per_epoch: int, step: int) ->
 
 
 def resume_point_all_ranks(run: RunSection, config: Dict[str, Any],
-                           checkpoints: CheckpointManager, stage: int,
+                           checkpoint_manager: CheckpointManager, stage: int,
                            fits: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
     """The state to resume from (rank 0 decides, every rank reads it), refused when it is of the
     other stage, or when the run it belongs to trained with another config than `config` (the
     run's, as to_dict gives it) unless resume=force. `fits`: a state that fails it is passed
     over for the previous one (`CheckpointManager.find_resumable`)."""
-    state = checkpoints.resume_state_all_ranks(run.resume_from_state,
-                                               allow_auto=run.resume in ("auto", "force"),
-                                               fits=fits)
+    state = checkpoint_manager.resume_state_all_ranks(run.resume_from_state,
+                                                      allow_auto=run.resume in ("auto", "force"),
+                                                      fits=fits)
     if state is not None:
         check_stage(state, stage)
     if state is None or run.resume == "force":
@@ -143,7 +144,7 @@ class Trainer:
     """One training run in cfg.run.run_dir (already resolved and held by this job). It builds its
     parts from the config's sections and keeps the sections its loop reads."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, make_method: MethodFactory,
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, make_training_method: MethodFactory,
                  started: Optional[float] = None):
         self.schedule, self.intervals = cfg.schedule, cfg.intervals
         self.distributed, self.evaluation = cfg.distributed, cfg.evaluation
@@ -153,14 +154,14 @@ class Trainer:
         self.started = started  # for the start-up time logged at the first batch
         self.preemption = PreemptionFlag()  # installed while `fit` runs
         self.runtime = dataclasses.replace(runtime, preemption=self.preemption)
-        self.run_dir = RunDirectory(cfg.run.run_dir)  # every path in it; nothing else builds one
-        self.checkpoints = CheckpointManager(self.run_dir, self.runtime, cfg.run.keep_last_states,
-                                             cfg.intervals.n_imgs_per_ckpt_save)
-        method = make_method(cfg)
-        self.plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size, method.loss_streams(cfg.method))
-        self._start_logging_all_ranks(method, ignored_fields_notice(cfg))
+        self.run_directory = RunDirectory(cfg.run.run_dir)  # every path in it; nothing else builds one
+        self.checkpoint_manager = CheckpointManager(self.run_directory, self.runtime,
+                                                    cfg.run.keep_last_states, cfg.intervals.n_imgs_per_ckpt_save)
+        training_method = make_training_method(cfg)
+        self.plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size, training_method.loss_streams(cfg.method))
+        self._start_logging_all_ranks(training_method, ignored_fields_notice(cfg))
         self.evaluator = Evaluator(cfg.evaluation, self.runtime,
-                                   standard_metrics(cfg.evaluation, method.eval_samples),
+                                   standard_metrics(cfg.evaluation, training_method.eval_samples),
                                    batch_size=self.plan.eval_batch_size, run_dir=cfg.run.run_dir)
         if cfg.intervals.n_imgs_per_evaluation_log:
             # a missing FID, seed-image or other metric file (on any node) stops the run now,
@@ -168,38 +169,42 @@ class Trainer:
             self.evaluator.start_all_ranks()
         # A resumed run takes its weights from the state, so model.ckpt_path is not read (the
         # file may have moved); the data position is the step, so the loader starts there.
-        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoints, method.stage,
+        state = resume_point_all_ranks(cfg.run, self.config, self.checkpoint_manager,
+                                       training_method.stage,
                                        fits=state_fit_check(cfg.model, cfg.data,
                                                             cfg.optimization, cfg.ema,
-                                                            method.stage))
-        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, method.streams,
+                                                            training_method.stage))
+        self.data = build_train_data(cfg.inputs, self.runtime, self.plan, training_method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)
-        self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, method, self.last_step,
-                                        load_pretrained=state is None)
+        self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, training_method,
+                                                  self.last_step, load_pretrained=state is None)
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
-        self.tracker = Tracker(cfg.logging, self.runtime, self.run_dir, to_yaml(cfg), to_dict(cfg),
+        self.tracker = Tracker(cfg.logging, self.runtime, self.run_directory, to_yaml(cfg),
+                               to_dict(cfg),
                                wandb_run_id=identity.wandb_run_id,
                                last_step=self.last_step).start_all_ranks()
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
-        LOGGER.info("%s | data: %s | training to step %s", method.describe(),
+        LOGGER.info("%s | data: %s | training to step %s", training_method.describe(),
                     self.data.describe(), self.last_step)
 
     @property
     def progress(self) -> Progress:
         return self.parts.progress
 
-    def _start_logging_all_ranks(self, method: Method, notice: Optional[str]) -> None:
+    def _start_logging_all_ranks(self, training_method: Method, notice: Optional[str]) -> None:
         """Every rank's log file, then the run's first lines (and `notice`, if any)."""
         runtime, plan = self.runtime, self.plan
-        on_every_rank(runtime, lambda: setup_logging(runtime, self.run_dir.log_file(runtime.rank)),
+        on_every_rank(runtime,
+                      lambda: setup_logging(runtime, self.run_directory.log_file(runtime.rank)),
                       "create its log file")
         LOGGER.info("%s | run dir %s | world size %d | device %s | %d per device x %d "
-                    "accumulation", method.name, self.run_dir.path, runtime.world_size,
-                    runtime.device, plan.per_device_batch_size, plan.accumulation_steps)
+                    "accumulation", training_method.name, self.run_directory.path,
+                    runtime.world_size, runtime.device, plan.per_device_batch_size,
+                    plan.accumulation_steps)
         if notice:
             LOGGER.info(notice)
 
@@ -228,14 +233,14 @@ class Trainer:
                         if decision["write_failed"]:  # the previous metrics log's record
                             self.tracker.raise_write_failure()
                         bar.update(loss=float(result.loss), lr=result.stats["learning_rate"],
-                                   epoch=self.epoch, **self.parts.method.progress())
+                                   epoch=self.epoch, **self.parts.training_method.progress())
                         if log_now:
                             self.log_all_ranks(result)
                         if plan.crossed(intervals.n_imgs_per_image_log, progress.step):
                             self.save_previews_all_ranks(result)
                         if plan.crossed(intervals.n_imgs_per_evaluation_log, progress.step):
                             self.evaluate_all_ranks()
-                        if self.checkpoints.save_due(plan, progress.step, self.last_step):
+                        if self.checkpoint_manager.save_due(plan, progress.step, self.last_step):
                             self.save_all_ranks()
                         if decision["preempt"] and progress.step < self.last_step:
                             break  # at the last step: just finish
@@ -254,7 +259,7 @@ class Trainer:
     def log_due(self, step: int) -> bool:
         """Training metrics are logged at optimizer step `step` (counted from 1)."""
         return (self.plan.crossed(self.intervals.n_imgs_per_metrics_log, step)
-                or (self.parts.method.log_final_step and step == self.last_step))
+                or (self.parts.training_method.log_final_step and step == self.last_step))
 
     def train_step_all_ranks(self, micro_batches, log_now: bool) -> StepResult:
         """One optimizer step: the update (zero_grad, the method's losses and their backward
@@ -277,7 +282,7 @@ class Trainer:
             if parts.ema is not None:
                 parts.ema.update()
             progress.step += 1
-            result.stats = {**parts.method.after_step_all_ranks(self.runtime, result),
+            result.stats = {**parts.training_method.after_step_all_ranks(self.runtime, result),
                             "learning_rate": learning_rate}
             if result.grad_norm is not None:
                 result.stats["grad_norm"] = result.grad_norm
@@ -298,7 +303,7 @@ class Trainer:
         skipped = "" if result.applied else " (the update was not applied)"
         raise TrainingDiverged(
             f"non-finite loss or gradients at step {step} on at least one rank{skipped}; the "
-            f"newest state in {self.run_dir.checkpoints} is from before it (try a lower lr)")
+            f"newest state in {self.run_directory.states_dir} is from before it (try a lower lr)")
 
     def log_all_ranks(self, result: StepResult) -> None:
         """The window's global means and the ranks' peak memory (one all-reduce), this step's
@@ -308,7 +313,7 @@ class Trainer:
         elapsed = time.perf_counter() - window.started
         totals, peaks = window.global_sums_all_ranks(runtime, peak_memory_mib(runtime))
         data_counts = pop_data_counts(totals)
-        summary = {**self.parts.method.summarize(totals), **data_counts, **result.stats,
+        summary = {**self.parts.training_method.summarize(totals), **data_counts, **result.stats,
                    "imgs_per_s": window.steps * self.plan.global_batch_size / max(elapsed, 1e-9),
                    **peaks}
         step = self.progress.step
@@ -326,24 +331,25 @@ class Trainer:
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
         with patient_collectives(self.runtime, self.distributed, progress):
-            evaluation = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
-        results = evaluation.values
+            eval_results = self.evaluator.evaluate_all_ranks(self.parts.eval_model, step)
+        results = eval_results.values
         progress.last_eval, progress.last_eval_step = results, step
         progress.eval_pending = False
         self.tracker.log_all_ranks(step, self.plan.images(step), self.epoch, results)
         LOGGER.info("evaluation at step %d: %s", step, describe_evaluation(results))
         self.tracker.log_table_all_ranks("eval/table", step, results)
-        if "sample_grid" in evaluation.files:  # the same on every rank
-            self.tracker.log_image_all_ranks(evaluation.files["sample_grid"], step)
-        if self.parts.method.keep_best:
-            self.checkpoints.keep_best_all_ranks(self.parts.eval_model, progress.best, results,
-                                                 robust_eval=self.evaluation.eval.robust_eval)
+        if "sample_grid" in eval_results.files:  # the same on every rank
+            self.tracker.log_image_all_ranks(eval_results.files["sample_grid"], step)
+        if self.parts.training_method.keep_best:
+            self.checkpoint_manager.keep_best_all_ranks(self.parts.eval_model, progress.best,
+                                                        results,
+                                                        robust_eval=self.evaluation.eval.robust_eval)
         return results
 
     def save_all_ranks(self) -> None:
         """The training state of this step (rank 0 writes; every rank learns the outcome)."""
-        save_training_state_all_ranks(self.parts, self.checkpoints, self.config, self.distributed,
-                                      self.runtime)
+        save_training_state_all_ranks(self.parts, self.checkpoint_manager, self.config,
+                                      self.distributed, self.runtime)
 
     def check_records_all_ranks(self) -> None:
         """Stop every rank if rank 0 could not write the last metrics log's record (the loop's
@@ -359,7 +365,7 @@ class Trainer:
         pending = " (the interrupted evaluation runs first)" if self.progress.eval_pending else ""
         # The plain command finds its default run_dir again; a run_dir the user chose is named,
         # as the command that set it (file or command line) does.
-        where = f" with run_dir={self.run_dir.path}" if self.run_dir_chosen else ""
+        where = f" with run_dir={self.run_directory.path}" if self.run_dir_chosen else ""
         LOGGER.log(logging.WARNING if self.runtime.is_main else logging.INFO,
                    "stopped by %s: state saved at step %d; run the same command%s to resume%s",
                    self.preemption.signal_name or "a signal on another rank", step, where,
@@ -372,7 +378,7 @@ class Trainer:
         state."""
         self.check_records_all_ranks()
         progress = self.progress
-        finished = self.checkpoints.finished_all_ranks()
+        finished = self.checkpoint_manager.finished_all_ranks()
         if progress.steps_run == 0 and finished:  # a rerun: its final files exist already
             LOGGER.info("%s", finished_line(self.schedule, self.data.steps_per_epoch,
                                             progress.step))
@@ -382,11 +388,11 @@ class Trainer:
         if self.intervals.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
             results = self.evaluate_all_ranks()
         # model_final first: once the final state exists, a rerun has nothing left to do
-        final_path = self.checkpoints.save_final_all_ranks(self.parts.eval_model)
+        final_path = self.checkpoint_manager.save_final_all_ranks(self.parts.eval_model)
         LOGGER.info("wrote %s", final_path)
         self.save_all_ranks()
         self.tracker.close_all_ranks()
         LOGGER.info("finished at step %d%s", progress.step,
                     f": {describe_evaluation(results)}" if results else "")
-        LOGGER.info("files in %s: %s", self.run_dir.path, self.run_dir.describe_files())
+        LOGGER.info("files in %s: %s", self.run_directory.path, self.run_directory.describe_files())
         return {"step": progress.step}

@@ -12,7 +12,7 @@ Built once from the evaluation section (`cfg.evaluation`), the runtime and the m
   the real images' features of precision/recall (at their first evaluation): `resources`;
 - the test images: this rank's chunks and their loader, built at the first evaluation.
 
-`evaluate_all_ranks(model, step)` returns an `Evaluation`: the values, each metric's own
+`evaluate_all_ranks(model, step)` returns an `EvalResults`: the values, each metric's own
 results, the settings each value was computed on, and the files written. The test-set metrics
 share one pass over the test chunks (rebm/eval/test_set.py); the sample metrics share one
 generation pass (rebm/eval/sampling/samples.py), after the metrics chose its step count (FID's adaptive
@@ -48,7 +48,7 @@ LOGGER = logging.getLogger("rebm")
 
 
 @dataclass
-class Evaluation:
+class EvalResults:
     """What one evaluation gives, the same on every rank: `values` ({key: value}: "n_test"
     and each test-set metric's keys when one ran, each sample metric's keys), `by_metric`
     (each metric's own results), `settings` ({metric: what its value was computed on}) and
@@ -115,7 +115,7 @@ class Evaluator:
         return [cls for cls in self.classes if cls.source == source and cls.name in names]
 
     def evaluate_all_ranks(self, model: nn.Module, step: Optional[int] = None,
-                           metrics: Optional[Sequence[str]] = None) -> Evaluation:
+                           metrics: Optional[Sequence[str]] = None) -> EvalResults:
         """Evaluate `model` (wrapped or not; the unwrapped module is used, in eval mode for the
         call) on every rank: the Evaluator's metrics, or the subset `metrics`. `step` names the
         files of a training evaluation. Every rank calls this with the same arguments."""
@@ -127,15 +127,15 @@ class Evaluator:
             raise EvalError(f"metric '{unknown[0]}' is not one of this evaluator's "
                             f"({', '.join(self.names)})")
         model = unwrap(model)
-        evaluation = Evaluation(settings={n: s for n, s in self.settings().items()
-                                          if n in names})
+        eval_results = EvalResults(settings={n: s for n, s in self.settings().items()
+                                             if n in names})
         with eval_mode(model):
             for group in self._test_groups(names):
-                self._test_pass_all_ranks(model, step, group, evaluation)
+                self._test_pass_all_ranks(model, step, group, eval_results)
             samples = self._of(SAMPLES, names)
             if samples and self.sections[samples[0].name].image_log.num_samples > 0:
-                self._sample_pass_all_ranks(model, step, samples, evaluation)
-        return evaluation
+                self._sample_pass_all_ranks(model, step, samples, eval_results)
+        return eval_results
 
     def _context(self, model: nn.Module, cls: Type[Metric], step: Optional[int]) -> EvalContext:
         folder = None if self.run_dir is None else RunDirectory(self.run_dir)
@@ -156,7 +156,7 @@ class Evaluator:
         return [group for _, group in groups]
 
     def _test_pass_all_ranks(self, model: nn.Module, step: Optional[int],
-                             classes: List[Type[Metric]], evaluation: Evaluation) -> None:
+                             classes: List[Type[Metric]], eval_results: EvalResults) -> None:
         section = self.sections[classes[0].name]
         test_data = next((d for s, d in self.test_data if s == section), None)
         if test_data is None:  # sections equal in value read the same test images
@@ -166,10 +166,10 @@ class Evaluator:
         for metric in metrics:
             metric.start_all_ranks()
         n_test, results = run_test_pass_all_ranks(test_data, model, self.runtime, metrics)
-        self._record(evaluation, metrics, results, {"n_test": n_test})
+        self._record(eval_results, metrics, results, {"n_test": n_test})
 
     def _sample_pass_all_ranks(self, model: nn.Module, step: Optional[int],
-                               classes: List[Type[Metric]], evaluation: Evaluation) -> None:
+                               classes: List[Type[Metric]], eval_results: EvalResults) -> None:
         """One generation pass with the section of the first sample metric (the metrics of one
         call draw the same samples; each still reads its own section)."""
         ctx = self._context(model, classes[0], step)
@@ -178,16 +178,16 @@ class Evaluator:
             metric.start_all_ranks()
         seeds = seed_source(ctx.evaluation, self.resources)
         results = run_sample_pass_all_ranks(ctx, seeds, metrics)
-        self._record(evaluation, metrics, results)
+        self._record(eval_results, metrics, results)
 
     @staticmethod
-    def _record(evaluation: Evaluation, metrics: List[Metric],
+    def _record(eval_results: EvalResults, metrics: List[Metric],
                 results: List[Dict[str, Any]], shared: Optional[Dict[str, Any]] = None) -> None:
-        evaluation.values.update(shared or {})
+        eval_results.values.update(shared or {})
         for metric, found in zip(metrics, results, strict=True):
-            evaluation.by_metric[metric.name] = {**(shared or {}), **found}
-            evaluation.values.update(found)
-            evaluation.files.update(metric.outputs())
+            eval_results.by_metric[metric.name] = {**(shared or {}), **found}
+            eval_results.values.update(found)
+            eval_results.files.update(metric.outputs())
 
 
 def load_eval_model(model: ModelConfig, data: DataConfig, use_ema: bool,

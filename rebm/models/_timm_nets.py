@@ -5,7 +5,7 @@ Croce & Hein (NeurIPS 2023), and `forward(x, y=None)`.
 The networks *are* timm's classes (subclasses that add the options), so their state-dict names are
 exactly timm's: timm's own weights, the `robustness` library's ResNets and the Singh et al. ConvNeXt
 files load without renaming. The contract (normalisation buffers, frozen BatchNorm, forward(x, y))
-is rebm.models.base's. This module imports timm, so it is private: the builders of imagenet.py
+is rebm.models.base's. This module imports timm, so it is private: the builders of timm_families.py
 import it when such a model is built.
 """
 

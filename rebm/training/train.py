@@ -14,20 +14,20 @@ from typing import List, Optional
 from rebm import cli
 
 
-def run(cfg, runtime, _args) -> dict:
+def train_dat_all_ranks(cfg, runtime, _args) -> dict:
     from rebm.engine.trainer import train
 
-    return train(cfg, runtime, make_method)
+    return train(cfg, runtime, make_training_method)
 
 
-def make_method(cfg):
+def make_training_method(cfg):
     """DAT on the config's sections it reads (the engine's method factory)."""
     from rebm.methods.dat import DAT
 
     return DAT(cfg.method, cfg.model, cfg.schedule)
 
 
-def method():
+def method_class():
     """This entry's method, DAT (imported when called: `--help` imports no torch)."""
     from rebm.methods.dat import DAT
 
@@ -83,7 +83,7 @@ def training_images_line(inputs) -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = cli.build_parser("rebm.training.train", __doc__.splitlines()[0])
-    return cli.run_entry(parser, argv, run, prepare=check_dat, method=method)
+    return cli.run_entry(parser, argv, train_dat_all_ranks, prepare=check_dat, method_class=method_class)
 
 
 if __name__ == "__main__":

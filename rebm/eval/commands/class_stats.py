@@ -23,10 +23,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the .npz files to write, a path with {label}")
     parser.add_argument("--split", choices=("train", "test"), default="train")
     parser.add_argument("--batch-size", type=int, default=100, help="images per batch")
-    return cli.run_entry(parser, argv, run)
+    return cli.run_entry(parser, argv, class_stats_all_ranks)
 
 
-def run(cfg, runtime, args):
+def class_stats_all_ranks(cfg, runtime, args):
     """Every rank: the per-class statistics (rebm/eval/metrics/counterfactuals/stats.py)."""
     from rebm.eval.metrics.counterfactuals.stats import run_class_stats_all_ranks  # after --help
 

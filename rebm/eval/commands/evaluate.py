@@ -48,7 +48,7 @@ def fid_not_asked_notice(image_log, samples: bool, names) -> str:
 STOP_NOTICE = "stopping at the next batch, then exiting (interrupt again to stop at once)"
 
 
-def run(cfg, runtime, args) -> Dict[str, Any]:
+def evaluate_command_all_ranks(cfg, runtime, args) -> Dict[str, Any]:
     """Every rank: evaluate, then rank 0 writes eval.json. A Ctrl-C or SIGTERM stops every rank
     at the next batch with one line (nothing is written: eval.json holds complete results)."""
     from rebm.distributed.signals import Preempted, exit_stopped, stop_on_signal
@@ -160,7 +160,7 @@ def check_metrics(args, cfg) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return cli.run_entry(build_parser(), argv, run, prepare=check_metrics)
+    return cli.run_entry(build_parser(), argv, evaluate_command_all_ranks, prepare=check_metrics)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def dataset_statistics_all_ranks(evaluation: EvaluationSection, runtime: Runtime
     return mu, sigma, n, recipe
 
 
-def run(cfg, runtime: Runtime, args) -> Dict[str, Any]:
+def fid_stats_all_ranks(cfg, runtime: Runtime, args) -> Dict[str, Any]:
     setup_logging(runtime)
     out = args.out if args.out.endswith(".npz") else args.out + ".npz"
     network = feature_network(cfg.image_log)
@@ -155,7 +155,7 @@ def check_args(args, cfg) -> None:
 
 @record
 def main(argv: Optional[List[str]] = None) -> int:
-    return cli.run_entry(build_parser(), argv, run, prepare=check_args)
+    return cli.run_entry(build_parser(), argv, fid_stats_all_ranks, prepare=check_args)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("table", help="table YAML (experiments/paper/*.yaml), or an original "
                         "model config (model_configs/*.yaml of the original code) or a folder "
                         "of them")
-    parser.add_argument("--checkpoints", required=True, metavar="DIR",
+    parser.add_argument("--checkpoints", dest="checkpoint_root", required=True, metavar="DIR",
                         help="folder the rows' checkpoint paths are relative to")
     parser.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (names or "
                         "groups); the report still shows every cached row")
@@ -125,8 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from rebm.eval.table.check import check
 
             return check(specs, args)
-        if not os.path.isdir(args.checkpoints):
-            raise TableError(f"--checkpoints folder '{args.checkpoints}' does not exist; pass "
+        if not os.path.isdir(args.checkpoint_root):
+            raise TableError(f"--checkpoints folder '{args.checkpoint_root}' does not exist; pass "
                              "the folder the rows' checkpoint paths are relative to")
     from rebm.eval.table.runner import launch_tables
 

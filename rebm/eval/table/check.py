@@ -53,12 +53,12 @@ class Findings:
     lacking: List[RowId] = field(default_factory=list)
 
 
-def row_needs(spec, row, sections, checkpoints: str
+def row_needs(spec, row, sections, checkpoint_root: str
               ) -> Tuple[Needs, Dict[str, List[str]], Set[str]]:
     """(needs, {problem: metrics}, mentions) of one row: its checkpoint and every file of its
     metrics (`Metric.files`), what its metrics report this machine lacks (`Metric.problems`),
     and the missing files' paths and templates (a problem quoting one repeats the list)."""
-    needs: Needs = {("checkpoint", os.path.join(checkpoints, row.checkpoint)): []}
+    needs: Needs = {("checkpoint", os.path.join(checkpoint_root, row.checkpoint)): []}
     problems: Dict[str, List[str]] = {}
     mentions: Set[str] = set()
     for cls in metric_classes(spec.metrics):
@@ -76,14 +76,14 @@ def row_needs(spec, row, sections, checkpoints: str
     return needs, problems, mentions
 
 
-def print_row(row, needs: Needs, problems: Dict[str, List[str]], checkpoints: str) -> None:
+def print_row(row, needs: Needs, problems: Dict[str, List[str]], checkpoint_root: str) -> None:
     """--verbose: the row's every file, present or missing, and its problems."""
     print(f"row {row.name}:")
     for (label, path), metrics in needs.items():
         state = "present" if os.path.exists(path) else "MISSING"
         kind = " (folder)" if os.path.isdir(path) else ""
         if state == "MISSING" and label != "checkpoint":
-            _, folders = find_data_path(path, checkpoints)
+            _, folders = find_data_path(path, checkpoint_root)
             kind = f" ({looked_in(folders)})" if folders else ""
         used = f"  [{', '.join(metrics)}]" if metrics else ""
         print(f"  {state:8} {label}: {path}{kind}{used}")
@@ -99,18 +99,18 @@ def note(found: Dict[str, Wanted], key: str, wanted: Wanted, metrics: List[str],
     entry.rows += [row] if row not in entry.rows else []
 
 
-def check_table(spec, checkpoints: str, verbose: bool, found: Findings) -> None:
+def check_table(spec, checkpoint_root: str, verbose: bool, found: Findings) -> None:
     """Collect what every row of `spec` needs into `found`; print its rows under --verbose."""
-    sections = row_sections(spec, checkpoints)
+    sections = row_sections(spec, checkpoint_root)
     print(f"{spec.path} ({spec.stem}: {spec.title}): {len(spec.rows)} row(s); metrics "
           f"{', '.join(spec.metrics)}")
     found.tables[spec.stem] = [row.name for row in spec.rows]
     for row in spec.rows:
-        needs, problems, mentions = row_needs(spec, row, sections, checkpoints)
+        needs, problems, mentions = row_needs(spec, row, sections, checkpoint_root)
         # what a real run would refuse, but those that repeat a missing file
         problems = {p: m for p, m in problems.items() if not any(f in p for f in mentions)}
         if verbose:
-            print_row(row, needs, problems, checkpoints)
+            print_row(row, needs, problems, checkpoint_root)
         row_id = (spec.stem, row.name)
         lacks = bool(problems)
         for (label, path), metrics in needs.items():
@@ -121,7 +121,7 @@ def check_table(spec, checkpoints: str, verbose: bool, found: Findings) -> None:
             checkpoint = label == "checkpoint"
             source = data_source(row.checkpoint if checkpoint else path)
             target, folders = ((os.path.abspath(path), ()) if checkpoint
-                               else missing_target(path, checkpoints))
+                               else missing_target(path, checkpoint_root))
             note(found.missing, target, Wanted(source, folders, checkpoint), metrics, row_id)
         for problem, metrics in problems.items():
             note(found.problems, problem, Wanted("", (), False), metrics, row_id)
@@ -180,13 +180,13 @@ def last_line(found: Findings) -> str:
 def check(specs, args) -> int:
     """--check: 0 when every file of every selected row is present and no metric reports a
     problem (what the real run would refuse), else EXIT_MISSING."""
-    if not os.path.isdir(args.checkpoints):
-        print(f"note: --checkpoints folder '{args.checkpoints}' does not exist")
-    print(rule_line(args.checkpoints))
+    if not os.path.isdir(args.checkpoint_root):
+        print(f"note: --checkpoints folder '{args.checkpoint_root}' does not exist")
+    print(rule_line(args.checkpoint_root))
     found = Findings()
     for spec in specs:
         check_table(spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics)),
-                    args.checkpoints, getattr(args, "verbose", False), found)
+                    args.checkpoint_root, getattr(args, "verbose", False), found)
     print_missing(found)
     print(last_line(found))
     return EXIT_MISSING if found.lacking else 0

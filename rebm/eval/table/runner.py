@@ -1,8 +1,8 @@
 """The table runner's work: `TableRun` evaluates the selected rows and metrics of one table on
 every rank (each metric cached as soon as it is computed, rebm/eval/table/cache.py), through one
 Evaluator per row and model (rebm/eval/evaluator.py); `launch_tables` launches the tables'
-processes through the entry points' launch (rebm.cli.launch), each running `run`. The command:
-rebm/eval/commands/table.py."""
+processes through the entry points' launch (rebm.cli.launch), each running
+`tables_process_all_ranks`. The command: rebm/eval/commands/table.py."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ class TableRun:
 
     def __init__(self, spec, args, runtime, out: str):
         self.spec, self.runtime, self.out = spec, runtime, out
-        self.checkpoints, self.force = args.checkpoints, args.force
+        self.checkpoint_root, self.force = args.checkpoint_root, args.force
         self.selected = spec.select(own_rows(spec, args.rows), own_metrics(spec, args.metrics))
-        self.sections = row_sections(spec, self.checkpoints)  # {row: {metric: its section}}
+        self.sections = row_sections(spec, self.checkpoint_root)  # {row: {metric: its section}}
         self.hashes = FileHashes()  # rank 0's: every file is read once per run
         self.skipped: List[str] = []
         self.finished: List[str] = []  # rows whose selected metrics are all cached now
@@ -69,7 +69,7 @@ class TableRun:
 
     def checkpoint_sha256(self, row) -> Optional[str]:
         """The content hash of the row's checkpoint (rank 0; None when it is missing)."""
-        path = os.path.join(self.checkpoints, row.checkpoint)
+        path = os.path.join(self.checkpoint_root, row.checkpoint)
         return self.hashes.sha256(path) if os.path.isfile(path) else None
 
     def keys(self, row, metrics, checkpoint: str) -> Dict[str, str]:
@@ -115,7 +115,7 @@ class TableRun:
         (the end of the line that stops the run)."""
         for metric in self.selected.metrics:
             missing = missing_data_paths(self.sections[row.name][metric],
-                                         metric_classes([metric]), self.checkpoints)
+                                         metric_classes([metric]), self.checkpoint_root)
             if missing:
                 return f" (relative data paths: {looked_in(missing[0][2])})"
         return ""
@@ -131,7 +131,7 @@ class TableRun:
         found = decide_on_main(self.runtime, look, f"look for row {row.name}'s checkpoint")
         if found is None:
             LOGGER.warning("%s: checkpoint missing: expected %s; the other rows still run",
-                           label, os.path.join(self.checkpoints, row.checkpoint))
+                           label, os.path.join(self.checkpoint_root, row.checkpoint))
             self.skipped.append(row.name)
             return
         cache, keys, sha256 = found
@@ -262,7 +262,7 @@ class TableRun:
         missing: Dict[str, str] = {}
         unread: List[str] = []
         for row in self.spec.rows:
-            path = os.path.join(self.checkpoints, row.checkpoint)
+            path = os.path.join(self.checkpoint_root, row.checkpoint)
             if not os.path.isfile(path):
                 missing[row.name] = path
                 continue
@@ -329,7 +329,7 @@ def log_dir(specs, args) -> str:
     return args.out or os.path.join("runs", "tables")
 
 
-def run(specs, runtime, args) -> None:
+def tables_process_all_ranks(specs, runtime, args) -> None:
     """Every process of the tables (under torchrun, every rank): the entry's body, which
     `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
     setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank))
@@ -338,6 +338,6 @@ def run(specs, runtime, args) -> None:
 
 
 def launch_tables(specs, args) -> int:
-    """The tables' processes, through the entry points' launch (rebm.cli.launch): `run` on
-    each."""
-    return launch(functools.partial(run, specs), args)
+    """The tables' processes, through the entry points' launch (rebm.cli.launch): `tables_process_all_ranks`
+    on each."""
+    return launch(functools.partial(tables_process_all_ranks, specs), args)

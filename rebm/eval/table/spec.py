@@ -228,10 +228,10 @@ def own_metrics(spec, metrics: Optional[List[str]]) -> Optional[List[str]]:
     return [m for m in metrics if m in spec.metrics]
 
 
-def row_sections(spec, checkpoints: str) -> Dict[str, Dict[str, EvaluationSection]]:
+def row_sections(spec, checkpoint_root: str) -> Dict[str, Dict[str, EvaluationSection]]:
     """{row: {metric: its evaluation section}} of every row, loaded before any work: an unknown
     metric, a bad override or key stops the table at once, naming the table file and the row.
-    Relative data paths are read under `checkpoints` when they are there (rebm/eval/table/
+    Relative data paths are read under `checkpoint_root` when they are there (rebm/eval/table/
     paths.py). Metrics with the same overrides share one section object."""
     try:
         classes = metric_classes(spec.metrics)
@@ -239,14 +239,14 @@ def row_sections(spec, checkpoints: str) -> Dict[str, Dict[str, EvaluationSectio
         raise EvalError(f"{spec.path}: metrics: {err}") from None
     sections: Dict[str, Dict[str, EvaluationSection]] = {}
     for row in spec.rows:
-        path = os.path.join(checkpoints, row.checkpoint)
+        path = os.path.join(checkpoint_root, row.checkpoint)
         loaded: Dict[tuple, EvaluationSection] = {}  # most metrics share the row's overrides
         sections[row.name] = {}
         for metric in spec.metrics:
             overrides = (*spec.row_overrides(row, metric), f"model.ckpt_path={path}")
             if overrides not in loaded:  # every metric's files: the configs stay shared
                 loaded[overrides] = rooted_config(_row_config(spec, row, metric, overrides),
-                                                  classes, checkpoints).evaluation
+                                                  classes, checkpoint_root).evaluation
             sections[row.name][metric] = loaded[overrides]
     return sections
 

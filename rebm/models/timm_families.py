@@ -1,4 +1,5 @@
-"""The ImageNet models of the original DAT code, registered by its names and built from timm.
+"""The timm families (ResNet, ConvNeXt): the ImageNet models of the original DAT code, registered
+by its names and built from timm.
 
     ResNet50ImageNet, WideResNet50x2ImageNet, WideResNet50x4ImageNet  (timm's resnet50,
         wide_resnet50_2, and its ResNet class at base width 256: timm has no wide_resnet50_4

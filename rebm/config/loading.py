@@ -120,7 +120,8 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
             value = OmegaConf.select(other, section)
             raise ConfigError(
                 f"{source}: '{file_key(section)}' is a section, not a value (got {value!r}); set "
-                f"one of its keys instead, e.g. {file_key(section)}.{next(iter(base[section]))}"
+                f"one of its keys instead, e.g. {file_key(section)}."
+                f"{next(iter(OmegaConf.select(base, section)))}"
                 "=...") from None
         raise _translate(err, source) from None
 

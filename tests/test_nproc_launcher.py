@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, base_env, wait_for_records
+from tests.helpers import REPO, base_env, process_alive, wait_for_records
 from tests.processes import popen
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -23,7 +23,7 @@ CONFIG = "experiments/quickstart/digits_stage1.yaml"
 # Trains on until stopped: no state before the one the signal makes, no evaluation.
 ENDLESS = ["batch_size=32", "indist_attack_clf.max_steps=1", "n_imgs_per_metrics_log=64",
            "n_imgs_per_evaluation_log=null", "n_imgs_per_ckpt_save=100000000",
-           "max_steps=100000", "model.compile=false"]
+           "max_steps=100000", "total_epochs=null", "model.compile=false"]
 
 
 def _spawned_ranks(launcher: int) -> list:
@@ -43,15 +43,6 @@ def _spawned_ranks(launcher: int) -> list:
     return found
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by whoever adopted it, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_spawned_ranks_die_with_their_launcher(tmp_path):
     run_dir = tmp_path / "run"
     launcher = popen([sys.executable, TRAIN_AT, CONFIG, "--nproc", "2", *ENDLESS,
@@ -63,12 +54,12 @@ def test_spawned_ranks_die_with_their_launcher(tmp_path):
         assert len(ranks) == 2, ranks
         os.kill(launcher.pid, signal.SIGKILL)
         killed = time.time()
-        while any(_alive(pid) for pid in ranks) and time.time() < killed + 60:
+        while any(process_alive(pid) for pid in ranks) and time.time() < killed + 60:
             time.sleep(0.2)
-        survivors = [pid for pid in ranks if _alive(pid)]
+        survivors = [pid for pid in ranks if process_alive(pid)]
     finally:
         for pid in ranks:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()

@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import ClassVar, Optional, Type
 
-from rebm.checkpoint.disk import reason, room_for
+from rebm.disk import reason, room_for
 
 LOGGER = logging.getLogger("rebm")
 

@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from rebm.checkpoint.disk import reason, room_for
 from rebm.checkpoint.folder_lock import FolderLock
 from rebm.config import training_diff
+from rebm.disk import reason, room_for
 from rebm.distributed import Runtime, decide_on_main, setup_logging
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError

@@ -2,7 +2,7 @@
 the file's filesystem, and the process's file-size limit when one is set), in one line. Shared by
 the state and model writers (rebm/checkpoint/weights.py), the folder locks
 (rebm/checkpoint/folder_lock.py) and rank 0's writes for people (`on_main`,
-rebm/distributed/collectives.py): on the floor of the layers, so that all of them may import it.
+rebm/distributed/collectives.py): just above the floor of the layers, so that all may import it.
 Importing this module imports no torch."""
 
 from __future__ import annotations

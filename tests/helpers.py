@@ -163,6 +163,15 @@ def worker_pids(agent_pid: int) -> Dict[int, int]:
     return pids
 
 
+def process_alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by whoever adopted it, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def copy_run(source: Path, target: Path) -> Path:
     """A copy of a finished run's directory, to continue or damage without touching the
     original (a run shared by several tests)."""

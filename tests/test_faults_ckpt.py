@@ -113,6 +113,7 @@ def test_the_writers_under_24_file_size_limits_give_one_line_and_lose_nothing(fi
         text = record["text"]
         assert record["error"] in ("StateError", "WriteFailed", "RunDirError"), record
         assert "\n" not in text and "free on its filesystem" in text and "ulimit -f" in text, record
+        assert text.count("free on its filesystem") == 1, record  # on_main adds none of its own
         assert record["writer"] == "lock" or record["intact"], record  # a lock holds no results
         assert not record["leftovers"], record
     assert all(str(run_dir / "checkpoints" / "state_000000006.pt") in r["text"] for r in states)

@@ -139,6 +139,7 @@ def test_a_failed_rank0_write_mid_run_ends_every_rank_with_one_line(tmp_path):
     errors = [line for line in result.output.splitlines() if "] error:" in line]
     assert len(errors) == 1, result.output[-4000:]  # one line per job: the rank that met it
     assert errors[0].startswith("[rank 0] error: cannot write"), errors
+    assert "(File exists; " in errors[0] and "free on its filesystem" in errors[0], errors
     assert not rebm_traceback_lines(result.output)
 
 

@@ -22,20 +22,18 @@ rebm.checkpoint.manager's (CheckpointManager). Importing this module imports no 
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import re
 import secrets
 import socket
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from rebm.checkpoint.disk import reason, room_for
+from rebm.checkpoint.folder_lock import FolderLock
 from rebm.config import training_diff
+from rebm.disk import reason, room_for
 from rebm.distributed import Runtime, decide_on_main, setup_logging
 from rebm.distributed.collectives import on_every_rank
 from rebm.errors import UserError
@@ -261,55 +259,30 @@ def sibling_runs(run_dir: str) -> List[str]:
                   and os.path.isfile(RunDirectory(path).config_file))
 
 
-class RunDirLock:
-    """An exclusive flock on <run_dir>/.lock; the file says who holds it."""
+class RunDirLock(FolderLock):
+    """An exclusive flock on <run_dir>/.lock; the file says who holds it (FolderLock)."""
+
+    FAILURE = RunDirError
 
     def __init__(self, run_dir: str):
-        self.path = RunDirectory(run_dir).lock_file
-        try:
-            self._file = open(self.path, "a+")
-        except OSError as err:
-            raise RunDirError(f"cannot write '{self.path}' ({reason(err)}; "
-                              f"{room_for(self.path)}); choose a writable run_dir=PATH") from None
-        try:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                # e.g. Lustre mounted without flock: run, but unguarded
-                LOGGER.warning("run_dir %s: this filesystem does not support file locks (%s); "
-                               "nothing stops a second job on the same run_dir", run_dir,
-                               err.strerror)
-                return
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise RunDirError(
-                f"run_dir '{run_dir}' is in use by {holder}; wait for that job to end, or "
-                "choose another run_dir=PATH") from None
-        try:
-            self._file.seek(0)
-            self._file.truncate()
-            self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            self._file.flush()
-        except OSError as err:  # a full disk, a file-size limit
-            self._abandon()
-            raise RunDirError(f"cannot write '{self.path}' ({reason(err)}; "
-                              f"{room_for(self.path)}); free disk space, or choose a run_dir "
-                              "on another filesystem") from None
+        self.run_dir = run_dir
+        super().__init__(RunDirectory(run_dir).lock_file)
 
-    def _abandon(self) -> None:
-        """Unlock and close after a failed write (closing flushes, and may fail again)."""
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-        try:
-            self._file.close()
-        except OSError:
-            pass
+    def where(self) -> str:
+        return f"run_dir {self.run_dir}"
 
-    def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
+    def unguarded(self) -> str:
+        return "a second job on the same run_dir"  # e.g. Lustre mounted without flock
+
+    def busy(self, holder: str) -> str:
+        return (f"run_dir '{self.run_dir}' is in use by {holder}; wait for that job to end, or "
+                "choose another run_dir=PATH")
+
+    def if_unwritable(self) -> str:
+        return "choose a writable run_dir=PATH"
+
+    def if_holder_unwritten(self) -> str:
+        return "free disk space, or choose a run_dir on another filesystem"
 
 
 def new_run_notice(run_dir: str, config: Dict[str, Any]) -> Optional[str]:

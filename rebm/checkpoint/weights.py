@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from rebm.checkpoint.disk import WriteError
 from rebm.checkpoint.layouts import check_normaliser, split_normaliser
+from rebm.disk import WriteError
 from rebm.distributed.parallel import unwrap
 from rebm.errors import UserError
 

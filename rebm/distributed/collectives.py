@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from rebm.disk import write_failure
 from rebm.distributed.runtime import Runtime
 from rebm.distributed.torch_versions import (
     all_gather_single,
@@ -92,7 +93,7 @@ def on_main(runtime: Runtime, write: Callable[[], Any], what: str) -> None:
         try:
             return write()
         except OSError as err:
-            raise WriteFailed(f"cannot {what} ({err.strerror or err}); free disk space or fix "
+            raise WriteFailed(f"cannot {what} ({write_failure(err)}); free disk space or fix "
                               "the run directory's permissions") from None
 
     decide_on_main(runtime, guarded, what)

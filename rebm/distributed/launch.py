@@ -11,7 +11,7 @@ import torch
 
 from rebm.distributed.collectives import all_reduce_sum, barrier
 from rebm.distributed.logs import print_line
-from rebm.distributed.runtime import setup_distributed, teardown
+from rebm.distributed.runtime import die_with_parent, setup_distributed, teardown
 from rebm.distributed.signals import forward_signals
 
 
@@ -30,6 +30,10 @@ def _spawn_entry(local_rank: int, fn: Callable, nprocs: int, port: int, args: tu
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         MASTER_PORT=os.environ.get("MASTER_PORT", str(port)),
     )
+    # As a torchrun worker: SIGTERM when the launcher dies (kill -9), so the rank saves its
+    # state and says its launcher ended. It replaces the SIGINT torch's spawn wrapper asks for,
+    # which a rank takes for a Ctrl-C; a SIGINT that came before this still stops the rank.
+    die_with_parent()
     fn(*args)
 
 

@@ -4,7 +4,8 @@
   launcher are never overwritten;
 - LOCAL_RANK, never RANK, picks the CUDA device;
 - the ranks join within min(ddp_timeout_s, JOIN_TIMEOUT_S), or every rank that came says in one
-  line which did not (`join_store`); a torchrun worker dies with its agent (`die_with_launcher`).
+  line which did not (`join_store`); a torchrun worker dies with its agent (`die_with_launcher`),
+  a rank of the `--nproc` launcher with the launcher (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -209,7 +210,15 @@ def die_with_launcher() -> None:
     alike. Only under torchrun, whose agent starts its workers from its main thread (the signal
     follows the thread that forked): a process started from a shell must outlive that shell
     (`nohup`). A worker whose agent died before this call finds no agent store in join_store."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGTERM to this process when the thread that started it ends (prctl PR_SET_PDEATHSIG;
+    Linux only, elsewhere nothing): what a torchrun worker (`die_with_launcher`) and a rank the
+    `--nproc` launcher spawned (rebm.distributed.launch) get when their launcher dies."""
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

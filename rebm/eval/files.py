@@ -15,18 +15,12 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import logging
 import os
-import socket
-import time
 from typing import Callable
 
+from rebm.checkpoint.folder_lock import FolderLock
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.errors import UserError
-
-LOGGER = logging.getLogger("rebm")
 
 
 def temporary_name(path: str) -> str:
@@ -73,47 +67,26 @@ class EvalFolderBusy(UserError, OSError):
     """Another evaluation is writing into the same output folder."""
 
 
-class OutputFolderLock:
-    """An exclusive flock on `<folder>/.eval.lock` (module docstring); the file names the
-    holder. Taken by rank 0 only; `release()` at the end, or the process's exit."""
+class OutputFolderLock(FolderLock):
+    """An exclusive flock on `<folder>/.eval.lock` (module docstring; FolderLock); the file
+    names the holder. Taken by rank 0 only; `release()` at the end, or the process's exit.
+    `elsewhere` is how the user names another folder (run_dir=PATH, a table's --out DIR)."""
+
+    FAILURE = EvalFolderBusy
 
     def __init__(self, folder: str, elsewhere: str = "run_dir=PATH"):
-        self.path = RunDirectory(folder).eval_lock_file
-        try:
-            os.makedirs(folder, exist_ok=True)
-            self._file = open(self.path, "a+")
-        except OSError as err:
-            raise EvalFolderBusy(f"cannot write '{self.path}' ({err.strerror or err}); choose "
-                                 f"a writable output folder with {elsewhere}") from None
-        try:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                LOGGER.warning("%s: this filesystem does not support file locks (%s); nothing "
-                               "stops a second evaluation into the same folder", folder,
-                               err.strerror)
-                return
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise EvalFolderBusy(
-                f"output folder '{folder}' is in use by another evaluation ({holder}); wait "
-                f"for it to end, or write elsewhere with {elsewhere}") from None
-        self._say_holder()
+        self.folder, self.elsewhere = folder, elsewhere
+        super().__init__(RunDirectory(folder).eval_lock_file)
 
-    def _say_holder(self) -> None:
-        """Who holds the lock, in its file (for the line of the evaluation it stops). The lock
-        holds without it: a full disk costs only the name."""
-        try:
-            self._file.seek(0)
-            self._file.truncate()
-            self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            self._file.flush()
-        except OSError:
-            pass
+    def where(self) -> str:
+        return self.folder
 
-    def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
+    def unguarded(self) -> str:
+        return "a second evaluation into the same folder"
+
+    def busy(self, holder: str) -> str:
+        return (f"output folder '{self.folder}' is in use by another evaluation ({holder}); "
+                f"wait for it to end, or write elsewhere with {self.elsewhere}")
+
+    def if_unwritable(self) -> str:
+        return f"choose a writable output folder with {self.elsewhere}"

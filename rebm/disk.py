@@ -1,6 +1,8 @@
 """What a failed write of a run's file says: why, and how much room there was (the free space of
 the file's filesystem, and the process's file-size limit when one is set), in one line. Shared by
-the state and model writers (weights.py) and the run directory's lock (run_directory.py).
+the state and model writers (rebm/checkpoint/weights.py), the folder locks
+(rebm/checkpoint/folder_lock.py) and rank 0's writes for people (`on_main`,
+rebm/distributed/collectives.py): just above the floor of the layers, so that all may import it.
 Importing this module imports no torch."""
 
 from __future__ import annotations
@@ -61,3 +63,16 @@ class WriteError(UserError, OSError):
 
     def __str__(self) -> str:
         return f"cannot write '{self.filename}' ({self.strerror})"
+
+
+def write_failure(err: BaseException) -> str:
+    """Why a write failed and, when the error names its file, how much room there was
+    ('File too large; 1.2 GiB free on its filesystem, file-size limit 200 bytes (ulimit -f)').
+    A WriteError says both already; an error that names no file (a write into a file already
+    open) says why only."""
+    if isinstance(err, WriteError):
+        return err.strerror
+    filename = getattr(err, "filename", None)
+    if isinstance(filename, (str, os.PathLike)):
+        return f"{reason(err)}; {room_for(os.fspath(filename))}"
+    return reason(err)

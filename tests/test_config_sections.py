@@ -139,7 +139,7 @@ def test_the_optimizers_are_the_originals():
 
 def test_the_schedule_is_a_config_key_with_a_default_per_stage():
     stage1, stage2 = load_config(STAGE1), load_config(CONFIG)
-    assert stage1.lr_schedule is None and STAGE_1.lr_schedule(stage1.schedule) == "cosine"
+    assert stage1.schedule.lr_schedule is None and STAGE_1.lr_schedule(stage1.schedule) == "cosine"
     assert STAGE_2.lr_schedule(stage2.schedule) == "constant"
     constant = load_config(STAGE1, ["lr_schedule=constant"])
     assert STAGE_1.lr_schedule(constant.schedule) == "constant"

@@ -77,7 +77,7 @@ def make_cfg(roots, size: int = 32, **top) -> TrainConfig:
     cfg.data.augm_type_generation = "generation_id_randomcrop"
     cfg.data.augm_type_classification = "madry"
     for key, value in top.items():
-        setattr(cfg, key, value)
+        setattr(cfg.data, key, value)  # the data keys the tests vary
     return cfg
 
 
@@ -288,7 +288,7 @@ def test_config_fields_of_the_original_imagenet_configs(tmp_path):
     cfg = load_config(str(path))
     assert cfg.data.image_size == 256 and cfg.data.openimages_max_samples == 300000
     assert load_config(str(path), ["data.image_size=224"]).data.image_size == 224
-    assert load_config(str(path), ["openimages_augm=generation_od"]).openimages_augm
+    assert load_config(str(path), ["openimages_augm=generation_od"]).data.openimages_augm
     with pytest.raises(ConfigError, match="openimages_augm: fancy' is not a valid choice"):
         load_config(str(path), ["openimages_augm=fancy"])
     with pytest.raises(ConfigError, match="openimages_max_samples"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rebm.config import TrainConfig
+from rebm.config.sections import EmaSection
 from rebm.engine.ema import build_ema
 
 pytestmark = pytest.mark.numbers
@@ -30,7 +30,7 @@ def original_average(weights, ema_decay):
 def test_the_ema_warms_up_as_the_original():
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
-    ema = build_ema(model, TrainConfig(use_ema=True, ema_decay=0.95).ema)
+    ema = build_ema(model, EmaSection(use_ema=True, ema_decay=0.95))
     seen = []
     for _ in range(200):  # past n = 170, where (1 + n) / (10 + n) reaches 0.95
         with torch.no_grad():
@@ -44,7 +44,7 @@ def test_the_ema_warms_up_as_the_original():
 
 def test_the_decay_at_each_average_is_the_originals():
     model = torch.nn.Linear(2, 2)
-    ema = build_ema(model, TrainConfig(use_ema=True, ema_decay=0.999).ema)
+    ema = build_ema(model, EmaSection(use_ema=True, ema_decay=0.999))
     ema.update()  # the first update copies the weights
     for n in range(1, 40):
         ema.update()  # the n-th average; the decay it used:

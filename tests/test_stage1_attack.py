@@ -99,7 +99,7 @@ def test_attack_type_chooses_the_attack(wavy):
     argmin = load_config(None, ["indist_attack_clf.attack_type=argmin_pgd",
                                 "indist_attack_clf.max_steps=2",
                                 "indist_attack_clf.step_size=1.0",
-                                "indist_attack_clf.eps=2.0"]).indist_attack_clf
+                                "indist_attack_clf.eps=2.0"]).method.indist_attack_clf
     assert torch.equal(attack_from_config(model, x, argmin, objective="ce", y=y),
                        argmin_pgd_attack(model, x, y, steps=2, step_size=1.0, eps=2.0))
     with pytest.raises(ValueError, match="cross-entropy"):

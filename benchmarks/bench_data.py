@@ -215,7 +215,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
         f"batch_size={batch}", "model.ckpt_path=null", "openimages_max_samples=null"])
     plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    model, raw = build_model_all_ranks(cfg.network, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     data = iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams))
     batches = [next(data) for _ in range(steps)]

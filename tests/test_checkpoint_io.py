@@ -138,7 +138,7 @@ def _ddp_worker(root, paths):
         cfg = TrainConfig()
         cfg.model.model_type = ARCH
         cfg.model.ckpt_path = ddp_path
-        wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+        wrapped, raw = build_model_all_ranks(cfg.network, runtime)
         assert isinstance(wrapped, DDP) and unwrap(wrapped) is raw
         expected = torch.load(paths["plain"], weights_only=True)
         assert all(torch.equal(v, expected[k]) for k, v in raw.state_dict().items())

@@ -175,7 +175,7 @@ def _one_step(track_r1: bool, log_now: bool, r1reg: float = 0.0):
     runtime = Runtime()
     plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
-    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    wrapped, raw = build_model_all_ranks(cfg.network, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(wrapped, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device),

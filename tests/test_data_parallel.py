@@ -27,7 +27,7 @@ def _step(cfg, runtime, monkeypatch=None):
     """One DAT step from the same weights and batch; returns (result, modules the attacks ran
     on, updated parameters)."""
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    model, raw = build_model_all_ranks(cfg.network, runtime)
     plan = plan_batches(cfg.schedule, cfg.eval, 1)
     batches = next(iter(build_train_data(cfg.inputs, Runtime(), plan, DAT.streams)))
     attacked = []
@@ -72,7 +72,7 @@ def test_every_gpu_does_attack_work():
     the same attack on one GPU with the whole batch."""
     cfg = load_config(CONFIG, ["batch_size=256", "attack.start_step=10", "device=cuda",
                                "use_ddp=false"])
-    model, _ = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime(device=torch.device("cuda", 0), data_parallel=True))
+    model, _ = build_model_all_ranks(cfg.network, Runtime(device=torch.device("cuda", 0), data_parallel=True))
     x = torch.rand(256, 3, 32, 32, device="cuda:0")
     y = torch.randint(0, 10, (256,), device="cuda:0")
 

@@ -146,7 +146,7 @@ def test_a_dat_step_with_fused_attacks_equals_the_separate_one(T):
         cfg = load_config(CONFIG, ["batch_size=8", "indist_attack_clf.max_steps=2",
                                    f"fuse_attacks={str(fuse).lower()}"])
         torch.manual_seed(0)
-        model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+        model, raw = build_model_all_ranks(cfg.network, Runtime())
         result = _update(cfg, model, raw, T)
         updated[fuse] = (float(result.loss), [p.detach().clone() for p in raw.parameters()])
     assert updated[True][0] == pytest.approx(updated[False][0], rel=1e-6, abs=1e-7)
@@ -163,7 +163,7 @@ def test_compiled_dat_run_with_fused_attacks_compiles_two_graphs_whatever_t():
     cfg = load_config(CONFIG, ["batch_size=16", "attack.start_step=1",
                                "indist_attack_clf.max_steps=1", "fuse_attacks=true"])
     torch.manual_seed(0)
-    _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+    _, raw = build_model_all_ranks(cfg.network, Runtime())
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
     plan, precision = plan_batches(cfg.schedule, cfg.eval, 1), Precision(cfg.distributed.amp, torch.device("cpu"))

@@ -203,7 +203,7 @@ def test_build_model_loads_ckpt_single_process(tmp_path):
     source = _randomise_bn(build_model("WideResNet10x1", 10)).eval()
     save_model(nn.DataParallel(source), tmp_path / "m.pth")
     cfg = _cfg(ckpt_path=str(tmp_path / "m.pth"), channels_last=True)
-    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+    wrapped, raw = build_model_all_ranks(cfg.network, Runtime())
     assert wrapped is raw and isinstance(raw, nn.Module)
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     x = torch.rand(2, 3, 32, 32)
@@ -212,7 +212,7 @@ def test_build_model_loads_ckpt_single_process(tmp_path):
 
 def test_build_model_data_parallel():
     cfg = _cfg()
-    wrapped, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime(data_parallel=True))
+    wrapped, raw = build_model_all_ranks(cfg.network, Runtime(data_parallel=True))
     assert isinstance(wrapped, nn.DataParallel) and unwrap(wrapped) is raw
 
 

@@ -45,7 +45,7 @@ def test_default_is_channels_last_on_cpu(caplog):
     assert cfg.model.channels_last == "auto"
     torch.manual_seed(0)
     with caplog.at_level("INFO", logger="rebm"):
-        model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+        model, raw = build_model_all_ranks(cfg.network, Runtime())
     convs = [m for m in raw.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last)
                          for c in convs)
@@ -90,7 +90,7 @@ def test_dat_run_compiles_two_graphs_whatever_t():
         "fuse_attacks=false"])  # the separate attacks (tests/test_fused_attacks.py: the fused)
     runtime, plan = Runtime(), plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
-    _, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    _, raw = build_model_all_ranks(cfg.network, runtime)
     torch._dynamo.reset()
     model = torch.compile(raw, backend="eager")
     optimizer = build_optimizer(cfg.optimization, raw.parameters())

@@ -92,7 +92,7 @@ def test_dat_step_runs_under_each_precision(amp):
     runtime = Runtime()
     plan = plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    model, raw = build_model_all_ranks(cfg.network, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     precision = Precision(cfg.distributed.amp, runtime.device)
     assert precision.scaler.is_enabled() == (amp == "fp16")
@@ -131,7 +131,7 @@ def test_channels_last_model_gives_the_same_outputs():
 def test_channels_last_config_and_checkpoint_round_trip(tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.channels_last=true"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+    model, raw = build_model_all_ranks(cfg.network, Runtime())
     assert raw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     path = tmp_path / "cl.pth"
     torch.save(raw.state_dict(), path)
@@ -165,7 +165,7 @@ def test_compiled_state_dict_loads_into_uncompiled_model(tmp_path):
 def test_build_model_with_compile_keeps_raw_module_uncompiled():
     cfg = load_config("experiments/quickstart/digits.yaml", ["model.compile=true"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+    model, raw = build_model_all_ranks(cfg.network, Runtime())
     assert model is not raw and unwrap(model) is raw
     # Optimizer, EMA and checkpoints use `raw`: plain names, shared parameters.
     assert not any(k.startswith("_orig_mod.") for k in raw.state_dict())
@@ -182,7 +182,7 @@ def test_attacks_run_on_the_compiled_module(monkeypatch, tmp_path):
     cfg = load_config("experiments/quickstart/digits.yaml",
                       ["model.compile=true", "fuse_attacks=false", f"run_dir={tmp_path}"])
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, Runtime())
+    model, raw = build_model_all_ranks(cfg.network, Runtime())
     assert strip_parallel(model) is model and strip_parallel(torch.nn.DataParallel(model)) is model
     attacked = []
 

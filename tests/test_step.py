@@ -25,7 +25,7 @@ def _worker(result_dir: str, r1reg: float) -> None:
         "indist_attack_clf.max_steps=2", f"r1reg={r1reg}"])
     plan = plan_batches(cfg.schedule, cfg.eval, runtime.world_size)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    model, raw = build_model_all_ranks(cfg.network, runtime)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
     wrapper_calls, raw_calls = [], []
     model.register_forward_pre_hook(lambda *_: wrapper_calls.append(1))
@@ -64,7 +64,7 @@ def _clipped_update(max_grad_norm):
     runtime = rd.Runtime()
     plan = plan_batches(cfg.schedule, cfg.eval, 1)
     torch.manual_seed(0)
-    model, raw = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime)
+    model, raw = build_model_all_ranks(cfg.network, runtime)
     optimizer = build_optimizer(cfg.optimization, raw.parameters())
     batches = next(iter(build_train_data(cfg.inputs, runtime, plan, DAT.streams)))
     result = dat_update(model, optimizer, batches, 1, cfg, plan, Precision("none", runtime.device))

@@ -164,12 +164,12 @@ def test_use_ddp_false_single_process_runs_same_loop(tmp_path, runs):
 
 def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
     from rebm.checkpoint.run_directory import RunDirectory
-    from rebm.config import load_config, to_dict, to_yaml
+    from rebm.config import load_config, to_dict
     from rebm.distributed import Runtime
     from rebm.engine.tracking import Tracker
 
     cfg = load_config(CONFIG, ["wandb_disabled=true"])
-    tracker = Tracker(cfg.logging, Runtime(), RunDirectory(str(tmp_path)), to_yaml(cfg),
+    tracker = Tracker(cfg.logging, Runtime(), RunDirectory(str(tmp_path)),
                       to_dict(cfg)).start_all_ranks()
     for step in (1, 2, 3):
         tracker.log_all_ranks(step, 32 * step, 0, {"x": 1.0})

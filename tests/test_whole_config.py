@@ -116,3 +116,15 @@ def test_a_section_holds_each_key_once():
     cfg = TrainConfig()
     assert cfg.evaluation.eval is cfg.eval and cfg.evaluation.schedule is cfg.schedule
     assert cfg.evaluation == TrainConfig().evaluation  # views compare by value
+
+
+def test_no_engine_function_takes_more_than_five_parameters():
+    """The engine passes sections and owners of state, not long lists (self and cls apart)."""
+    long = []
+    for path in sorted((REPO / "rebm" / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [p.arg for p in _params(node) if p.arg not in ("self", "cls")]
+                if len(names) > 5:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}{names}")
+    assert not long, "\n".join(long)

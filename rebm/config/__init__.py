@@ -12,6 +12,7 @@ from rebm.config.loading import (
     to_dict,
     to_yaml,
     validate,
+    yaml_of,
 )
 from rebm.config.schema import (
     DataConfig,
@@ -28,5 +29,5 @@ __all__ = [
     "training_diff", "AttackConfig", "BatchPlan", "ConfigError", "DataConfig", "ImageLogConfig",
     "ModelConfig", "TrainConfig", "eval_batch_size", "explicit_keys", "freeze", "replace",
     "ignored_fields_notice", "ignored_fields_set", "legacy_keys", "load_config", "plan_batches",
-    "to_dict", "to_yaml", "validate",
+    "to_dict", "to_yaml", "validate", "yaml_of",
 ]

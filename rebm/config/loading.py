@@ -384,7 +384,12 @@ def _validate_image_log(cfg: TrainConfig, source: str) -> None:
 
 def to_yaml(cfg: TrainConfig) -> str:
     """The config in the file layout, as config.yaml holds it."""
-    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+    return yaml_of(to_dict(cfg))
+
+
+def yaml_of(config: dict) -> str:
+    """config.yaml's text of a config as to_dict gives it."""
+    return OmegaConf.to_yaml(OmegaConf.create(config))
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -32,7 +32,7 @@ from rebm.config.sections import (
     RunSection,
     ScheduleSection,
 )
-from rebm.config.views import EvaluationSection, InputSection
+from rebm.config.views import EvaluationSection, InputSection, NetworkSection
 
 # Choices (validated by hand: OmegaConf does not check typing.Literal). Datasets and optimizers
 # are registries (rebm/config/datasets.py, rebm/config/optimizers.py), models too (rebm.models).
@@ -139,6 +139,10 @@ class TrainConfig(LegacyTrainFields, Frozen):
     @property
     def inputs(self) -> InputSection:
         return InputSection(data=self.data, schedule=self.schedule)
+
+    @property
+    def network(self) -> NetworkSection:
+        return NetworkSection(model=self.model, data=self.data, distributed=self.distributed)
 
     @property
     def evaluation(self) -> EvaluationSection:

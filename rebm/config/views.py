@@ -36,3 +36,13 @@ class EvaluationSection:
     def inputs(self) -> InputSection:
         """The out-distribution's loaders (OOD detection's training out-dist)."""
         return InputSection(data=self.data, schedule=self.schedule)
+
+
+@dataclass(frozen=True)
+class NetworkSection:
+    """What a training run's network is built from: its section, the data's classes and image
+    size, and the hardware it runs on (precision, SyncBatchNorm, DDP's options)."""
+
+    model: Any  # ModelConfig
+    data: Any  # DataConfig
+    distributed: Any  # DistributedSection

@@ -16,7 +16,7 @@ import torch.nn as nn
 from rebm.checkpoint.run_directory import RunDirectory
 from rebm.checkpoint.weights import load_checkpoint
 from rebm.config.schema import DataConfig, ModelConfig
-from rebm.config.sections import DistributedSection
+from rebm.config.views import NetworkSection
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.compile_cache import CompileCache, cache_key, open_cache
 from rebm.distributed.parallel import resolve_channels_last, wrap_model
@@ -32,8 +32,7 @@ def compile_choice(model: ModelConfig, runtime: Runtime, planned_steps: float) -
     return decide_compile(model.compile, runtime.device, planned_steps)
 
 
-def build_model_all_ranks(model_section: ModelConfig, data: DataConfig,
-                          distributed: DistributedSection, runtime: Runtime,
+def build_model_all_ranks(network: NetworkSection, runtime: Runtime,
                           load_pretrained: bool = True, planned_steps: float = 0
                           ) -> Tuple[nn.Module, nn.Module]:
     """(wrapped model for the training forward/backward, raw module sharing its parameters).
@@ -44,7 +43,8 @@ def build_model_all_ranks(model_section: ModelConfig, data: DataConfig,
     `raw` is the uncompiled, unwrapped module: use it for evaluation, EMA and saving; attacks
     take `attack_view(model)`, which keeps the compilation.
     """
-    model = model_from_config(model_section, data)
+    model_section, distributed = network.model, network.distributed
+    model = model_from_config(model_section, network.data)
     if model_section.ckpt_path and load_pretrained:
         # Every rank reads the file itself (no broadcast of weights); a rank that cannot (the
         # file is missing on its node) stops every rank here, before DDP's first collective.
@@ -64,15 +64,15 @@ def build_model_all_ranks(model_section: ModelConfig, data: DataConfig,
                       find_unused_parameters=distributed.find_unused_parameters)
 
 
-def get_compile_cache(model: ModelConfig, data: DataConfig, distributed: DistributedSection,
-                      run_dir: Optional[str], runtime: Runtime, planned_steps: float
-                      ) -> Optional[CompileCache]:
+def get_compile_cache(network: NetworkSection, run_dir: Optional[str], runtime: Runtime,
+                      planned_steps: float) -> Optional[CompileCache]:
     """When the run compiles and has a run_dir, its compile cache, loaded before the first
     compile (which happens at the first forward); the training run owns it."""
+    model, amp = network.model, network.distributed.amp
     if not compile_choice(model, runtime, planned_steps).enabled:
         return None
-    channels_last = resolve_channels_last(model.channels_last, runtime.device, distributed.amp)
-    key = cache_key(runtime.device, _shaping(model, data, distributed.amp, channels_last))
+    channels_last = resolve_channels_last(model.channels_last, runtime.device, amp)
+    key = cache_key(runtime.device, _shaping(model, network.data, amp, channels_last))
     path = RunDirectory(run_dir).compile_cache(key) if run_dir else None
     cache, phrase = open_cache(path, writer=runtime.is_main)
     LOGGER.info("torch.compile: %s", phrase)

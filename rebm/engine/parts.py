@@ -142,8 +142,8 @@ class Parts:
 def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, training_method: Method,
                           last_step: float, load_pretrained: bool = True) -> Parts:
     """Every part of a run; every rank calls this (wrapping in DDP broadcasts the weights)."""
-    torch.manual_seed(cfg.schedule.rand_seed)  # same initial weights on every rank (DDP also broadcasts)
-    model, raw_model = build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime,
+    torch.manual_seed(cfg.schedule.rand_seed)  # same initial weights on every rank (DDP too)
+    model, raw_model = build_model_all_ranks(cfg.network, runtime,
                                              load_pretrained=load_pretrained,
                                              planned_steps=last_step)
     method_options = training_method.speed_options(runtime.device)
@@ -152,11 +152,12 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, training_method: M
     optimizer = build_optimizer(cfg.optimization, raw_model.parameters())
     return Parts(model=model, raw_model=raw_model, optimizer=optimizer,
                  scheduler=training_method.lr_scheduler(optimizer, last_step),
-                 ema=build_ema(raw_model, cfg.ema), precision=Precision(cfg.distributed.amp, runtime.device),
+                 ema=build_ema(raw_model, cfg.ema),
+                 precision=Precision(cfg.distributed.amp, runtime.device),
                  training_method=training_method, progress=Progress(is_main=runtime.is_main),
                  live_batchnorm=cfg.model.use_batchnorm,
-                 compile_cache=get_compile_cache(cfg.model, cfg.data, cfg.distributed,
-                                                 cfg.run.run_dir, runtime, last_step),
+                 compile_cache=get_compile_cache(cfg.network, cfg.run.run_dir, runtime,
+                                                 last_step),
                  max_grad_norm=cfg.optimization.max_grad_norm)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from rebm.checkpoint.run_directory import RunDirectory
+from rebm.config import yaml_of
 from rebm.config.sections import LoggingSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
@@ -53,32 +54,30 @@ def _record_step(line: str) -> float:
 
 class Tracker:
     """Rank 0: writes config.yaml, metrics.jsonl, wandb, samples/. Other ranks: does nothing.
-    `config_yaml` is the run's config as config.yaml holds it (to_yaml), `config` as wandb
-    stores it (to_dict)."""
+    `config` is the run's config as to_dict gives it (config.yaml and wandb hold it)."""
 
     def __init__(self, logging: LoggingSection, runtime: Runtime, run_directory: RunDirectory,
-                 config_yaml: str, config: Dict[str, Any], wandb_run_id: Optional[str] = None,
-                 last_step: float = math.inf):
+                 config: Dict[str, Any], last_step: float = math.inf):
         self.runtime = runtime
         self.last_step = last_step  # for the console summary's "step s/last"
         self.run_directory = run_directory
         self.wandb_run = None
-        self.wandb_run_id = wandb_run_id
+        self.wandb_run_id: Optional[str] = None
         self.metrics_path = run_directory.metrics_file
         self.failed_write: Optional[str] = None  # rank 0: a training record it could not write
         self.logging = logging
-        self.config_yaml = config_yaml
         self.config = config
 
-    def start_all_ranks(self) -> "Tracker":
-        """Rank 0 writes config.yaml and starts wandb; every rank calls this once, after the
-        constructor (which runs no collective)."""
+    def start_all_ranks(self, wandb_run_id: Optional[str] = None) -> "Tracker":
+        """Rank 0 writes config.yaml and starts wandb (continuing `wandb_run_id`, a resumed
+        run's); every rank calls this once, after the constructor (which runs no collective)."""
+        self.wandb_run_id = wandb_run_id
         on_main(self.runtime, self._start, "write config.yaml or start wandb")
         return self
 
     def _start(self) -> None:
         with open(self.run_directory.config_file, "w") as fh:
-            fh.write(self.config_yaml)
+            fh.write(yaml_of(self.config))
         mode = wandb_mode(self.logging)
         if mode != "disabled":
             self._init_wandb(mode)

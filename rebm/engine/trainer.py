@@ -31,7 +31,6 @@ from rebm.config import (
     plan_batches,
     replace,
     to_dict,
-    to_yaml,
     training_diff,
 )
 from rebm.config.sections import RunSection, ScheduleSection
@@ -182,10 +181,8 @@ class Trainer:
         if state is not None:
             self.parts.load_state_all_ranks(state, self.runtime)
         identity = self.parts.identity
-        self.tracker = Tracker(cfg.logging, self.runtime, self.run_directory, to_yaml(cfg),
-                               to_dict(cfg),
-                               wandb_run_id=identity.wandb_run_id,
-                               last_step=self.last_step).start_all_ranks()
+        self.tracker = Tracker(cfg.logging, self.runtime, self.run_directory, self.config,
+                               last_step=self.last_step).start_all_ranks(identity.wandb_run_id)
         identity.wandb_run_id = self.tracker.wandb_run_id
         self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
         LOGGER.info("%s | data: %s | training to step %s", training_method.describe(),

@@ -14,7 +14,7 @@ The original's call forms (rebm/training/modeling.py of xuwangyin/DAT) work unch
 
 These are the original's signatures only, for scripts written against it; rebm's own code
 builds models through the registry (`rebm.models.model_from_config`) and the engine
-(`rebm.engine.build.build_model_all_ranks(cfg.model, cfg.data, cfg.distributed, runtime) ->
+(`rebm.engine.build.build_model_all_ranks(cfg.network, runtime) ->
 (wrapped, raw)`, `rebm.engine.optimizers.build_optimizer(cfg.optimization, params)`).
 """
 

@@ -120,6 +120,12 @@ def test_help(capsys):
          "'indist_attack_clf.attack_type' is 'argmin_pgd'; DAT's classifier attack is 'pgd'"),
         # a section given a value names the section (OmegaConf's own error names no key)
         ("attack=5", "'attack' is a section, not a value (got 5); set one of its keys instead"),
+        # a key by the section rebm stores it in: the file's key is named
+        ("schedule.batch_size=64", "unknown config key 'schedule.batch_size'. Did you mean "
+                                   "'batch_size'?"),
+        ("method.attack.eps=3", "unknown config key 'method.attack.eps'. Did you mean 'attack.eps'?"),
+        ("data.augm_type_generation=none", "Did you mean 'augm_type_generation'?"),
+        ("eval.robust_eval=false", "Did you mean 'robust_eval'?"),
         ("data.indist_dataset=digits model=abc", "'model' is a section, not a value"),
         # one rule for case: every named choice is matched exactly, as the original matches them
         ("optimizer=Adam", "'optimizer: Adam' is not a valid choice; use one of sgd, adam, adamw; "

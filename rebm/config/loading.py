@@ -209,7 +209,14 @@ def _refuse_unknown_keys(raw: Any, source: str, prefix: str = "") -> None:
     for key, value in raw.items() if isinstance(raw, dict) else ():
         dotted = f"{prefix}{key}"
         if dotted not in VALID_KEYS:
-            raise ConfigError(f"{source}: unknown config key '{dotted}'.{_suggest(dotted)} "
+            while isinstance(value, dict) and value:  # name the whole key the source wrote
+                key, value = next(iter(value.items()))
+                dotted = f"{dotted}.{key}"
+            stored_as = file_key(dotted)  # a section path (schedule.batch_size): its file key
+            hint = (f" Did you mean '{stored_as}'? (files and overrides use the original's "
+                    "keys)" if stored_as != dotted and stored_as in VALID_KEYS
+                    else _suggest(dotted))
+            raise ConfigError(f"{source}: unknown config key '{dotted}'.{hint} "
                               f"(see docs/configs.md for every field)")
         if isinstance(value, dict) and f"{dotted}." in _SECTION_PREFIXES:
             _refuse_unknown_keys(value, source, f"{dotted}.")

@@ -72,7 +72,7 @@ def test_advances_exactly_when_full_window_mean_crosses_threshold():
 
 
 def test_threshold_is_inclusive():
-    cur = Curriculum(start_step=0, max_steps=5, auc_threshold=0.75, window_size=2)
+    cur = Curriculum(start_step=0, max_T=5, auc_threshold=0.75, window_size=2)
     assert cur.update(0.5, 10) is False
     assert cur.update(1.0, 10) is True  # mean exactly 0.75 (binary-exact values)
     # just below: mean 0.74951171875 (exact) does not advance
@@ -86,10 +86,10 @@ def test_never_past_max_steps():
     assert cur.update(1.0, 128) is True and cur.T == 2
     assert not any(cur.update(1.0, 128) for _ in range(20))
     assert cur.T == 2
-    zero = Curriculum(start_step=0, max_steps=0, auc_threshold=0.0, window_size=1)
+    zero = Curriculum(start_step=0, max_T=0, auc_threshold=0.0, window_size=1)
     assert zero.update(1.0, 1) is False and zero.T == 0
     with pytest.raises(ValueError):
-        Curriculum(start_step=3, max_steps=2, auc_threshold=0.8, window_size=1)
+        Curriculum(start_step=3, max_T=2, auc_threshold=0.8, window_size=1)
 
 
 def test_samples_per_attack_step_mode():

@@ -44,7 +44,7 @@ class AdversarialTraining(Method):
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)
-        self.method = method
+        self.method_section = method
         self.lr_schedule = STAGE1.lr_schedule(schedule)  # its name
         self.last_step: Optional[int] = None
 
@@ -67,7 +67,7 @@ class AdversarialTraining(Method):
         # adversarial example does not depend on how the batch is split over ranks.
         ctx.attacked.eval()
         with ctx.autocast():
-            x_adv = attack_from_config(ctx.attacked, clf.images, self.method.indist_attack_clf,
+            x_adv = attack_from_config(ctx.attacked, clf.images, self.method_section.indist_attack_clf,
                                     objective="ce", y=clf.labels, random_start_keys=clf.keys)
         # The training forward is in train mode through DDP: BN normalises with (synced, on
         # GPU) batch statistics of the adversarial batch and updates its running stats.

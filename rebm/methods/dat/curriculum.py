@@ -19,23 +19,23 @@ class Curriculum:
     Window mode (default): keep the AUCs of the last `window_size` steps; when the window is full
     and its mean >= `auc_threshold`, T <- T + 1 and the window starts empty. With
     `samples_per_attack_step`, T instead rises after that many images at the current T. T never
-    exceeds `max_steps`.
+    exceeds `max_T` (`attack.max_steps`).
     """
 
     def __init__(
         self,
         start_step: int,
-        max_steps: int,
+        max_T: int,
         auc_threshold: float,
         window_size: int,
         samples_per_attack_step: Optional[int] = None,
     ):
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
-        if not 0 <= start_step <= max_steps:
-            raise ValueError(f"need 0 <= start_step ({start_step}) <= max_steps ({max_steps})")
+        if not 0 <= start_step <= max_T:
+            raise ValueError(f"need 0 <= start_step ({start_step}) <= max_T ({max_T})")
         self.T = start_step
-        self.max_steps = max_steps
+        self.max_T = max_T  # attack.max_steps: the cap on T
         self.auc_threshold = auc_threshold
         self.samples_per_attack_step = samples_per_attack_step
         self.window: deque = deque(maxlen=window_size)
@@ -47,7 +47,7 @@ class Curriculum:
         batch_size) steps."""
         return cls(
             start_step=method.attack.start_step,
-            max_steps=method.attack.max_steps,
+            max_T=method.attack.max_steps,
             auc_threshold=method.AUC_th,
             window_size=math.ceil(method.min_imgs_per_threshold / batch_size),
             samples_per_attack_step=method.samples_per_attack_step,
@@ -61,7 +61,7 @@ class Curriculum:
         """Record one optimizer step (its AUC and global image count); True when T advanced."""
         self.window.append(float(adv_auc))
         self.images_at_T += int(n_images)
-        if self.T >= self.max_steps:
+        if self.T >= self.max_T:
             return False
         if self.samples_per_attack_step:
             advance = self.images_at_T >= self.samples_per_attack_step
@@ -79,7 +79,7 @@ class Curriculum:
         return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.T = min(int(state["T"]), self.max_steps)  # a lowered max_steps caps a resumed T
+        self.T = min(int(state["T"]), self.max_T)  # a lowered attack.max_steps caps a resumed T
         self.window.clear()
         self.window.extend(float(a) for a in state["window"])  # keeps the newest if maxlen shrank
         self.images_at_T = int(state["images_at_T"])

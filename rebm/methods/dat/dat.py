@@ -85,7 +85,7 @@ class DAT(Method):
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)
-        self.method, self.global_batch_size = method, schedule.batch_size
+        self.method_section, self.global_batch_size = method, schedule.batch_size
         self.curriculum = Curriculum.from_config(method, schedule.batch_size)
         self.loss_options = loss_options(method, model)
         self.frozen_bn = not model.use_batchnorm  # train-mode logits equal eval-mode ones
@@ -113,7 +113,7 @@ class DAT(Method):
         """Attacks -> the loss terms of one micro-batch (forward only). `log_now`
         adds the clean out-distribution scores (one more forward) and, with track_r1, the
         measured R1 penalty (one input-gradient pass)."""
-        method = self.method
+        method = self.method_section
         x_in, y_in = batch[INDIST.name].images, batch[INDIST.name].labels
         clf, out = batch[CLASSIFIER.name], batch[OUTDIST.name]
         ctx.attacked.eval()
@@ -185,14 +185,14 @@ class DAT(Method):
         self.curriculum.load_state_dict(state["curriculum"])
 
     def speed_options(self, device: torch.device) -> Optional[str]:
-        setting = self.method.fuse_attacks
+        setting = self.method_section.fuse_attacks
         fused = resolve_fuse_attacks(setting, device)
         why = f": {'on' if fused else 'off'} for {device.type}" if setting == "auto" else ""
         return (f"attacks {'in one fused pass' if fused else 'in two passes'} "
                 f"(fuse_attacks={str(setting).lower()}{why})")
 
     def describe(self) -> str:
-        return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_steps})"
+        return f"DAT (T={self.curriculum.T}, max {self.curriculum.max_T})"
 
 
 def global_aucs_all_ranks(runtime: Runtime, scores: Dict[str, torch.Tensor]) -> tuple:

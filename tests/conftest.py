@@ -33,14 +33,17 @@ from tests.helpers import CONFIG, FAST, STRAIGHT_STEPS, run_train
 # The files that take longest (CPU-seconds, or seconds of waiting), longest first. pytest-xdist
 # (`--dist loadfile --no-loadscope-reorder`, as the Makefile runs it) hands out files in
 # collection order, so starting these first keeps both workers busy to the end instead of one
-# waiting while the other runs a long file last.
-LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_interrupts.py",
-                 "tests/test_imagenet_training.py", "tests/test_faults.py", "tests/test_table.py",
-                 "tests/test_console_messages.py", "tests/test_shipped_configs.py",
-                 "tests/test_run_dir.py", "tests/test_eval_metrics.py",
-                 "tests/test_speed_defaults.py", "tests/test_original_trajectory.py",
-                 "tests/test_faults_start.py",
-                 "tests/test_stage1_twin.py"]
+# waiting while the other runs a long file last (test_train and test_table_cache would come near
+# the end alphabetically). The files that read `straight` come after the first two, which leave
+# it made by then.
+LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_inception_file.py",
+                 "tests/test_speed_defaults.py", "tests/test_shipped_configs.py",
+                 "tests/test_eval_metrics.py", "tests/test_faults_start.py",
+                 "tests/test_run_dir.py", "tests/test_train.py", "tests/test_exact_sums.py",
+                 "tests/test_table_cache.py", "tests/test_stage1_twin.py",
+                 "tests/test_original_trajectory.py", "tests/test_imagenet_training.py",
+                 "tests/test_interrupts.py", "tests/test_table.py", "tests/test_faults.py",
+                 "tests/test_console_messages.py"]
 
 
 def pytest_configure(config):

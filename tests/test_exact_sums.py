@@ -5,7 +5,7 @@ precision/recall the same bits on any number of processes.
   round-off of the exact sum, one error on every rank out of range; real processes where a rank
   adds nothing;
 - `MomentSums` (FID): the same mu and sigma whatever the order of the chunks;
-- the real entry point, `rebm.eval.evaluate --samples` with 2,000 stand-in samples on 1, 2 and 3
+- the real entry point, `rebm.eval.evaluate --samples` with 500 stand-in samples on 1, 2 and 3
   processes (torchrun): FID, IS and precision/recall identical.
 """
 
@@ -135,15 +135,17 @@ def test_same_totals_on_1_2_3_processes(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The real entry point: 2,000 samples on 1, 2 and 3 processes
+# The real entry point: 500 samples on 1, 2 and 3 processes
 # --------------------------------------------------------------------------------------------
-N_SAMPLES = 2000
-BATCH = 96  # 20 full chunks and a last one of 80: 7, 7 and 7 chunks on 3 ranks, the last partial
+# Each sample is resized to 299 px for the Inception Score, the bulk of a run's time, so the count
+# is small: 50 samples in each of the Inception Score's 10 splits, which straddle the ranks.
+N_SAMPLES = 500
+BATCH = 24  # 20 full chunks and a last one of 20: 7, 7 and 7 chunks on 3 ranks, the last partial
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A tiny CIFAR-10 and a model that fits its test images; 2,000 uniform-noise images (what
+    """A tiny CIFAR-10 and a model that fits its test images; 500 uniform-noise images (what
     the samples start from, so the two sets overlap) as the reference batch of precision/recall
     and as the FID statistics (stand-in features)."""
     from rebm.config import load_config

@@ -28,6 +28,7 @@ from tests.helpers import (
     REPO,
     base_env,
     finish,
+    process_alive,
     rebm_traceback_lines,
     run_train,
     start_torchrun,
@@ -198,15 +199,6 @@ def _wait_for_workers(agent, timeout: float = 120) -> dict:
     pytest.fail("torchrun did not start its workers")
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by whoever adopted it, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 STEPS = [*QUICK, "max_steps=100000", "total_epochs=null", "n_imgs_per_ckpt_save=100000",
          "model.compile=false"]
 
@@ -221,7 +213,7 @@ def test_a_stopped_rank_is_named_in_one_line(tmp_path):
         wait_for_records(run_dir, 2, agent)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.time()
-        while _alive(pids[0]) and time.time() < stopped + 90:
+        while process_alive(pids[0]) and time.time() < stopped + 90:
             time.sleep(0.2)
         named_after = time.time() - stopped
         # torchrun's agent sends the stopped rank a SIGTERM it cannot act on, and SIGKILL 30 s
@@ -230,7 +222,7 @@ def test_a_stopped_rank_is_named_in_one_line(tmp_path):
         code, output = finish(agent, timeout=60)
     finally:
         for pid in pids.values():
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
     assert code != 0
@@ -256,12 +248,12 @@ def test_workers_die_with_their_torchrun_agent(tmp_path):
         wait_for_records(run_dir, 2, agent)
         os.kill(agent.pid, signal.SIGKILL)
         killed = time.time()
-        while any(_alive(pid) for pid in pids.values()) and time.time() < killed + 60:
+        while any(process_alive(pid) for pid in pids.values()) and time.time() < killed + 60:
             time.sleep(0.2)
-        survivors = [rank for rank, pid in pids.items() if _alive(pid)]
+        survivors = [rank for rank, pid in pids.items() if process_alive(pid)]
     finally:
         for pid in pids.values():
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     output = agent.communicate(timeout=30)[0]
     assert survivors == [], f"ranks {survivors} outlived their agent\n{output[-3000:]}"

@@ -11,11 +11,14 @@ machine: they are hashes of text, so they hold everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -32,6 +35,10 @@ OVERRIDES = (
 )
 FAKE_CHECKPOINT = "0" * 64
 CHECKPOINT_ROOT = "/nonexistent/rebm-layout-checkpoints"
+# The keys hold the absolute paths of the rows' relative data paths (a dataset root counts by its
+# path): they are made from this folder, which holds only `experiments` (the tables' configs), so
+# they depend neither on where the repository is nor on data a checkout has.
+KEYS_CWD = os.path.join(tempfile.gettempdir(), "rebm-config-layout-cwd")
 
 
 def shipped_configs():
@@ -61,6 +68,14 @@ def config_identities() -> dict:
 
 
 def table_keys() -> dict:
+    shutil.rmtree(KEYS_CWD, ignore_errors=True)
+    os.makedirs(KEYS_CWD)
+    os.symlink(os.path.join(REPO, "experiments"), os.path.join(KEYS_CWD, "experiments"))
+    with contextlib.chdir(KEYS_CWD):
+        return _table_keys()
+
+
+def _table_keys() -> dict:
     from rebm.eval.registry import metric_classes
     from rebm.eval.table.cache import FileHashes, metric_key
     from rebm.eval.table.spec import load_table, row_sections

@@ -30,7 +30,9 @@ from rebm.config.sections import DistributedSection, MethodSection
 from rebm.errors import UserError
 
 EXIT_USER_ERROR = 2
-OTHER_RANKS_ERROR_GRACE_S = 5.0  # see error_delay_s; 2 s was too short for torchrun to stop the other ranks on a loaded machine (two lines per job)
+# see error_delay_s; 2 s was too short for torchrun to stop the other ranks on a loaded 2-core
+# machine, and a job printed two lines
+OTHER_RANKS_ERROR_GRACE_S = 5.0
 WANDB_ENV_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's own
 
 

@@ -51,6 +51,7 @@ from rebm.engine.metrics_window import (
     peak_memory_mib,
     pop_data_counts,
 )
+from rebm.engine.events import EventSchedule
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks, state_fit_check
 from rebm.engine.saving import (
     TrainingDiverged,
@@ -176,6 +177,11 @@ class Trainer:
         self.data = build_train_data(cfg.inputs, self.runtime, self.plan, training_method.streams,
                                      start_step=int(state["step"]) if state else 0)
         self.last_step = planned_last_step(self.schedule, self.data.steps_per_epoch)
+        self.events = EventSchedule(self.plan, self.intervals,
+                                    at_step_start=training_method.events_at_step_start,
+                                    last_step=self.last_step,
+                                    log_final_step=training_method.log_final_step)
+        self.resumed = state is not None
         self.parts: Parts = build_parts_all_ranks(cfg, self.runtime, training_method,
                                                   self.last_step, load_pretrained=state is None)
         if state is not None:
@@ -184,7 +190,9 @@ class Trainer:
         self.tracker = Tracker(cfg.logging, self.runtime, self.run_directory, self.config,
                                last_step=self.last_step).start_all_ranks(identity.wandb_run_id)
         identity.wandb_run_id = self.tracker.wandb_run_id
-        self.tracker.truncate_metrics_after_all_ranks(self.progress.step)  # an attempt that saved none
+        # records newer than the state (or, starting afresh, every record: the starting model's
+        # evaluation at step 0 too) are an attempt's that saved no state after them
+        self.tracker.truncate_metrics_after_all_ranks(self.progress.step if state else -1)
         LOGGER.info("%s | data: %s | training to step %s", training_method.describe(),
                     self.data.describe(), self.last_step)
 
@@ -206,21 +214,24 @@ class Trainer:
             LOGGER.info(notice)
 
     def fit(self) -> Dict[str, Any]:
-        """Train to the last step: step, agree on stopping, log, evaluate, save, at their
-        intervals; then the final evaluation and files. A preemption saves and returns early."""
-        intervals, plan, progress = self.intervals, self.plan, self.progress
+        """Train to the last step: step, agree on stopping, log, evaluate, save, at the times
+        `self.events` gives; then the final evaluation and files. A preemption saves and returns
+        early."""
+        events, progress = self.events, self.progress
         with self.preemption:
             try:
-                if progress.eval_pending:  # an evaluation a preemption interrupted
-                    self.evaluate_all_ranks()
                 batches = iter(self.data)
                 bar = progress_bar(self.runtime, progress.step, self.last_step,
                                    self.schedule.batch_size)
-                progress.window.started = time.perf_counter()  # images/s counts training only
                 # a collective timeout in the loop names the rank(s) that did not arrive
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
+                    # the starting model (a fresh run), or an evaluation a preemption abandoned
+                    if progress.eval_pending or (not self.resumed
+                                                 and events.evaluation_due(progress.step)):
+                        self.evaluate_all_ranks()
+                    progress.window.started = time.perf_counter()  # images/s: training only
                     while progress.step < self.last_step:
-                        log_now = self.log_due(progress.step + 1)
+                        log_now = events.log_due(progress.step + 1)
                         result = self.train_step_all_ranks(next(batches), log_now)
                         decision = consensus(self.runtime, preempt=self.preemption.raised,
                                              nonfinite=not (result.applied and result.finite),
@@ -233,14 +244,20 @@ class Trainer:
                                    epoch=self.epoch, **self.parts.training_method.progress())
                         if log_now:
                             self.log_all_ranks(result)
-                        if plan.crossed(intervals.n_imgs_per_image_log, progress.step):
+                        if events.previews_due(progress.step):
                             self.save_previews_all_ranks(result)
-                        if plan.crossed(intervals.n_imgs_per_evaluation_log, progress.step):
-                            self.evaluate_all_ranks()
-                        if self.checkpoint_manager.save_due(plan, progress.step, self.last_step):
+                        # at the last step: just finish
+                        stopping = decision["preempt"] and progress.step < self.last_step
+                        if events.evaluation_due(progress.step):
+                            if stopping:  # the resumed run evaluates first
+                                progress.eval_pending = True
+                            else:
+                                self.evaluate_all_ranks()
+                        if stopping:
+                            break  # stop_preempted_all_ranks saves this step's state
+                        if self.checkpoint_manager.save_due(self.plan, progress.step,
+                                                            self.last_step):
                             self.save_all_ranks()
-                        if decision["preempt"] and progress.step < self.last_step:
-                            break  # at the last step: just finish
                 if progress.step < self.last_step:  # every rank agreed to stop
                     return self.stop_preempted_all_ranks()
                 return self.finish_all_ranks()
@@ -250,13 +267,12 @@ class Trainer:
 
     @property
     def epoch(self) -> int:
-        """The epoch of the newest step done."""
-        return self.data.epoch_of(self.progress.step - 1)
+        """The epoch of the newest step done (0 before the first)."""
+        return self.data.epoch_of(max(self.progress.step - 1, 0))
 
     def log_due(self, step: int) -> bool:
-        """Training metrics are logged at optimizer step `step` (counted from 1)."""
-        return (self.plan.crossed(self.intervals.n_imgs_per_metrics_log, step)
-                or (self.parts.training_method.log_final_step and step == self.last_step))
+        """Training metrics are logged after optimizer step `step` (counted from 1)."""
+        return self.events.log_due(step)
 
     def train_step_all_ranks(self, micro_batches, log_now: bool) -> StepResult:
         """One optimizer step: the update (zero_grad, the method's losses and their backward
@@ -323,8 +339,9 @@ class Trainer:
             self.tracker.save_grid_all_ranks(images, f"{name}_step{self.progress.step:08d}.png",
                                    self.progress.step)
 
-    def evaluate_all_ranks(self) -> Dict[str, Any]:
-        """Every rank evaluates its shard; rank 0 records and keeps the best models."""
+    def evaluate_all_ranks(self, candidate: bool = True) -> Dict[str, Any]:
+        """Every rank evaluates its shard; rank 0 records it and, when this evaluation is a
+        `candidate`, keeps the best models."""
         progress, step = self.progress, self.progress.step
         LOGGER.info("evaluating at step %d", step)
         with patient_collectives(self.runtime, self.distributed, progress):
@@ -337,7 +354,7 @@ class Trainer:
         self.tracker.log_table_all_ranks("eval/table", step, results)
         if "sample_grid" in eval_results.files:  # the same on every rank
             self.tracker.log_image_all_ranks(eval_results.files["sample_grid"], step)
-        if self.parts.training_method.keep_best:
+        if candidate and self.parts.training_method.keep_best:
             self.checkpoint_manager.keep_best_all_ranks(self.parts.eval_model, progress.best,
                                                         results,
                                                         robust_eval=self.evaluation.eval.robust_eval)
@@ -383,7 +400,10 @@ class Trainer:
             return {"step": progress.step}
         results = progress.last_eval
         if self.intervals.n_imgs_per_evaluation_log and progress.last_eval_step != progress.step:
-            results = self.evaluate_all_ranks()
+            # a report of the final model; the best models' candidate only where the loop
+            # the method follows would have evaluated it (rebm.engine.events)
+            results = self.evaluate_all_ranks(
+                candidate=self.events.final_evaluation_is_candidate(progress.step))
         # model_final first: once the final state exists, a rerun has nothing left to do
         final_path = self.checkpoint_manager.save_final_all_ranks(self.parts.eval_model)
         LOGGER.info("wrote %s", final_path)

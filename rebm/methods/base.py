@@ -93,6 +93,10 @@ class Method:
     eval_samples = False  # periodic evaluation also draws samples (and FID)
     keep_best = False  # keep model_bestacc.pth / model_bestfid.pth
     log_final_step = False  # also log the training metrics at the run's last step
+    # the loop's events at the start of a step, the first included, evaluating before the
+    # update (the original DAT loop), or after the step that crosses an interval
+    # (rebm.engine.events)
+    events_at_step_start = False
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         """A method reads the config's `method` section, and of the others what its rules and

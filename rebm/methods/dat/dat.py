@@ -82,6 +82,10 @@ class DAT(Method):
     streams = (INDIST, CLASSIFIER, OUTDIST)
     eval_samples = True
     keep_best = True
+    # the original's loop: it evaluates at its first step (the starting model) and at the start
+    # of each step that crosses an interval, before the update (rebm/training/train.py:498-581
+    # and scheduling.py:72-74 of the original)
+    events_at_step_start = True
 
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)

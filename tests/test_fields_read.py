@@ -25,10 +25,10 @@ from typing import Dict, List, Set, Tuple
 import numpy as np
 import pytest
 
-from rebm.config import RUN_KEYS, TrainConfig, explicit_keys, load_config
+from rebm.compat.config_fields import KEYS_WITHOUT_EFFECT
+from rebm.config import IGNORED_FIELDS, RUN_KEYS, TrainConfig, explicit_keys, load_config
 from rebm.config.identity import VALUE_BEFORE_THE_KEY
 from rebm.config.layout import file_keys, file_leaves
-from rebm.config.legacy import legacy_names
 from rebm.config.sections import MethodSection
 from rebm.eval.standin import SPEC as STANDIN_SPEC
 from rebm.methods.stages import DAT_ONLY_KEYS, STAGE1, STAGE1_METHOD_KEYS
@@ -41,7 +41,7 @@ from tests.fake_data import (
 from tests.helpers import REPO, TRAINING_CONFIGS
 from tests.standins import write_standin_statistics
 
-Field = Tuple[str, str]  # (section class name, field name)
+SectionField = Tuple[int, str]  # (id of a section object, field name)
 
 # Fields a short run on the tests' data cannot read: the field's file key -> (the code that reads
 # it, as module:qualname, whose source names the field; why the run cannot go there).
@@ -60,6 +60,7 @@ SET_BUT_UNREAD_BY_STAGE: Dict[Tuple[int, str], str] = {
                                  "same config",
 }
 
+STAGE1_CIFAR10 = REPO / "InNOutRobustnessMean0_cifar100" / "configs" / "cifar10_wrn34x10.yaml"
 STAGE1_CONFIGS = sorted((REPO / "InNOutRobustnessMean0_cifar100" / "configs").glob("*.yaml"))
 SHIPPED = [(1 if "stage1" in p.name else 2, p) for p in TRAINING_CONFIGS] + \
     [(1, p) for p in STAGE1_CONFIGS]
@@ -84,14 +85,6 @@ def section_classes() -> List[type]:
     return found
 
 
-def leaf_keys() -> Dict[Field, List[str]]:
-    """(section class, field) -> the file keys naming it (AttackConfig's serve two sections)."""
-    keys: Dict[Field, List[str]] = defaultdict(list)
-    for key, _, owner, f in file_leaves(TrainConfig()):
-        keys[(type(owner).__name__, f.name)].append(key)
-    return keys
-
-
 def counts_as_use(filename: str) -> bool:
     if filename == str(REPO / "rebm" / "config" / "batch.py"):
         return True
@@ -101,11 +94,15 @@ def counts_as_use(filename: str) -> bool:
 
 
 class ReadRecorder:
-    """Records (section class, field) read by rebm's code while `stage` is set."""
+    """Records which fields of which section objects rebm's code reads while `stage` is set,
+    and every config (TrainConfig) read from, so that each read is named by its file key
+    (`attack.start_step` and `indist_attack_clf.start_step` are one class's field)."""
 
     def __init__(self, classes: List[type]):
         self.classes = classes
-        self.reads: Dict[int, Set[Field]] = defaultdict(set)
+        self.reads: Dict[int, Set[SectionField]] = defaultdict(set)
+        self.objects: Dict[int, object] = {}  # kept alive, so that no id is reused
+        self.configs: Dict[int, TrainConfig] = {}
         self.stage = None
 
     def install(self) -> None:
@@ -118,15 +115,43 @@ class ReadRecorder:
             del cls.__getattribute__
 
     def _wrapper(self, cls: type):
-        names, recorder, section = {f.name for f in fields(cls)}, self, cls.__name__
+        names, recorder = {f.name for f in fields(cls)}, self
 
         def getattribute(obj, name):
-            if (name in names and recorder.stage is not None
-                    and counts_as_use(sys._getframe(1).f_code.co_filename)):
-                recorder.reads[recorder.stage].add((section, name))
+            if name in names and recorder.stage is not None:
+                if cls is TrainConfig:
+                    recorder.configs[id(obj)] = obj
+                if counts_as_use(sys._getframe(1).f_code.co_filename):
+                    recorder.objects[id(obj)] = obj
+                    recorder.reads[recorder.stage].add((id(obj), name))
             return object.__getattribute__(obj, name)
 
         return getattribute
+
+    def keys_read(self) -> Dict[int, Set[str]]:
+        """{stage: the file keys of the leaf fields its runs read}. A section object of no
+        config (a copy made by code, e.g. robust evaluation's attack) stands for the config's
+        section of its class it differs from in the fewest fields."""
+        where: Dict[SectionField, str] = {}
+        owners: Dict[type, List[object]] = defaultdict(list)
+        for cfg in self.configs.values():
+            for key, _, owner, f in file_leaves(cfg):
+                where[(id(owner), f.name)] = key
+                owners[type(owner)].append(owner)
+        for obj_id, obj in self.objects.items():
+            if not any(id(owner) == obj_id for owner in owners[type(obj)]):
+                for name in {f.name for f in fields(obj)}:
+                    where[(obj_id, name)] = where[(id(closest(obj, owners[type(obj)])), name)]
+        return {stage: {where[read] for read in reads if read in where}
+                for stage, reads in self.reads.items()}
+
+
+def closest(obj: object, candidates: List[object]) -> object:
+    def same(other: object) -> int:
+        return sum(object.__getattribute__(obj, f.name) == object.__getattribute__(other, f.name)
+                   for f in fields(obj))
+
+    return max(candidates, key=same)
 
 
 def run_entry(recorder: ReadRecorder, stage: int, argv: List[str]) -> None:
@@ -155,7 +180,7 @@ def write_inputs(root: Path) -> None:
 
 def stage1_run(root: Path) -> List[str]:
     """In-N-Out's CIFAR-10 recipe (argmin PGD, AutoAugment and Cutout, live BatchNorm)."""
-    return [str(REPO / "InNOutRobustnessMean0_cifar100" / "configs" / "cifar10_wrn34x10.yaml"), *SHORT, "model.model_type=WideResNet10x1",
+    return [str(STAGE1_CIFAR10), *SHORT, "model.model_type=WideResNet10x1",
             f"data.indist_ds_dir={root}/CIFAR10", f"run_dir={root}/s1", "lr_schedule=constant",
             "wandb_mode=offline", f"wandb_dir={root}"]
 
@@ -194,7 +219,7 @@ def stage2_runs(root: Path) -> List[List[str]]:
 
 @pytest.fixture(scope="module")
 def reads(tmp_path_factory):
-    """{stage: the fields its runs read}."""
+    """{stage: the file keys its runs read}."""
     root = tmp_path_factory.mktemp("fields")
     write_inputs(root)
     patch = pytest.MonkeyPatch()
@@ -212,12 +237,12 @@ def reads(tmp_path_factory):
     finally:
         recorder.remove()
         patch.undo()
-    return dict(recorder.reads)
+    return recorder.keys_read()
 
 
-def declared_unread(section: str, name: str, keys: List[str]) -> bool:
-    cls = next(c for c in section_classes() if c.__name__ == section)
-    return name in legacy_names(cls) or any(key in READ_ONLY_ON for key in keys)
+LEAF_KEYS = [key for key, _, _, _ in file_leaves(TrainConfig())]
+# the original's keys without effect, and those read only elsewhere
+DECLARED_UNREAD = set(IGNORED_FIELDS) | set(KEYS_WITHOUT_EFFECT) | set(READ_ONLY_ON)
 
 
 @pytest.mark.slow
@@ -225,27 +250,26 @@ def test_every_field_is_read_by_a_stage(reads):
     """A field no stage reads is a key that loads and does nothing: wire it, remove it, or
     declare it (the original's keys without effect: rebm/compat/config_fields.py)."""
     read = set().union(*reads.values())
-    unread = [f"{'/'.join(keys)} ({section}.{name})"
-              for (section, name), keys in leaf_keys().items()
-              if (section, name) not in read and not declared_unread(section, name, keys)]
-    assert not unread, f"config fields that no training stage reads: {', '.join(unread)}"
+    unread = [key for key in LEAF_KEYS if key not in read and key not in DECLARED_UNREAD]
+    assert not unread, f"config keys that no training stage reads: {', '.join(unread)}"
 
 
 @pytest.mark.slow
 def test_declared_unread_fields_are_unread(reads):
-    """A declaration stays true: a field declared without effect (legacy) or read only
+    """A declaration stays true: a key declared without effect (the original's) or read only
     elsewhere (READ_ONLY_ON) is not read by the runs."""
     read = set().union(*reads.values())
-    stale = [f"{'/'.join(keys)}" for (section, name), keys in leaf_keys().items()
-             if (section, name) in read and declared_unread(section, name, keys)]
+    stale = sorted(DECLARED_UNREAD & read)
     assert not stale, f"declared unread, but read by a training run: {', '.join(stale)}"
 
 
 @pytest.mark.slow
 def test_stage1_reads_its_method_keys_only(reads):
-    """Stage 1's warning names the method keys it does not read (DAT's): it reads every key of
-    STAGE1_METHOD_KEYS and none of the others."""
-    method_read = {name for section, name in reads[1] if section == "MethodSection"}
+    """Stage 1's warning names the method keys it does not read (DAT's): it reads keys of
+    every section in STAGE1_METHOD_KEYS and none of the other method keys."""
+    stored = {key: path for key, path, _, _ in file_leaves(TrainConfig())}
+    method_read = {stored[key].split(".")[1] for key in reads[1]
+                   if stored[key].startswith("method.")}
     assert method_read == set(STAGE1_METHOD_KEYS)
     assert STAGE1.unread == DAT_ONLY_KEYS
 
@@ -255,20 +279,17 @@ def test_stage1_reads_its_method_keys_only(reads):
 def test_shipped_config_sets_only_keys_its_stage_reads(reads, stage, path):
     """Every key a shipped config sets is read by its stage (or declared)."""
     cfg = load_config(str(path))
-    leaves = {key: (type(owner).__name__, f.name) for key, _, owner, f in file_leaves(cfg)}
-    keys = leaf_keys()
-    unread = [key for key in explicit_keys(cfg) if key in leaves
-              and leaves[key] not in reads[stage] and (stage, key) not in SET_BUT_UNREAD_BY_STAGE
-              and not declared_unread(*leaves[key], keys[leaves[key]])]
+    unread = [key for key in explicit_keys(cfg) if key in LEAF_KEYS
+              and key not in reads[stage] and key not in DECLARED_UNREAD
+              and (stage, key) not in SET_BUT_UNREAD_BY_STAGE]
     assert not unread, f"{path.name} sets keys stage {stage} does not read: {', '.join(unread)}"
 
 
 @pytest.mark.slow
 def test_set_but_unread_declarations_are_true(reads):
-    leaves = {key: (type(owner).__name__, f.name) for key, _, owner, f in
-              file_leaves(TrainConfig())}
+    """A shipped config's key declared unread by its stage is indeed not read there."""
     for (stage, key), why in SET_BUT_UNREAD_BY_STAGE.items():
-        assert leaves[key] not in reads[stage], f"stage {stage} reads {key}: {why}"
+        assert key not in reads[stage], f"stage {stage} reads {key}: {why}"
 
 
 def test_declared_paths_are_real():
@@ -308,3 +329,4 @@ def test_key_lists_name_fields():
     sections = {key.split(".")[0] for key in valid if "." in key}
     for key in (*RUN_KEYS, *VALUE_BEFORE_THE_KEY):
         assert key in valid or key in sections, key
+    assert set(KEYS_WITHOUT_EFFECT) <= set(LEAF_KEYS), set(KEYS_WITHOUT_EFFECT) - set(LEAF_KEYS)

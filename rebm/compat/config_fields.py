@@ -116,5 +116,15 @@ class LegacyTrainFields:
                                          "versions; not a field of its newest TrainConfig")
 
 
+# Keys of a section that serves two keys of the file (AttackConfig: `attack`, `indist_attack_clf`)
+# that only one of them reads; the other had no effect in the original either. It cannot be a
+# legacy field (the class's field has an effect under the other key), so it is declared by its
+# file key. Which keys a run reads is checked by tests/test_fields_read.py.
+KEYS_WITHOUT_EFFECT = {
+    "indist_attack_clf.start_step": "only asserted equal to indist_attack_clf.max_steps "
+                                    "(rebm/training/metrics.py:compute_clf_adv_loss), whose "
+                                    "PGD takes max_steps steps; in rebm too",
+}
+
 LEGACY_BASES = (LegacyAttackFields, LegacyImageLogFields, LegacyDataFields, LegacyModelFields,
                 LegacyTrainFields)

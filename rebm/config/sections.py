@@ -94,7 +94,7 @@ class AttackConfig(LegacyAttackFields, Frozen):
 
     attack_type: str = "pgd"  # pgd, or for indist_attack_clf argmin_pgd: In-N-Out's momentum PGD keeping the best iterate (stage 1's configs; the original's adam attack is not supported)
     max_steps: int = 0  # attack: curriculum cap on T; indist_attack_clf: PGD steps K
-    start_step: int = 0  # attack: T at the start of training
+    start_step: int = 0  # attack: T at the start of training; indist_attack_clf: without effect (the original only asserts it equals max_steps)
     step_size: float = 0.1  # alpha: L2 normalised-gradient step length (Linf: sign step)
     eps: float = math.inf  # radius around the start point; .inf = only the [0, 1] clamp
     norm: str = "L2"  # L2 or Linf

@@ -18,9 +18,10 @@ from typing import Any, Iterable, List, Tuple
 from rebm.config import ConfigError
 from rebm.config.sections import MethodSection, ScheduleSection
 
-# The method keys only DAT (stage 2) reads: stage 1 reads its classifier attack and batch size
-# of the method section, so a new method key is stage 2's unless added here.
-STAGE1_METHOD_KEYS = ("indist_attack_clf", "batch_size")
+# The method keys only DAT (stage 2) reads: stage 1 reads only its classifier attack of the
+# method section, so a new method key is stage 2's unless added here (tests/test_fields_read.py
+# checks both lists against what each stage reads).
+STAGE1_METHOD_KEYS = ("indist_attack_clf",)
 DAT_ONLY_KEYS = tuple(f.name for f in fields(MethodSection) if f.name not in STAGE1_METHOD_KEYS)
 
 

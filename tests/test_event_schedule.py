@@ -92,7 +92,7 @@ def _good_starting_model(cfg, path: Path) -> None:
     images, labels = train.data.float().div(255), train.targets
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
-    for epoch in range(6):
+    for _ in range(6):
         order = torch.randperm(len(labels))
         for start in range(0, len(labels), 64):
             idx = order[start:start + 64]

@@ -45,13 +45,13 @@ from rebm.distributed.collectives import (
 from rebm.distributed.logs import setup_logging
 from rebm.distributed.runtime import Runtime
 from rebm.distributed.signals import Preempted, PreemptionFlag
+from rebm.engine.events import EventSchedule
 from rebm.engine.metrics_window import (
     MetricsWindow,
     add_data_counts,
     peak_memory_mib,
     pop_data_counts,
 )
-from rebm.engine.events import EventSchedule
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks, state_fit_check
 from rebm.engine.saving import (
     TrainingDiverged,

@@ -82,11 +82,12 @@ def test_sigterm_during_an_evaluation_saves_in_the_grace_period_and_resume_runs_
     assert "state saved at step 2" in out and "interrupted evaluation runs first" in out, out
     assert [p.name for p in (run_dir / "checkpoints").glob("state_*.pt")] == [
         "state_000000002.pt"]
-    assert not any("test_acc" in r for r in read_metrics(run_dir))
+    # the starting model's and the start of step 2's; the final one was abandoned
+    assert [r["step"] for r in read_metrics(run_dir) if "test_acc" in r] == [0, 1]
 
     run_train(EVAL_SLOW, nproc=2, run_dir=run_dir, timeout=300).assert_ok()
     evaluated = [r["step"] for r in read_metrics(run_dir) if "test_acc" in r]
-    assert evaluated == [2]  # the pending evaluation, once (the final one is the same step)
+    assert evaluated == [0, 1, 2]  # the pending (final) evaluation, once
     assert (run_dir / "model_final.pth").exists()
 
 

@@ -122,8 +122,8 @@ def test_a_save_refuses_replicas_that_differ(tmp_path):
 @pytest.mark.slow
 def test_metrics_contract_and_rank0_only_outputs(runs):
     records = read_metrics(runs["ddp2"])
-    # every 64 images = every 2 steps
-    assert [r["step"] for r in records] == list(range(2, STRAIGHT_STEPS + 1, 2))
+    # the first step, then every 64 images = every 2 steps (the original's trigger)
+    assert [r["step"] for r in records] == [1, *range(2, STRAIGHT_STEPS + 1, 2)]
     required = {"step", "n_imgs", "epoch", "train_adv_auc", "train_clean_auc",
                 "train_ebm_binary_loss", "train_clf_loss", "cur_outdist_steps",
                 "learning_rate", "imgs_per_s", "max_rss_mib"}

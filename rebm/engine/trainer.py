@@ -226,8 +226,10 @@ class Trainer:
                 # a collective timeout in the loop names the rank(s) that did not arrive
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
                     # the starting model (a fresh run), or an evaluation a preemption abandoned
-                    if progress.eval_pending or (not self.resumed
-                                                 and events.evaluation_due(progress.step)):
+                    # (at the last step, the final one: finish_all_ranks runs it)
+                    if progress.step < self.last_step and (
+                            progress.eval_pending
+                            or (not self.resumed and events.evaluation_due(progress.step))):
                         self.evaluate_all_ranks()
                     progress.window.started = time.perf_counter()  # images/s: training only
                     while progress.step < self.last_step:

@@ -130,6 +130,15 @@ class RunDirectory:
                  if STATE_PATTERN.fullmatch(name)]
         return sorted(paths, key=state_step, reverse=True)
 
+    SET_ASIDE = ".unusable"  # the suffix of a state found damaged (CheckpointManager)
+
+    def set_aside_states(self) -> List[str]:
+        """States set aside as damaged (`state_<step>.pt.unusable`), newest first."""
+        suffix = self.SET_ASIDE
+        paths = [os.path.join(self.states_dir, name) for name in _names(self.states_dir)
+                 if name.endswith(suffix) and STATE_PATTERN.fullmatch(name[:-len(suffix)])]
+        return sorted(paths, key=lambda path: state_step(path[:-len(suffix)]), reverse=True)
+
     @property
     def logs(self) -> str:
         return self.file(self.LOGS)

@@ -310,7 +310,9 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     any failure the temp file is removed and whatever `path` held is untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    # named apart from the process-named temp files of evaluation (process_temp_name), whose
+    # cleanup asks whether their writer lives: only the run directory's holder removes these
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.save.tmp")
     try:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -279,6 +279,7 @@ def test_an_evaluation_removes_the_temp_files_of_a_killed_one(three_states, tmp_
     stale = [run_dir / "samples" / f".seed_samples.png.{dead}.tmp",
              run_dir / f".eval.json.{dead}@{host}.tmp"]
     kept = run_dir / "samples" / f".gen_samples.png.{live}@{host}.tmp"
+    (run_dir / "samples").mkdir(exist_ok=True)
     for path in [*stale, kept]:
         path.write_bytes(b"partial")
     result = run_command([sys.executable, "-m", "rebm.eval.evaluate", CONFIG,

@@ -14,11 +14,18 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from rebm.checkpoint.run_directory import RunDirectory, state_step
-from rebm.checkpoint.state import StateError, StateOfAnotherRun, read_state, verify_state
+from rebm.checkpoint.state import (
+    StateError,
+    StateOfAnotherRun,
+    StateUnreadable,
+    check_finite_weights,
+    check_state_file,
+    read_state,
+)
 from rebm.checkpoint.weights import atomic_torch_save, save_model
 from rebm.config.batch import BatchPlan
 from rebm.distributed import Runtime, consensus, decide_on_main
-from rebm.distributed.collectives import on_main
+from rebm.distributed.collectives import on_every_rank, on_main
 
 LOGGER = logging.getLogger("rebm")
 
@@ -27,10 +34,12 @@ StateCheck = Callable[[Dict[str, Any]], None]  # raises StateError when a state 
 
 
 def trusted(path: str, fits: Optional[StateCheck] = None) -> Dict[str, Any]:
-    """The state in `path`, read, verified (`verify_state`: the zip's CRC-32s, finite weights)
-    and, given `fits`, checked against the run (StateError otherwise)."""
+    """The state in `path`, verified (`check_state_file`: the zip's CRC-32s, before torch.load
+    reads anything of a damaged file), read, its weights finite and, given `fits`, checked
+    against the run (StateError otherwise; StateUnreadable when the file cannot be read)."""
+    check_state_file(path)
     state = read_state(path)
-    verify_state(path, state)
+    check_finite_weights(path, state)
     if fits is not None:
         fits(state | {"_path": path})
     return state
@@ -107,18 +116,34 @@ class CheckpointManager:
         for path in candidates:
             try:
                 return path, trusted(path, fits)
-            except StateOfAnotherRun:
-                raise
+            except (StateOfAnotherRun, StateUnreadable):
+                raise  # no older state is better; an unreadable one is not proven damaged
             except StateError as err:
                 LOGGER.warning("%s; trying the previous state (set aside as %s)", err,
                                _set_aside(path))
         if candidates:
             raise StateError(
                 f"none of the {len(candidates)} training states in "
-                f"'{self.run_directory.states_dir}' is usable (see the lines above); delete them "
-                "to start afresh, or pass resume_from_state=PATH"
+                f"'{self.run_directory.states_dir}' is usable (see the lines above; each is kept "
+                f"as state_<step>.pt{RunDirectory.SET_ASIDE}); pass resume=never to start afresh, "
+                "or resume_from_state=PATH"
             )
+        self.refuse_behind_set_aside()
         return None
+
+    def refuse_behind_set_aside(self) -> None:
+        """StateError when the run has no usable state but states set aside as damaged: starting
+        afresh would put the run behind them, which only resume=never asks for (a plain rerun,
+        or torchrun's restart after the run stopped on them, must not)."""
+        aside = self.run_directory.set_aside_states()
+        if aside:
+            names = ", ".join(os.path.basename(path) for path in aside[:3])
+            more = f" and {len(aside) - 3} more" if len(aside) > 3 else ""
+            raise StateError(
+                f"'{self.run_directory.states_dir}' holds only training states set aside as "
+                f"damaged ({names}{more}); the run does not start afresh behind them: pass "
+                f"resume=never to start afresh anyway (they are kept), or rename one back "
+                f"(without {RunDirectory.SET_ASIDE}) to try it again")
 
     def resume_state_all_ranks(self, explicit: Optional[str], allow_auto: bool,
                                fits: Optional[StateCheck] = None) -> Optional[Dict[str, Any]]:
@@ -143,7 +168,9 @@ class CheckpointManager:
         chosen = decide_on_main(self.runtime, choose)
         if chosen is None:
             return None
-        return read_state(chosen) | {"_path": chosen}
+        # every rank reads the file itself: one that cannot stops every rank, in one line
+        state = on_every_rank(self.runtime, lambda: read_state(chosen), f"read '{chosen}'")
+        return state | {"_path": chosen}
 
     def keep_best_all_ranks(self, model: torch.nn.Module, best: Dict[str, float],
                             results: Dict[str, Any], robust_eval: bool) -> None:
@@ -179,7 +206,7 @@ def _set_aside(path: str) -> str:
     them, it would count among the newest `keep_last_states` and the pruning after the next
     save would delete the good states older than it. The new name, or the old one when the
     rename fails (a read-only folder: then nothing is written there either)."""
-    aside = path + ".unusable"
+    aside = path + RunDirectory.SET_ASIDE
     try:
         os.replace(path, aside)
     except OSError:

@@ -130,6 +130,15 @@ class RunDirectory:
                  if STATE_PATTERN.fullmatch(name)]
         return sorted(paths, key=state_step, reverse=True)
 
+    SET_ASIDE = ".unusable"  # the suffix of a state found damaged (CheckpointManager)
+
+    def set_aside_states(self) -> List[str]:
+        """States set aside as damaged (`state_<step>.pt.unusable`), newest first."""
+        suffix = self.SET_ASIDE
+        paths = [os.path.join(self.states_dir, name) for name in _names(self.states_dir)
+                 if name.endswith(suffix) and STATE_PATTERN.fullmatch(name[:-len(suffix)])]
+        return sorted(paths, key=lambda path: state_step(path[:-len(suffix)]), reverse=True)
+
     @property
     def logs(self) -> str:
         return self.file(self.LOGS)
@@ -190,19 +199,24 @@ class RunDirectory:
             return {}
 
     def remove_stale_temp_files(self) -> None:
-        """Temp files of writes a killed job never finished (`atomic_torch_save`, metrics
-        rewrite) in the run directory and its checkpoints/ (listed, never globbed: see
-        `states`). Only the lock holder calls this, so no live writer owns them."""
+        """Temp files of writes a killed job never finished in the run directory and its
+        checkpoints/ (listed, never globbed: see `states`): those of the training writers
+        (`atomic_torch_save`, the metrics rewrite), which only the lock holder (the caller) runs,
+        and those of `process_temp_name` whose process is gone (an evaluation of this run
+        may be writing beside it)."""
         for folder in (self.path, self.states_dir):
-            for name in _names(folder):
-                path = os.path.join(folder, name)
-                if not name.endswith(".tmp") or not os.path.isfile(path):
-                    continue
-                try:
-                    os.remove(path)
-                    LOGGER.info("removed %s, left by an interrupted write", path)
-                except OSError:
-                    pass
+            _remove_stale(folder, _names(folder), training_writers=True)
+
+    def remove_stale_evaluation_temp_files(self) -> None:
+        """Temp files named by a process (`process_temp_name`: evaluation's writers, config.yaml)
+        that is no longer alive on this host, anywhere in the folder but the training's own
+        subfolders: the caller holds the folder's evaluation lock, so no other evaluation writes
+        here; a training run may, under its own live process's name."""
+        skipped = {self.CHECKPOINTS, self.LOGS, self.COMPILE_CACHE, "wandb"}
+        for root, dirs, names in os.walk(self.path):
+            if root == self.path:
+                dirs[:] = [d for d in dirs if d not in skipped]
+            _remove_stale(root, names, training_writers=False)
 
     def check_shared(self, token: str, runtime: Runtime) -> None:
         """Every rank must see the file rank 0 just wrote: run_dir has to be on a filesystem
@@ -222,6 +236,52 @@ class RunDirectory:
     def eval_lock_file(self) -> str:
         """.eval.lock: the evaluation writing into this folder (rebm/eval/files.py)."""
         return self.file(".eval.lock")
+
+
+# A temp file named by its writing process and host (`process_temp_name`); without the host:
+# written before temp names held it.
+_PROCESS_TEMP = re.compile(r"\..+\.(?P<pid>\d+)(?:@(?P<host>[^/]+))?\.tmp")
+
+
+def process_temp_name(path: str) -> str:
+    """The temp file a process writes `path` through: hidden, beside it, named by the process
+    and its host, so that a later job can tell whether its writer is still alive."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{os.getpid()}@{socket.gethostname()}.tmp")
+
+
+def _writer_gone(name: str, training_writers: bool) -> bool:
+    """Whether the temp file `name` is left by a writer that is gone: a process-named one whose
+    process is not alive on this host (another host's: unknown, kept), else (the training
+    writers' names) `training_writers`."""
+    named = _PROCESS_TEMP.fullmatch(name)
+    if named is None:
+        return training_writers
+    if named.group("host") not in (None, socket.gethostname()):
+        return False
+    pid = int(named.group("pid"))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def _remove_stale(folder: str, names: List[str], training_writers: bool) -> None:
+    for name in names:
+        path = os.path.join(folder, name)
+        if not name.endswith(".tmp") or not _writer_gone(name, training_writers) \
+                or not os.path.isfile(path):
+            continue
+        try:
+            os.remove(path)
+            LOGGER.info("removed %s, left by an interrupted write", path)
+        except OSError:
+            pass
 
 
 def state_step(path: str) -> int:
@@ -311,6 +371,11 @@ def create_run_dir(path: str) -> None:
     blocking = path
     while blocking != os.path.dirname(blocking) and not os.path.lexists(blocking):
         blocking = os.path.dirname(blocking)
+    if os.path.islink(blocking) and not os.path.exists(blocking):
+        what = f"a symbolic link to '{os.readlink(blocking)}', which does not exist"
+        where = f"is {what}" if blocking == path else f"cannot be created: '{blocking}' is {what}"
+        raise RunDirError(f"run_dir '{path}' {where}; create its target, or choose another "
+                          "run_dir=PATH") from None
     if os.path.lexists(blocking) and not os.path.isdir(blocking):
         where = "is a file" if blocking == path else f"cannot be created: '{blocking}' is a file"
         raise RunDirError(f"run_dir '{path}' {where}, not a directory; choose another "

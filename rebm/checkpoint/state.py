@@ -12,11 +12,11 @@ rebm/compat/state_format.py)."""
 from __future__ import annotations
 
 import hashlib
-import zipfile
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from rebm.checkpoint.integrity import archive_damage, first_non_finite
 from rebm.compat.state_format import FORMAT2, upgrade_format1
 from rebm.distributed import Runtime, all_reduce_max
 from rebm.errors import UserError
@@ -35,12 +35,27 @@ class StateOfAnotherRun(StateError):
     so there is no falling back to them."""
 
 
+class StateUnreadable(StateError):
+    """A state the run cannot read for a reason that proves no damage (a permission, an I/O
+    error of the filesystem): set aside, it would send the run back to an older state and throw
+    away this one's progress, so the run stops instead."""
+
+
+def _cannot_read(path: str, err: OSError) -> StateUnreadable:
+    return StateUnreadable(
+        f"training state '{path}' cannot be read ({err.strerror or err}); it is kept as it is "
+        "(no proof that it is damaged): make it readable and run the same command again")
+
+
 def read_state(path: str) -> Dict[str, Any]:
-    """Load a state file (CPU, tensors and plain containers only)."""
+    """Load a state file (CPU, tensors and plain containers only): StateUnreadable when the
+    operating system cannot read it, StateError when its content cannot be loaded."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise StateError(f"training state '{path}' does not exist") from None
+        raise StateUnreadable(f"training state '{path}' does not exist") from None
+    except OSError as err:
+        raise _cannot_read(path, err) from None
     except Exception as err:  # truncated zip, unpickling error, ...
         raise StateError(
             f"training state '{path}' is unreadable ({type(err).__name__}: "
@@ -98,29 +113,28 @@ def check_stage(state: Dict[str, Any], stage: int) -> None:
             f"but this is a stage-{stage} run; give each stage its own run_dir")
 
 
-def verify_state(path: str, state: Dict[str, Any]) -> None:
-    """StateError in one line unless the state file `path` (read as `state`) is intact and its
-    weights are finite: every record's CRC-32 in the zip archive torch.save writes is checked
-    against its data (torch.load does not: a flipped bit in a tensor would load silently), and
-    the model's and EMA's floating-point tensors must hold no NaN/Inf."""
-    if zipfile.is_zipfile(path):  # torch.save's format since torch 1.6 (older states: no CRC)
-        try:
-            with zipfile.ZipFile(path) as archive:
-                damaged = archive.testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as err:
-            raise StateError(f"training state '{path}' is unreadable ({type(err).__name__}: "
-                             f"{err})") from None
-        if damaged:
-            raise StateError(f"training state '{path}' is damaged (the CRC-32 of its record "
-                             f"'{damaged}' does not match its data)")
+def check_state_file(path: str) -> None:
+    """StateError in one line unless every record of the state file `path` matches its CRC-32
+    (rebm.checkpoint.integrity, the check every weights file passes too: torch.load does not
+    check them, so a flipped bit in a tensor would load silently); StateUnreadable when the
+    file cannot be read at all."""
+    try:
+        damage = archive_damage(path)
+    except OSError as err:
+        raise _cannot_read(path, err) from None
+    if damage:
+        raise StateError(f"training state '{path}' is damaged ({damage})")
+
+
+def check_finite_weights(path: str, state: Dict[str, Any]) -> None:
+    """StateError in one line when the model's or EMA's floating-point tensors of the state
+    `state` (read from `path`) hold a NaN/Inf."""
     for part in ("model", "ema"):
         weights = state.get(part)
-        if isinstance(weights, Mapping):
-            for name, value in weights.items():
-                if torch.is_tensor(value) and value.is_floating_point() and \
-                        not bool(torch.isfinite(value).all()):
-                    raise StateError(f"training state '{path}' holds NaN/Inf in its {part} "
-                                     f"tensor '{name}'")
+        found = first_non_finite(weights) if isinstance(weights, Mapping) else None
+        if found:
+            raise StateError(f"training state '{path}' holds NaN/Inf in its {part} tensor "
+                             f"'{found[0]}'")
 
 
 def check_model_type(state: Dict[str, Any], model_type: str) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from rebm.checkpoint.integrity import archive_damage, first_non_finite
 from rebm.checkpoint.layouts import check_normaliser, split_normaliser
 from rebm.disk import WriteError
 from rebm.distributed.parallel import unwrap
@@ -111,6 +112,7 @@ def read_checkpoint(path: str, trust: bool = False) -> Any:
         raise CheckpointError(f"checkpoint '{path}' does not exist")
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint '{path}' is a directory, not a file")
+    check_intact(path)
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -133,6 +135,21 @@ def read_checkpoint(path: str, trust: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         raise _unreadable(path, err) from None
+
+
+def check_intact(path: str) -> None:
+    """CheckpointError in one line unless every record of the weights file `path` matches its
+    CRC-32 (rebm.checkpoint.integrity: the check training states pass too), or when the file
+    cannot be read at all."""
+    try:
+        damage = archive_damage(path)
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint '{path}' ({err.strerror or err}); check "
+                              "that this process may read it") from None
+    if damage:
+        raise CheckpointError(f"checkpoint '{path}' is damaged: {damage}; its numbers cannot be "
+                              "trusted: restore the file from a copy, or take an earlier "
+                              "checkpoint of that run")
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,13 +225,11 @@ def extract_state_dict(
 def non_finite(sd: Mapping[str, Any]) -> Optional[str]:
     """None when every floating-point tensor of the state dict `sd` is finite, else e.g.
     "NaN/Inf in tensor 'fc.weight' (3 of 640 values)" for the first that is not."""
-    for name, value in sd.items():
-        if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
-            finite = torch.isfinite(value)
-            if not bool(finite.all()):
-                bad = int(finite.numel() - finite.sum())
-                return f"NaN/Inf in tensor '{name}' ({bad} of {finite.numel()} values)"
-    return None
+    found = first_non_finite(sd)
+    if found is None:
+        return None
+    name, bad, count = found
+    return f"NaN/Inf in tensor '{name}' ({bad} of {count} values)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,7 +310,9 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     any failure the temp file is removed and whatever `path` held is untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    # named apart from the process-named temp files of evaluation (process_temp_name), whose
+    # cleanup asks whether their writer lives: only the run directory's holder removes these
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.save.tmp")
     try:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -22,6 +22,7 @@ from rebm.config.sections import LoggingSection
 from rebm.distributed import Runtime
 from rebm.distributed.collectives import RankFailed, WriteFailed, on_main
 from rebm.distributed.logs import progress_enabled
+from rebm.eval.files import write_text_replacing
 from rebm.eval.results import jsonable
 
 LOGGER = logging.getLogger("rebm")
@@ -76,8 +77,9 @@ class Tracker:
         return self
 
     def _start(self) -> None:
-        with open(self.run_directory.config_file, "w") as fh:
-            fh.write(yaml_of(self.config))
+        # through a temp file: a write cut short (a full disk, a file-size limit) leaves the
+        # previous config.yaml, never a part of one
+        write_text_replacing(self.run_directory.config_file, yaml_of(self.config))
         mode = wandb_mode(self.logging)
         if mode != "disabled":
             self._init_wandb(mode)
@@ -96,8 +98,7 @@ class Tracker:
             with open(id_file) as fh:
                 self.wandb_run_id = fh.read().strip() or None
         self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:16]
-        with open(id_file, "w") as fh:
-            fh.write(self.wandb_run_id + "\n")
+        write_text_replacing(id_file, self.wandb_run_id + "\n")
         # wandb's own console lines (banner, run history and summary: ~25 lines a run) would
         # drown the run's; silent drops them (the run's files and wandb's logs/debug*.log stay
         # complete) and the line below says where the run is; WANDB_SILENT=false keeps them.

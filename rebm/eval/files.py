@@ -10,7 +10,8 @@
   its output folder for as long as it runs (`rebm.eval.evaluate` on its run_dir, a table on its
   --out folder); a second evaluation into the same folder stops at start-up with one line naming
   the holder, before it writes anything. The kernel releases the
-  lock when the process ends, however it ends.
+  lock when the process ends, however it ends. Having it, the evaluation removes the temporary
+  files of writers on this host that are gone (a killed evaluation or table).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import os
 from typing import Callable
 
 from rebm.checkpoint.folder_lock import FolderLock
-from rebm.checkpoint.run_directory import RunDirectory
+from rebm.checkpoint.run_directory import RunDirectory, process_temp_name
 from rebm.errors import UserError
 
 
 def temporary_name(path: str) -> str:
-    """The temporary file `path` is written to: hidden, beside it, named by this process."""
-    folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    """The temporary file `path` is written to: hidden, beside it, named by this process and
+    its host (an evaluation that finds one whose process is gone removes it)."""
+    return process_temp_name(path)
 
 
 def write_replacing(path: str, write: Callable[[str], None]) -> str:
@@ -77,6 +78,8 @@ class OutputFolderLock(FolderLock):
     def __init__(self, folder: str, elsewhere: str = "run_dir=PATH"):
         self.folder, self.elsewhere = folder, elsewhere
         super().__init__(RunDirectory(folder).eval_lock_file)
+        # held: no other evaluation writes here, so a temp file of a gone process is stale
+        RunDirectory(folder).remove_stale_evaluation_temp_files()
 
     def where(self) -> str:
         return self.folder

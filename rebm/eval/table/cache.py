@@ -3,7 +3,8 @@
     {"row": NAME, "group": ..., "seed": ..., "checkpoint": PATH,
      "checkpoint_sha256": SHA256,   # the checkpoint's content when the row last ran
      "metrics": {METRIC: {"key": SHA256, "results": {...}, "settings": {...},
-                          "seconds": ..., "world_size": ..., "finished": ISO time}},
+                          "seconds": ..., "world_size": ..., "finished": ISO time,
+                          "checksum": SHA256}},   # of the rest of the entry
      "force": {"started": ISO time, "metrics": [METRIC, ...]}}   # only during a --force run
 
 `checkpoint_sha256` lets the table show a row that `--rows` did not select without reading its
@@ -30,6 +31,14 @@ Other config changes (a FID step count, say) do not invalidate the metrics they 
 Each file is hashed once per run (`FileHashes`). Files are written through a temporary file and
 os.replace, so a run killed at any point leaves a readable cache. A cache file that cannot be
 read as one is set aside as `<file>.corrupt` with one warning line, and its metrics recomputed.
+
+Each metric's entry carries a `checksum`: the sha256 of the rest of the entry (its key, results
+and settings, as JSON with sorted keys), written with it (`store_result`). A flipped bit in a
+value would otherwise show as another number in the table; an entry that does not match its
+checksum is not served: the file is kept as `<file>.corrupt`, the entries that do match are
+written back, and the others are computed again, with one warning line. A cache written before
+checksums were (no entry has one) is not verified either: its file is kept as
+`<file>.unverified`, one line says so, and its metrics are computed again.
 """
 
 from __future__ import annotations
@@ -167,7 +176,8 @@ def _shape_problem(cache: Any) -> Optional[str]:
 def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
     """The row's cache, or an empty one when there is none. A file that cannot be read as a
     cache is moved to `<file>.corrupt` (nothing is lost) with one warning line; its metrics are
-    then recomputed. Rank 0 only."""
+    then recomputed. Entries that do not match their checksum are left out likewise
+    (`_without_unverified`). Rank 0 only."""
     path = cache_path(out_dir, row)
     try:
         with open(path) as fh:
@@ -181,11 +191,50 @@ def read_cache(out_dir: str, row: str) -> Dict[str, Any]:
     except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep
         problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if problem is None:
-        return cache
+        return _without_unverified(path, cache)
     os.replace(path, f"{path}.corrupt")
     LOGGER.warning("table cache %s is not a results cache (%s); kept as %s.corrupt, and its "
                    "metrics are computed again", path, problem, path)
     return {"metrics": {}}
+
+
+CHECKSUM = "checksum"  # a metric entry's sha256 of the rest of the entry
+
+
+def entry_checksum(entry: Dict[str, Any]) -> str:
+    """The sha256 of a metric's cache entry but its checksum, as JSON with sorted keys (what
+    json.dump writes reads back as the same values, so the sum is that of the written entry)."""
+    rest = {k: v for k, v in entry.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _without_unverified(path: str, cache: Dict[str, Any]) -> Dict[str, Any]:
+    """`cache` (read from `path`) without the metric entries that do not match their checksum;
+    when there are any, the file is kept beside (`.corrupt`: damaged; `.unverified`: written
+    before entries had checksums) and the verified entries are written back, with one line."""
+    metrics = cache["metrics"]
+    unverified = [name for name, entry in metrics.items()
+                  if entry.get(CHECKSUM) != entry_checksum(entry)]
+    if not unverified:
+        return cache
+    damaged = [name for name in unverified if CHECKSUM in metrics[name]]
+    if damaged:
+        aside = f"{path}.corrupt"
+        why = f"is damaged: the values of {', '.join(damaged)} do not match their checksum"
+    else:
+        aside = f"{path}.unverified"
+        why = ("holds values written without a checksum (by an earlier rebm), which cannot be "
+               "verified")
+    kept = {**cache, "metrics": {k: v for k, v in metrics.items() if k not in unverified}}
+    try:
+        os.replace(path, aside)
+        write_text_replacing(path, json.dumps(kept, indent=1))
+    except OSError as err:
+        raise TableError(f"table cache {path} cannot be set aside as {aside} ("
+                         f"{err.strerror or err}); fix the permissions of its folder") from None
+    LOGGER.warning("table cache %s %s; kept as %s, and %s computed again", path, why, aside,
+                   ", ".join(unverified))
+    return kept
 
 
 def cached_value_problem(results: Dict[str, Any]) -> Optional[str]:
@@ -233,7 +282,8 @@ def store_result(out_dir: str, cache: Dict[str, Any], metric: str, entry: Dict[s
                  ) -> None:
     """Put one metric's entry into the row's cache and write the file atomically (rank 0)."""
     entry = {**entry, "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-    cache["metrics"][metric] = {k: _json_safe(v) for k, v in entry.items()}
+    entry = {k: _json_safe(v) for k, v in entry.items() if k != CHECKSUM}
+    cache["metrics"][metric] = {**entry, CHECKSUM: entry_checksum(entry)}
     forced, _ = unfinished_force(cache)
     if metric in forced:
         forced.remove(metric)

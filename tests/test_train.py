@@ -133,7 +133,8 @@ def test_metrics_contract_and_rank0_only_outputs(runs):
     run_dir = runs["ddp2"]
     assert sorted(os.listdir(run_dir / "logs")) == ["rank0.log", "rank1.log"]
     assert (run_dir / "config.yaml").exists() and (run_dir / "model_final.pth").exists()
-    assert sorted(os.listdir(run_dir / "samples")) == ["train_adv_step00000010.png",
+    assert sorted(os.listdir(run_dir / "samples")) == ["train_adv_step00000001.png",
+                                                       "train_adv_step00000010.png",
                                                        "train_adv_step00000020.png"]
     # model_final.pth is the plain (unprefixed) EMA state dict
     final = torch.load(run_dir / "model_final.pth", weights_only=True)

@@ -34,6 +34,7 @@ class Curriculum:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if not 0 <= start_step <= max_T:
             raise ValueError(f"need 0 <= start_step ({start_step}) <= max_T ({max_T})")
+        self.start_step = start_step  # attack.start_step: T of a new curriculum
         self.T = start_step
         self.max_T = max_T  # attack.max_steps: the cap on T
         self.auc_threshold = auc_threshold
@@ -76,9 +77,17 @@ class Curriculum:
         return advance
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T}
+        return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T,
+                "start_step": self.start_step}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue the saved curriculum under this run's settings: its threshold, window length
+        and `max_T` are the config's (a lowered max_T caps T; a shorter window keeps the newest
+        AUCs). A state whose curriculum began at another `attack.start_step` (resume=force with
+        a changed start_step) is not continued: T starts again at this run's start_step. States
+        that do not record their start_step continue theirs."""
+        if state.get("start_step", self.start_step) != self.start_step:
+            return
         self.T = min(int(state["T"]), self.max_T)  # a lowered attack.max_steps caps a resumed T
         self.window.clear()
         self.window.extend(float(a) for a in state["window"])  # keeps the newest if maxlen shrank

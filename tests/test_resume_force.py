@@ -146,6 +146,7 @@ EMA_CHANGES = ["ema_decay=0.1"]  # under the warm-up's decay from the second ave
 EMA_OFF = ["use_ema=false"]
 
 
+@pytest.mark.numbers
 def test_a_changed_ema_decay_is_the_decay_the_average_applies(dat_run, tmp_path):
     """The EMA after the resumed step is the previous average moved towards the new weights by
     1 - ema_decay (the warm-up's min((1 + n) / (10 + n), ema_decay) is above 0.1 from n = 1 on;
@@ -166,6 +167,7 @@ def _model_sections():
     return cfg.model, cfg.data
 
 
+@pytest.mark.numbers
 def test_amp_and_use_ema_apply_from_the_resumed_step(dat_run, tmp_path):
     """fp16 after an fp32 start: the resumed steps scale their loss (the state's scaler is a
     GradScaler's, one step old); without the EMA the final model is the trained weights."""
@@ -189,7 +191,8 @@ CURRICULUM_CHANGES = {"start_step": "attack.start_step=2", "max_T": "attack.max_
 def test_changed_curriculum_settings_apply_from_the_resumed_step(dat_run, tmp_path):
     """The 3-step run ends at T = 1 (start 1, cap 3, AUC_th 0.6 over 2-step windows, AUCs far
     below). Resumed with start_step 2, cap 4, threshold 0 and 1-step windows, the resumed steps
-    train with T = 2, 3, 4, 4: the new start, an advance after every step, the new cap."""
+    train with T = 2, 3, 4, 4: lifted to the new start, an advance after every step, the new
+    cap."""
     assert load_state(dat_run, STOP)["method"]["curriculum"]["T"] == 1
     run_dir = copy_run(dat_run, tmp_path / "run")
     run_train([CONFIG, *FAST, *EVERY_STEP, f"max_steps={STOP + 4}",
@@ -203,6 +206,7 @@ def cosine(lr, step, last):
     return lr * (0.5 * (1.0 + math.cos(math.pi * min(step, last) / last)))
 
 
+@pytest.mark.numbers
 def test_stage1_lr_wd_and_run_length_apply_from_the_resumed_step(stage1_run, tmp_path):
     """The 3-step cosine ends at rate 0; over 6 steps from lr 0.02 the resumed step's rate is
     0.02 x the cosine at step 3 of 6, its base rate 0.02 and weight decay 0.001."""
@@ -227,3 +231,18 @@ def test_stage1_a_changed_schedule_applies_from_the_resumed_step(stage1_run, tmp
     stage1(["lr_schedule=constant", f"max_steps={STOP + 2}", "resume=force"], run_dir).assert_ok()
     assert [record(run_dir, step)["learning_rate"] for step in (STOP + 1, STOP + 2)] == [lr, lr]
     assert load_state(run_dir, STOP + 2)["optimizer"]["param_groups"][0]["lr"] == lr
+
+
+def test_a_loaded_curriculum_keeps_t_within_the_runs_start_and_cap():
+    """What a resumed curriculum makes of a saved one's T = 4 (the run above raises the start
+    and the cap; here the other directions): a lowered max_T caps T, a start_step below T
+    leaves it, one above lifts it."""
+    saved = Curriculum(start_step=1, max_T=5, auc_threshold=0.0, window_size=1)
+    for _ in range(3):
+        saved.update(0.9, 17)
+    assert saved.T == 4
+    for start_step, max_T, resumed_T in [(1, 2, 2), (3, 5, 4), (5, 6, 5)]:
+        resumed = Curriculum(start_step=start_step, max_T=max_T, auc_threshold=0.0,
+                             window_size=1)
+        resumed.load_state_dict(saved.state_dict())
+        assert resumed.T == resumed_T, (start_step, max_T)

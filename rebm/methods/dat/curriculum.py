@@ -77,18 +77,15 @@ class Curriculum:
         return advance
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T,
-                "start_step": self.start_step}
+        return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue the saved curriculum under this run's settings: its threshold, window length
-        and `max_T` are the config's (a lowered max_T caps T; a shorter window keeps the newest
-        AUCs). A state whose curriculum began at another `attack.start_step` (resume=force with
-        a changed start_step) is not continued: T starts again at this run's start_step. States
-        that do not record their start_step continue theirs."""
-        if state.get("start_step", self.start_step) != self.start_step:
-            return
-        self.T = min(int(state["T"]), self.max_T)  # a lowered attack.max_steps caps a resumed T
+        """Continue the saved curriculum under this run's settings: its threshold and window
+        length are the config's (a shorter window keeps the newest AUCs), and T stays within
+        this run's [start_step, max_T]: T only rises, so a run resumed with its own settings
+        continues its T, and under resume=force a raised attack.start_step lifts T to it, a
+        lowered attack.max_steps caps it."""
+        self.T = min(max(int(state["T"]), self.start_step), self.max_T)
         self.window.clear()
         self.window.extend(float(a) for a in state["window"])  # keeps the newest if maxlen shrank
         self.images_at_T = int(state["images_at_T"])

@@ -16,6 +16,7 @@ from rebm.checkpoint.state import (
     ProcessRNG,
     StateError,
     Stateful,
+    StateOfAnotherRun,
     check_fits,
     check_model_type,
     check_stage,
@@ -85,7 +86,7 @@ class Parts:
     model: torch.nn.Module  # what forward/backward goes through (DDP / DataParallel / plain)
     raw_model: torch.nn.Module  # the unwrapped module: EMA, state dicts
     optimizer: torch.optim.Optimizer
-    scheduler: Optional[Any]  # the method's LR scheduler, stepped once per applied step
+    scheduler: Optional[torch.optim.lr_scheduler.LambdaLR]  # the method's; once per applied step
     ema: Optional[torch.nn.Module]
     precision: Precision
     training_method: Method
@@ -129,14 +130,47 @@ class Parts:
 
     def load_state_all_ranks(self, state: dict, runtime: Runtime) -> None:
         """Load a training state into every rank's parts and check that the replicas agree
-        (every rank calls this: one all-reduce)."""
+        (every rank calls this: one all-reduce). The state brings back where the run is (weights,
+        moments, the step, the curriculum); what the config sets comes from this run's config,
+        so a value changed under resume=force applies from the resumed step."""
+        settings = optimizer_settings(self.optimizer)  # built from this run's config
         load_parts(state, self.stateful())
         self.progress.step = int(state["step"])
+        apply_optimizer_settings(self.optimizer, settings)
+        if self.scheduler is not None:
+            schedule_from_settings(self.scheduler)
         _, identical = check_weights_all_ranks(runtime, *self.replicated)
         if not identical:
             raise StateError(f"after loading '{state['_path']}' the ranks' weights differ")
         LOGGER.info("resumed from %s at step %d (%s)", state["_path"], self.progress.step,
                     self.training_method.describe())
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    """Each parameter group's hyper-parameters (lr, weight decay, momentum, betas, ...; with a
+    scheduler its `initial_lr`): everything in the group but its parameters."""
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer,
+                             settings: List[Dict[str, Any]]) -> None:
+    """Put `settings` (optimizer_settings of the optimizer as the run built it) back after a
+    load: torch's load_state_dict restores the saved run's hyper-parameters with its moments."""
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
+
+
+def schedule_from_settings(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """A loaded LambdaLR keeps its step (`last_epoch`) and its factor (the run's schedule over
+    the run's length: the lambda is never saved); its base rates become the optimizer's
+    `initial_lr` (the run's lr, not the saved `base_lrs`), and each group's rate that of the
+    restored step, as the scheduler's own step computes it (base rate x factor)."""
+    optimizer = scheduler.optimizer
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
 
 
 def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, training_method: Method,
@@ -161,16 +195,31 @@ def build_parts_all_ranks(cfg: TrainConfig, runtime: Runtime, training_method: M
                  max_grad_norm=cfg.optimization.max_grad_norm)
 
 
+def check_optimizer_type(state: Dict[str, Any], optimizer: str) -> None:
+    """StateOfAnotherRun when the state's run trained with another `optimizer`: its moments
+    (momentum, Adam's averages) and hyper-parameters mean nothing to another optimizer, and
+    Adam's and AdamW's even have the same shapes, so only the recorded name tells them apart."""
+    config = state.get("config")
+    found = config.get("optimizer") if isinstance(config, dict) else None
+    if isinstance(found, str) and found != optimizer:
+        raise StateOfAnotherRun(
+            f"'{state.get('_path', 'the training state')}' was trained with optimizer {found} "
+            f"and this run builds {optimizer} (optimizer): a training state continues only its "
+            f"own optimizer, even under resume=force; choose another run_dir, or "
+            f"optimizer={found}")
+
+
 def state_fit_check(model: ModelConfig, data: DataConfig, optimization: OptimizerSection,
                     ema: EmaSection, stage: int) -> Callable[[Dict[str, Any]], None]:
     """The check a state must pass before a run (training stage `stage`, its model, data,
-    optimizer and EMA sections) trusts it: its stage and model_type are the run's (else
-    StateOfAnotherRun: no earlier state of that run is better), and its model, EMA and
+    optimizer and EMA sections) trusts it: its stage, model_type and optimizer are the run's
+    (else StateOfAnotherRun: no earlier state of that run is better), and its model, EMA and
     optimizer tensors have the shapes of the parts this run builds, built on the meta device
     for the check (no memory, no random numbers)."""
     def fits(state: Dict[str, Any]) -> None:
         check_stage(state, stage)
         check_model_type(state, model.model_type)
+        check_optimizer_type(state, optimization.name)
         with torch.device("meta"):
             network = model_from_config(model, data)
             check_fits(state, network, build_optimizer(optimization, network.parameters()),

@@ -115,8 +115,11 @@ class Method:
         method says otherwise. It sizes the evaluation batch and `--check`'s memory plan."""
         return len(cls.streams)
 
-    def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: int) -> Optional[Any]:
-        """A scheduler stepped once per applied optimizer step, or None (constant rate)."""
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: int
+                     ) -> Optional[torch.optim.lr_scheduler.LambdaLR]:
+        """A LambdaLR stepped once per applied optimizer step, or None (constant rate). A
+        LambdaLR, because a resumed run recomputes its rate from the config's lr and schedule at
+        the restored step (rebm.engine.parts.schedule_from_settings)."""
         return None
 
     def micro_loss(self, ctx: StepContext, batch: MicroBatch, index: int, log_now: bool

@@ -34,6 +34,7 @@ class Curriculum:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if not 0 <= start_step <= max_T:
             raise ValueError(f"need 0 <= start_step ({start_step}) <= max_T ({max_T})")
+        self.start_step = start_step  # attack.start_step: T of a new curriculum
         self.T = start_step
         self.max_T = max_T  # attack.max_steps: the cap on T
         self.auc_threshold = auc_threshold
@@ -79,7 +80,12 @@ class Curriculum:
         return {"T": self.T, "window": list(self.window), "images_at_T": self.images_at_T}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.T = min(int(state["T"]), self.max_T)  # a lowered attack.max_steps caps a resumed T
+        """Continue the saved curriculum under this run's settings: its threshold and window
+        length are the config's (a shorter window keeps the newest AUCs), and T stays within
+        this run's [start_step, max_T]: T only rises, so a run resumed with its own settings
+        continues its T, and under resume=force a raised attack.start_step lifts T to it, a
+        lowered attack.max_steps caps it."""
+        self.T = min(max(int(state["T"]), self.start_step), self.max_T)
         self.window.clear()
         self.window.extend(float(a) for a in state["window"])  # keeps the newest if maxlen shrank
         self.images_at_T = int(state["images_at_T"])

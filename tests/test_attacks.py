@@ -51,8 +51,8 @@ def input_grad(model, x, objective, y):
         loss = logits.gather(1, y[:, None]).sum()
     elif objective == "lse":
         loss = torch.logsumexp(logits, 1).sum()
-    else:
-        loss = F.cross_entropy(logits, y, reduction="sum")
+    else:  # the original's pgd_attack_xent: the mean over the batch given
+        loss = F.cross_entropy(logits, y)
     return torch.autograd.grad(loss, x)[0]
 
 

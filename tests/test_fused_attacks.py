@@ -56,7 +56,7 @@ def streams(T, K, *, random_start=True, neg_norm="L2", clf_norm="L2", n=B, seed=
                              math.inf if neg_norm == "L2" else 16 / 255, neg_norm, "logit", y_in,
                              keys[:n] if random_start else None)
     classifier = AttackStream(x_clf, K, clf_step, clf_eps, clf_norm, "ce", y_clf,
-                              keys[n:] if random_start else None)
+                              keys[n:] if random_start else None, ce_batch_sizes=n)
     return negatives, classifier
 
 
@@ -98,7 +98,8 @@ def test_each_sample_keeps_its_norm_radius_and_step_size(model, neg_norm, clf_no
 def _rows(stream: AttackStream, index) -> AttackStream:
     keys = stream.random_start_keys
     return AttackStream(stream.x[index], stream.steps, stream.step_size, stream.eps, stream.norm,
-                        stream.objective, stream.y[index], None if keys is None else keys[index])
+                        stream.objective, stream.y[index], None if keys is None else keys[index],
+                        stream.ce_batch_sizes)  # the CE's mean stays over the whole batch
 
 
 def test_results_depend_on_each_samples_key_not_on_batch_order_or_world_split(model):

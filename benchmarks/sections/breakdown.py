@@ -51,7 +51,8 @@ def _micro_pieces(bench: Bench, batch, last: bool, watch: Stopwatch) -> MicroOut
                                 random_start_keys=batch["out"].keys)
     with watch("clf_attack"), precision.autocast():
         x_c_adv = pgd_from_config(attacked, batch["clf"].images, cfg.method.indist_attack_clf, objective="ce",
-                                  y=batch["clf"].labels, random_start_keys=batch["clf"].keys)
+                                  y=batch["clf"].labels, random_start_keys=batch["clf"].keys,
+                                  ce_batch_sizes=cfg.schedule.batch_size)
     keep: Dict[str, torch.Tensor] = {"x_adv": x_adv.detach()}
     with watch("fwd_bwd"):
         if not training_method.frozen_bn:

@@ -47,7 +47,8 @@ def section_fused(args) -> dict:
             model = attacked["eager" if mode == "eager" else
                              f"compiled_{'fused' if fuse else 'separate'}"]
             variants[f"{mode}_{'fused' if fuse else 'separate'}"] = (
-                lambda mb, model=model, fuse=fuse: dat_attacks(model, cfg.method, T, mb, fuse))
+                lambda mb, model=model, fuse=fuse: dat_attacks(
+                    model, cfg.method, T, mb, fuse, cfg.schedule.batch_size))
     n = max(1, args.warmup) + args.reps  # at least one warm-up: it compiles
     batches = [step[0] for step in prefetch(bench, n)]
     times: Dict[str, List[float]] = {name: [] for name in variants}

@@ -14,9 +14,12 @@ default of utils/train_types/helpers.py:59). What sets it apart from rebm's plai
   point, included): the one of highest cross-entropy, the first on ties. It takes K + 1
   forwards and K backwards; plain PGD returns the last iterate after K of each.
 
-The arithmetic is written in the original's order (per-batch mean of the loss, delta as the
-variable, renorm then box clamp) so that the same weights and inputs give the same bits; the
-stage-1 twin (tests/test_stage1_twin.py) compares it with the original's training step.
+The arithmetic is written in the original's order (the mean of the loss over In-N-Out's batch,
+delta as the variable, renorm then box clamp) so that the same weights and inputs give the same
+bits; the stage-1 twin (tests/test_stage1_twin.py) compares it with the original's training
+step. In-N-Out attacks its whole batch as one (`bs` images through DataParallel; at test time
+its test loader's batches of `bs`, the last one shorter): the mean is over that batch, not over
+rebm's micro-batch, through the per-sample weights 1/N of `ce_weights` (`ce_batch_sizes`).
 Knows nothing of processes: pass the unwrapped module, in the mode the caller chose.
 """
 
@@ -29,7 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rebm.attacks.pgd import NORMS, input_gradients_only, pgd_from_config, random_start
+from rebm.attacks.pgd import (
+    NORMS,
+    CEBatchSizes,
+    ce_batch_sizes_on,
+    ce_weights,
+    input_gradients_only,
+    pgd_from_config,
+    random_start,
+)
 
 MOMENTUM = 0.9  # utils/train_types/helpers.py:59, the default every In-N-Out attack gets
 ATTACK_TYPES = ("pgd", "argmin_pgd")  # the values of an attack section's attack_type
@@ -67,10 +78,13 @@ def argmin_pgd_attack(
     norm: str = "L2",
     momentum: float = MOMENTUM,
     random_start_keys: Optional[Tensor] = None,
+    ce_batch_sizes: CEBatchSizes = None,
 ) -> Tensor:
     """The best (highest cross-entropy) of the K + 1 iterates of momentum PGD from x (or from
     the keyed random start), per sample; a detached tensor. steps == 0: the start point.
-    The model's train/eval mode is left as the caller set it."""
+    ce_batch_sizes: the gradient is that of In-N-Out's mean over a batch of this many samples
+    (int or one per sample; default: `x` as one batch). The model's train/eval mode is left as
+    the caller set it."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if steps < 0:
@@ -82,6 +96,7 @@ def argmin_pgd_attack(
     best_delta = torch.zeros_like(x0)
     best_loss = torch.full((x0.shape[0],), -math.inf, device=x0.device)
     velocity = torch.zeros_like(x0)
+    ce_batch_sizes = ce_batch_sizes_on(ce_batch_sizes, x0.device)
     with input_gradients_only(model):
         for i in range(steps + 1):
             delta = delta.detach().requires_grad_(True)
@@ -93,7 +108,8 @@ def argmin_pgd_attack(
                                          delta.detach(), best_delta)
                 if i == steps:
                     break
-                (grad,) = torch.autograd.grad(loss.mean(), delta)
+                (grad,) = torch.autograd.grad((loss * ce_weights(loss, ce_batch_sizes)).sum(),
+                                              delta)
             with torch.no_grad():
                 l1 = 1e-10 + _flat_per_sample(grad.abs()).sum(dim=1).view(-1, *[1] * (x0.dim() - 1))
                 velocity = momentum * velocity + grad / l1
@@ -112,12 +128,13 @@ def attack_from_config(
     y: Optional[Tensor] = None,
     steps: Optional[int] = None,
     random_start_keys: Optional[Tensor] = None,
+    ce_batch_sizes: CEBatchSizes = None,
 ) -> Tensor:
     """The attack an AttackConfig's `attack_type` names: "pgd" (rebm.attacks.pgd's
     `pgd_from_config`, same arguments) or "argmin_pgd" (cross-entropy only)."""
     if attack_cfg.attack_type != "argmin_pgd":
         return pgd_from_config(model, x, attack_cfg, objective=objective, y=y, steps=steps,
-                               random_start_keys=random_start_keys)
+                               random_start_keys=random_start_keys, ce_batch_sizes=ce_batch_sizes)
     if objective != "ce" or y is None:
         raise ValueError(f"attack_type 'argmin_pgd' attacks the cross-entropy of the labels "
                          f"(objective 'ce' with y), got objective {objective!r}")
@@ -126,4 +143,5 @@ def attack_from_config(
     return argmin_pgd_attack(
         model, x, y, steps=attack_cfg.max_steps if steps is None else steps,
         step_size=attack_cfg.step_size, eps=attack_cfg.eps, norm=attack_cfg.norm,
-        random_start_keys=random_start_keys if attack_cfg.random_start else None)
+        random_start_keys=random_start_keys if attack_cfg.random_start else None,
+        ce_batch_sizes=ce_batch_sizes)

@@ -2,8 +2,9 @@
 
 While two or more attacks still have steps to go, their running samples go through the model as
 one concatenated batch: one forward and one input gradient per step instead of one per attack.
-Each sample keeps its own attack: the objective is the sum of each stream's summed objective
-over its own rows of the logits, so (in eval mode, where a sample's logits depend on that sample
+Each sample keeps its own attack: the objective is the sum of each stream's objective over its
+own rows of the logits (a cross-entropy stream keeps its per-sample 1/N weights, the original's
+mean over its own batch), so (in eval mode, where a sample's logits depend on that sample
 alone) each sample's gradient is exactly the one its own attack would take; the step and the
 projection are then applied per stream with its norm, radius and step size. Once a stream has
 taken its steps it leaves the batch and the others go on.
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from rebm.attacks.pgd import (
     AttackStream,
     ascent_step,
+    ce_batch_sizes_on,
     check_attack_args,
     input_gradients_only,
     objective_of_logits,
@@ -58,8 +60,10 @@ def pgd_attack_streams(model: nn.Module, streams: Sequence[AttackStream]) -> Lis
     """`pgd_attack(model, **stream)` for every stream, as one batched pass; detached results in
     the order of `streams`. A stream with steps == 0 returns a detached copy of its input."""
     for stream in streams:
-        check_attack_args(stream.steps, stream.norm, stream.objective, stream.y)
+        check_attack_args(stream.steps, stream.norm, stream.objective, stream.y,
+                          stream.ce_batch_sizes)
     clean = [stream.x.detach() for stream in streams]
+    ce_sizes = [ce_batch_sizes_on(s.ce_batch_sizes, s.x.device) for s in streams]
     x_adv = [x0 if s.steps == 0 else _start(s, x0) for s, x0 in zip(streams, clean, strict=True)]
     with input_gradients_only(model):
         for step in range(max((s.steps for s in streams), default=0)):
@@ -71,7 +75,8 @@ def pgd_attack_streams(model: nn.Module, streams: Sequence[AttackStream]) -> Lis
             _mark_batch_dynamic(batch)
             with torch.enable_grad():
                 logits = model(batch)
-                loss = sum(objective_of_logits(rows, streams[i].objective, streams[i].y)
+                loss = sum(objective_of_logits(rows, streams[i].objective, streams[i].y,
+                                               ce_sizes[i])
                            for i, rows in zip(running, logits.split(sizes), strict=True))
                 (grad,) = torch.autograd.grad(loss, batch)
             for i, x_rows, g_rows in zip(running, batch.detach().split(sizes), grad.split(sizes),

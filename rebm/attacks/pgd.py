@@ -5,6 +5,11 @@ logsumexp ascent LSE_k f_k(x) (`logsumexp_sampling`), and untargeted cross-entro
 (adversarial training, robust evaluation). OOD evaluation also ascends the KL divergence of the
 softmax from the uniform distribution (raising the max-softmax of out-distribution images).
 
+The logit, logsumexp and KL objectives are batch sums, as the original's. The cross-entropy is
+the original's batch MEAN (its pgd_attack_xent): each sample's term is weighted by 1/N, N the
+size of the batch the original attacked it in (`ce_weights`), which rebm knows from the config
+and the sample's place, not from its own ranks, micro-batches or fused passes.
+
 Contract with callers:
 - Gradients are taken w.r.t. the input only (`torch.autograd.grad(loss, x)`): no parameter's
   `.grad` is touched and weight gradients are not even computed (the parameters stop requiring
@@ -21,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, fields
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,21 +37,51 @@ NORMS = ("L2", "Linf")
 _TINY = 1e-12  # a zero direction gives a zero random start instead of 0/0
 _L2_OFFSET = 1e-10  # the original's g / (||g|| + 1e-10) (attack_steps.py:152-154)
 
+# The size of the batch whose mean cross-entropy the original attacked, one int for all samples
+# or one per sample; None: the samples given are that batch.
+CEBatchSizes = Union[int, Tensor, None]
 
-def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
-    """The quantity PGD ascends, summed over the batch (so each sample's gradient is its own)."""
-    return objective_of_logits(model(x), objective, y)
+
+def ce_weights(per_sample: Tensor, batch_sizes: CEBatchSizes) -> Tensor:
+    """1/N per sample, divided in the dtype and on the device of the per-sample losses.
+
+    The original's mean cross-entropy seeds each sample's backward with 1/N (nll_loss's backward
+    divides its incoming 1 by the batch's total weight N); sum_i CE_i * w_i with w_i this same
+    quotient seeds the same bits, whichever rows rebm computes together. A sum would seed 1 and
+    differ by the factor N: exactly only when N is a power of two.
+    """
+    like = dict(dtype=per_sample.dtype, device=per_sample.device)
+    if isinstance(batch_sizes, Tensor):  # on the device already (`ce_batch_sizes_on`)
+        sizes = batch_sizes.to(per_sample.dtype)
+    else:  # a fill, not a copy from the host
+        sizes = torch.full((), per_sample.shape[0] if batch_sizes is None else batch_sizes, **like)
+    return torch.ones((), **like) / sizes
 
 
-def objective_of_logits(logits: Tensor, objective: str, y: Optional[Tensor]) -> Tensor:
-    """`attack_objective` given the model's logits: the batch sum of the per-sample objective."""
+def ce_batch_sizes_on(batch_sizes: CEBatchSizes, device: torch.device) -> CEBatchSizes:
+    """Per-sample sizes moved to `device` once, before the step loop (no copy per step)."""
+    return batch_sizes.to(device) if isinstance(batch_sizes, Tensor) else batch_sizes
+
+
+def attack_objective(model: nn.Module, x: Tensor, objective: str, y: Optional[Tensor],
+                     ce_batch_sizes: CEBatchSizes = None) -> Tensor:
+    """The quantity PGD ascends (`objective_of_logits` of the model's logits)."""
+    return objective_of_logits(model(x), objective, y, ce_batch_sizes)
+
+
+def objective_of_logits(logits: Tensor, objective: str, y: Optional[Tensor],
+                        ce_batch_sizes: CEBatchSizes = None) -> Tensor:
+    """The batch sum of the per-sample objective; for "ce", the sum of CE_i / N_i (the
+    original's mean over its batch of N_i, see `ce_weights`). Either way each sample's gradient
+    is its own."""
     if objective == "logit":
         return logits.gather(1, y[:, None]).sum()
     if objective == "lse":
         return torch.logsumexp(logits, dim=1).sum()
     if objective == "uniform_kl":  # KL(U || softmax) = -log K - mean_k log p_k, per sample
         return -(F.log_softmax(logits, dim=1).mean(dim=1) + math.log(logits.shape[1])).sum()
-    return F.cross_entropy(logits, y, reduction="sum")
+    per_sample = F.cross_entropy(logits, y, reduction="none")
+    return (per_sample * ce_weights(per_sample, ce_batch_sizes)).sum()
 
 
 def _per_sample(v: Tensor, like: Tensor) -> Tensor:
@@ -168,8 +203,13 @@ def input_gradients_only(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
-def check_attack_args(steps: int, norm: str, objective: str, y: Optional[Tensor]) -> None:
+def check_attack_args(steps: int, norm: str, objective: str, y: Optional[Tensor],
+                      ce_batch_sizes: CEBatchSizes = None) -> None:
     """One-line errors for an attack's arguments (shared by `pgd_attack` and the fused pass)."""
+    if isinstance(ce_batch_sizes, Tensor) and y is not None and \
+            ce_batch_sizes.shape != (y.shape[0],):
+        raise ValueError(f"ce_batch_sizes must have shape ({y.shape[0]},), "
+                         f"got {tuple(ce_batch_sizes.shape)}")
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if objective not in OBJECTIVES:
@@ -191,11 +231,15 @@ def pgd_attack(
     objective: str = "logit",
     y: Optional[Tensor] = None,
     random_start_keys: Optional[Tensor] = None,
+    ce_batch_sizes: CEBatchSizes = None,
 ) -> Tensor:
     """`steps` steps of projected gradient ascent from `x`; returns a detached tensor.
 
     objective: "logit" ascends f_y(x) (needs y), "lse" ascends logsumexp_k f_k(x), "ce" ascends
-    CE(f(x), y) (needs y), "uniform_kl" ascends KL(uniform || softmax f(x)). Each step:
+    CE(f(x), y) (needs y), "uniform_kl" ascends KL(uniform || softmax f(x)).
+    ce_batch_sizes: "ce" ascends the original's mean CE over a batch of this many samples (an
+    int, or (B,) one per sample: the original's batch each sample sat in); default B, `x` as
+    one batch. Each step:
     x <- clamp(proj_eps(x + step), 0, 1), the step being a*g/(||g||_2 + 1e-10) (L2) or
     a*sign(g) (Linf), in the original's arithmetic (`ascent_step`, `project`). eps = inf: no
     shrinking, only the round trip through x - x0 and the [0, 1] clamp.
@@ -204,16 +248,17 @@ def pgd_attack(
     copy), with or without random start. Works under `torch.no_grad()` (grad is re-enabled
     locally) but not under `torch.inference_mode()`; the model's train/eval mode is not changed.
     """
-    check_attack_args(steps, norm, objective, y)
+    check_attack_args(steps, norm, objective, y, ce_batch_sizes)
     x0 = x.detach()
     if steps == 0:
         return x0.clone()
     x_adv = x0 if random_start_keys is None else random_start(x0, random_start_keys, eps, norm)
+    ce_batch_sizes = ce_batch_sizes_on(ce_batch_sizes, x0.device)
     with input_gradients_only(model):
         for _ in range(steps):
             x_adv = x_adv.detach().requires_grad_(True)
             with torch.enable_grad():
-                loss = attack_objective(model, x_adv, objective, y)
+                loss = attack_objective(model, x_adv, objective, y, ce_batch_sizes)
                 (grad,) = torch.autograd.grad(loss, x_adv)
             x_adv = project(ascent_step(x_adv.detach(), grad, step_size, norm), x0, eps, norm)
     return x_adv.detach()
@@ -231,6 +276,7 @@ class AttackStream:
     objective: str = "logit"
     y: Optional[Tensor] = None
     random_start_keys: Optional[Tensor] = None
+    ce_batch_sizes: CEBatchSizes = None
 
 
 def stream_from_config(
@@ -241,11 +287,12 @@ def stream_from_config(
     y: Optional[Tensor] = None,
     steps: Optional[int] = None,
     random_start_keys: Optional[Tensor] = None,
+    ce_batch_sizes: CEBatchSizes = None,
 ) -> AttackStream:
     """The attack of `x` under the threat model of an AttackConfig (`attack` or
     `indist_attack_clf`). steps defaults to attack_cfg.max_steps (the curriculum passes its
     current T instead). The keys are used only when attack_cfg.random_start is set, and are then
-    required."""
+    required. ce_batch_sizes: as `pgd_attack`'s."""
     if attack_cfg.attack_type != "pgd":
         raise ValueError(f"attack_type {attack_cfg.attack_type!r} is not supported; use 'pgd'")
     if attack_cfg.random_start and random_start_keys is None:
@@ -259,6 +306,7 @@ def stream_from_config(
         objective=objective,
         y=y,
         random_start_keys=random_start_keys if attack_cfg.random_start else None,
+        ce_batch_sizes=ce_batch_sizes,
     )
 
 
@@ -271,10 +319,12 @@ def pgd_from_config(
     y: Optional[Tensor] = None,
     steps: Optional[int] = None,
     random_start_keys: Optional[Tensor] = None,
+    ce_batch_sizes: CEBatchSizes = None,
 ) -> Tensor:
     """`pgd_attack` of `stream_from_config(...)` (same arguments)."""
     return pgd_attack_stream(model, stream_from_config(
-        x, attack_cfg, objective=objective, y=y, steps=steps, random_start_keys=random_start_keys))
+        x, attack_cfg, objective=objective, y=y, steps=steps, random_start_keys=random_start_keys,
+        ce_batch_sizes=ce_batch_sizes))
 
 
 def pgd_attack_stream(model: nn.Module, stream: AttackStream) -> Tensor:

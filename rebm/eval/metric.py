@@ -90,10 +90,14 @@ class EvalContext:
 
 class TestBatch:
     """One batch of this rank's test shard: images x (on the device), labels y, dataset indices
-    (cpu). `logits()` is the clean forward, computed once for all metrics that need it."""
+    (cpu), and where the images sit in the evaluation's list of `n_images` test images
+    (`positions`, cpu; the original evaluated that list in order, in batches of its own).
+    `logits()` is the clean forward, computed once for all metrics that need it."""
 
-    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, index: Tensor):
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, index: Tensor, positions: Tensor,
+                 n_images: int):
         self.model, self.x, self.y, self.index = model, x, y, index
+        self.positions, self.n_images = positions, n_images
         self._logits: Optional[Tensor] = None
 
     def logits(self) -> Tensor:

@@ -110,14 +110,16 @@ def test_indices(evaluation: EvaluationSection, source=None) -> Sequence[int]:
 
 class TestData:
     """This rank's test images, built once per Evaluator and config: the indices of
-    `test_indices`, this rank's chunks of them, and their loader (every chunk but the last one
-    overall is full, so the loader's batches are the chunks)."""
+    `test_indices` (`n_images` of them), this rank's chunks of positions in that list, and their
+    loader (every chunk but the last one overall is full, so the loader's batches are the
+    chunks)."""
 
     def __init__(self, evaluation: EvaluationSection, runtime: Runtime, batch_size: int):
         source = indist_source(evaluation.data, "test")  # loaded once, for the ids and the loader
         indices = test_indices(evaluation, source)
-        mine = [int(indices[p]) for chunk in eval_chunks(len(indices), batch_size, runtime.rank,
-                                                         runtime.world_size) for p in chunk]
+        self.n_images = len(indices)
+        self.chunks = eval_chunks(self.n_images, batch_size, runtime.rank, runtime.world_size)
+        mine = [int(indices[p]) for chunk in self.chunks for p in chunk]
         self.loader = build_eval_data(evaluation.data, runtime, batch_size, indices=mine, source=source)
 
 
@@ -132,8 +134,10 @@ def run_test_pass_all_ranks(data: TestData, model, runtime: Runtime, metrics: Li
     for index, (x, y, dataset_index) in enumerate(progress(loader, runtime, "evaluation",
                                                            total=len(loader))):
         stops.check_all_ranks(index)
+        chunk = data.chunks[index]
         batch = TestBatch(model, x.to(runtime.device, non_blocking=True),
-                          y.to(runtime.device, non_blocking=True), dataset_index)
+                          y.to(runtime.device, non_blocking=True), dataset_index,
+                          torch.arange(chunk.start, chunk.stop), data.n_images)
         for metric in metrics:
             metric.update(batch)
         count += int(y.shape[0])

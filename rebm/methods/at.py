@@ -45,6 +45,7 @@ class AdversarialTraining(Method):
     def __init__(self, method: MethodSection, model: ModelConfig, schedule: ScheduleSection):
         super().__init__(method, model, schedule)
         self.method_section = method
+        self.global_batch_size = schedule.batch_size  # In-N-Out's attacked batch (micro_loss)
         self.lr_schedule = STAGE1.lr_schedule(schedule)  # its name
         self.last_step: Optional[int] = None
 
@@ -65,10 +66,13 @@ class AdversarialTraining(Method):
         # Attack in eval mode, without DDP: BN uses its running statistics, so the K attack
         # forwards neither update them nor run SyncBatchNorm/DDP collectives, and the
         # adversarial example does not depend on how the batch is split over ranks.
+        # The CE is In-N-Out's mean over its whole batch of `bs` = batch_size (DataParallel
+        # gathers the logits), whatever rebm's ranks and micro-batches.
         ctx.attacked.eval()
         with ctx.autocast():
             x_adv = attack_from_config(ctx.attacked, clf.images, self.method_section.indist_attack_clf,
-                                    objective="ce", y=clf.labels, random_start_keys=clf.keys)
+                                       objective="ce", y=clf.labels, random_start_keys=clf.keys,
+                                       ce_batch_sizes=self.global_batch_size)
         # The training forward is in train mode through DDP: BN normalises with (synced, on
         # GPU) batch statistics of the adversarial batch and updates its running stats.
         ctx.model.train()

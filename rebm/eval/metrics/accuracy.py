@@ -7,7 +7,10 @@ size.
 The robust attack is PGD on the cross-entropy with the `indist_attack_clf` threat model and
 `robust_eval_steps` steps when set. Its random start (when `random_start` is set) is keyed by the
 *dataset index* of each image, so an image gets the same start point whichever rank or batch it
-lands in.
+lands in. The cross-entropy is the original's mean over ITS evaluation batch: it attacked the
+test images in order, `batch_size` at a time, the last batch shorter (DAT's eval_robust_acc on
+its test loader of batch_size through DataParallel; In-N-Out's test() likewise with its `bs`),
+so an image's weight 1/N follows from its place in the list, not from rebm's chunks or ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ def robust_eval_attack(evaluation: EvaluationSection):
     if evaluation.eval.robust_eval_steps is None:
         return evaluation.method.indist_attack_clf
     return dataclasses.replace(evaluation.method.indist_attack_clf, max_steps=evaluation.eval.robust_eval_steps)
+
+
+def original_eval_batch_sizes(positions: Tensor, n_images: int, batch_size: int) -> Tensor:
+    """Per image (by its 0-based place among `n_images`), the size of the batch the original's
+    evaluation attacked it in: batches of `batch_size` in order, the last one shorter."""
+    starts = positions // batch_size * batch_size
+    return (n_images - starts).clamp(max=batch_size)
 
 
 def ratio(num: float, den: float) -> float:
@@ -108,7 +118,8 @@ class RobustAccuracy(CorrectCount):
         attack = robust_eval_attack(evaluation)
         name = "argmin PGD" if attack.attack_type == "argmin_pgd" else "PGD"  # the cache's key
         return {"attack": name, "loss": "cross-entropy",
-                **attack_settings(attack), "seed": evaluation.schedule.rand_seed,
+                **attack_settings(attack), "attack_batch": evaluation.schedule.batch_size,
+                "seed": evaluation.schedule.rand_seed,
                 **test_set_settings(evaluation)}
 
     def __init__(self, ctx: EvalContext):
@@ -116,9 +127,11 @@ class RobustAccuracy(CorrectCount):
         self.attack = robust_eval_attack(ctx.evaluation)
 
     def correct(self, batch: TestBatch) -> Tensor:
-        keys = index_keys(self.ctx.evaluation.schedule.rand_seed, batch.index).to(batch.x.device)
+        schedule = self.ctx.evaluation.schedule
+        keys = index_keys(schedule.rand_seed, batch.index).to(batch.x.device)
+        sizes = original_eval_batch_sizes(batch.positions, batch.n_images, schedule.batch_size)
         x_adv = attack_from_config(batch.model, batch.x, self.attack, objective="ce", y=batch.y,
-                                random_start_keys=keys)
+                                   random_start_keys=keys, ce_batch_sizes=sizes)
         with torch.no_grad():
             return batch.model(x_adv).argmax(1) == batch.y
 

@@ -55,17 +55,22 @@ def resolve_fuse_attacks(setting: Union[bool, str], device: torch.device) -> boo
 
 
 def dat_attacks(model: torch.nn.Module, method: MethodSection, outdist_steps: int,
-                batch: MicroBatch, fuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                batch: MicroBatch, fuse: bool, global_batch_size: int
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x_adv, x_c_adv) of one micro-batch on `model` (the attacked module, in the mode the
     caller set): negatives PGD_T(x_out) on f_y (the in-distribution labels) or logsumexp, and
-    PGD_K^CE(x_c); with `fuse`, as one batched pass while both run (rebm.attacks.fused)."""
+    PGD_K^CE(x_c); with `fuse`, as one batched pass while both run (rebm.attacks.fused).
+    The CE is the original's mean over the global batch (`global_batch_size`): its
+    DataParallel model gathered the logits of the whole batch before the loss, whatever the
+    number of GPUs; so every sample weighs 1/batch_size on any world size and micro-batch."""
     out, clf = batch[OUTDIST.name], batch[CLASSIFIER.name]
     attacks = (
         (out.images, method.attack, dict(
             steps=outdist_steps, y=batch[INDIST.name].labels, random_start_keys=out.keys,
             objective="lse" if method.logsumexp_sampling else "logit")),
         (clf.images, method.indist_attack_clf, dict(
-            objective="ce", y=clf.labels, random_start_keys=clf.keys)),
+            objective="ce", y=clf.labels, random_start_keys=clf.keys,
+            ce_batch_sizes=global_batch_size)),
     )
     if fuse:
         x_adv, x_c_adv = pgd_attack_streams(
@@ -123,7 +128,8 @@ class DAT(Method):
         ctx.attacked.eval()
         with ctx.autocast():
             x_adv, x_c_adv = dat_attacks(ctx.attacked, method, self.curriculum.T, batch,
-                                         resolve_fuse_attacks(method.fuse_attacks, ctx.device))
+                                         resolve_fuse_attacks(method.fuse_attacks, ctx.device),
+                                         self.global_batch_size)
         keep: Dict[str, torch.Tensor] = {}
         if log_now:
             keep["out"] = _fy(ctx.scorer, out.images, y_in)

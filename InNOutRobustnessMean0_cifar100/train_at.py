@@ -21,6 +21,7 @@ from typing import List, Optional
 
 from rebm import cli
 from rebm.config import ConfigError, explicit_keys
+from rebm.config.origins import config_origins
 from rebm.methods.stages import STAGE1
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +51,8 @@ def method_class():
 def check_stage1(args, cfg) -> None:
     """The method's config rules (stage 1's: live BatchNorm, a schedule it offers), and one
     warning line (rank 0's) naming the stage-2 keys the config sets, which stage 1 does not read."""
-    method_class().check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
+    origins = config_origins(args.config, args.overrides)  # errors name where a key was set
+    method_class().check_config(cfg.method, cfg.model, cfg.schedule, origins)
     unread = STAGE1.unread_keys_set(explicit_keys(cfg))
     if unread and os.environ.get("RANK", "0") == "0":
         print(f"warning: stage 1 does not read {', '.join(unread)} (stage-2 keys, DAT's); "

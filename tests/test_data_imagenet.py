@@ -261,12 +261,35 @@ def test_imagenet_augmentations_shapes_ranges_seeds(size):
         transform = build_augmentation(name, size, full_images=True)
         out = augment_batch(image, transform, [7])
         assert out.shape == (1, 3, size, size) and out.dtype == torch.float32, name
-        assert 0.0 <= float(out.min()) and float(out.max()) <= 1.0, name
+        margin = 0.05 if name == "madry" else 0.0  # its lighting is not clamped (below)
+        assert -margin <= float(out.min()) and float(out.max()) <= 1.0 + margin, name
         assert torch.equal(out, augment_batch(image, transform, [7])), name
     changed = [not torch.equal(augment_batch(image, build_augmentation(n, size), [1]),
                                augment_batch(image, build_augmentation(n, size), [2]))
                for n in ("madry", "default", "generation_od_randomcrop")]
     assert all(changed)
+
+
+def test_madry_lighting_is_the_originals_arithmetic_without_a_clamp():
+    """The original's Lighting (InNOutRobustness/utils/datasets/augmentations/
+    imagenet_augmentation.py:34-40) written out: alpha ~ normal_(0, 0.05) of 3, each eigenvector
+    column times its alpha times its eigenvalue, summed per channel and added to every pixel, and
+    nothing clamps the result. Bit for bit on an image of black and white pixels, which the
+    shift takes out of [0, 1]."""
+    from rebm.data.augmentations import IMAGENET_EIGVAL, IMAGENET_EIGVEC, Lighting
+
+    image = torch.zeros(3, 17, 17)
+    image[:, ::2] = 1.0
+    eigval, eigvec = torch.tensor(IMAGENET_EIGVAL), torch.tensor(IMAGENET_EIGVEC)
+    for seed in range(40):
+        torch.manual_seed(seed)
+        alpha = torch.Tensor().resize_(3).normal_(0, 0.05)
+        shift = (eigvec.clone().mul(alpha.view(1, 3).expand(3, 3))
+                 .mul(eigval.view(1, 3).expand(3, 3)).sum(1).squeeze())
+        expected = image.add(shift.view(3, 1, 1).expand_as(image))
+        torch.manual_seed(seed)
+        assert torch.equal(Lighting(0.05)(image), expected), seed
+        assert float(expected.min()) < 0.0 or float(expected.max()) > 1.0, seed
 
 
 def test_outdist_augmentation_follows_the_original(roots):

@@ -385,7 +385,7 @@ def test_console_table_and_eval_json_name_every_setting(data, tmp_path):
         f"clean accuracy .* {N_TEST} test images",
         f"robust accuracy .* PGD-3 L2 eps 0.3, step 0.1; {N_TEST} test images",
         f"calibration error \\(ECE\\) .* 20 equal-width bins of the max softmax; {N_TEST}",
-        f"OOD AUROC .* vs noise \\({N_TEST} images at 32 px\\), score lse; {N_TEST} test images",
+        f"OOD AUROC .* vs noise \\({N_TEST} images at 16 px\\), score lse; {N_TEST} test images",
         f"FID, STAND-IN features \\(not Inception\\) .* {N_SAMPLES} conditional samples, 2 PGD "
         f"steps \\(L2, step 0.5, eps inf\\) from noise, floor pixels; vs stats.npz; stand-in "
         f"{STANDIN}",

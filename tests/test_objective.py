@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rebm.config import ConfigError, TrainConfig
+from rebm.config.origins import ConfigOrigins
 from rebm.methods.dat import DAT
 from rebm.methods.dat.objective import (
     TERMS,
@@ -220,4 +221,4 @@ def test_a_negative_term_weight_is_refused_naming_its_key():
     """At start-up and under --check (DAT.check_config), for every term with a weight key."""
     method = dataclasses.replace(DEFAULTS.method, r1reg=-0.5)
     with pytest.raises(ConfigError, match=r"^run\.yaml: 'r1reg' must be >= 0, got -0\.5$"):
-        DAT.check_config(method, DEFAULTS.model, DEFAULTS.schedule, "run.yaml")
+        DAT.check_config(method, DEFAULTS.model, DEFAULTS.schedule, ConfigOrigins("run.yaml"))

@@ -263,14 +263,15 @@ IMAGENET = ["data.indist_dataset=ImageNet", "data.num_classes=1000"]
     (224, IMAGENET, 224, (3.0, 10, 1.0)),
     (256, IMAGENET, 224, (3.0, 10, 1.0)),  # never the 32 px budget: its sets are read at 224
     (256, [*IMAGENET, "eval.ood_image_size=256"], 256, (3.0, 10, 1.0)),  # rebm's option
-    (16, [], 32, (1.0, 20, 0.1)),  # every non-ImageNet model: 32 px, whatever its own side
+    (16, [], 16, (1.0, 20, 0.1)),  # a non-ImageNet model of another side: its own side
     (64, IMAGENET, 224, (3.0, 10, 1.0)),  # every ImageNet model: 224 px, whatever its own side
 ])
-def test_the_original_reads_ood_sets_by_model_kind_and_budgets_by_their_side(
+def test_ood_sets_are_read_by_model_kind_and_budgets_by_their_side(
         model_size, overrides, side, budget):
-    """The original (eval_ood_detection.py:53-61, eval_utils.ood_detection): OOD images at 224
-    px for ImageNet models of any size, at 32 px for every other model; the 3.0 budget for 224
-    px images, the 1.0 one otherwise. Metric "ood" reads its out-distribution at that side."""
+    """As the original (eval_ood_detection.py:53-61, eval_utils.ood_detection): OOD images at
+    224 px for ImageNet models of any size, at 32 px for CIFAR models; the 3.0 budget for 224
+    px images, the 1.0 one otherwise. Any other non-ImageNet model at its own side (the
+    original had none). Metric "ood" reads its out-distribution at that side."""
     cfg = load_config(None, [f"data.image_size={model_size}", *overrides])
     assert ood_image_size(cfg.evaluation) == side
     assert OODDetection.settings(cfg.evaluation)["image_size"] == side
@@ -279,11 +280,13 @@ def test_the_original_reads_ood_sets_by_model_kind_and_budgets_by_their_side(
     assert OODSets.settings(cfg.evaluation)["image_size"] == side
 
 
-@pytest.mark.parametrize("model_size, overrides, side", [(256, IMAGENET, 224), (16, [], 32)])
-def test_metric_ood_reads_its_noise_at_the_originals_side(model_size, overrides, side):
-    """The original reads its OOD noise at 224 px for ImageNet and 32 px otherwise
+@pytest.mark.parametrize("model_size, overrides, side",
+                         [(256, IMAGENET, 224), (16, [], 16), (32, [], 32)])
+def test_metric_ood_reads_its_noise_at_the_ood_side(model_size, overrides, side):
+    """ImageNet models read their OOD noise at 224 px as the original's
     (eval_ood_detection.py:53-61), not at the model's data.image_size (256 px in the ImageNet
-    recipes, 16 px for digits)."""
+    recipes); other models at their own side (32 px for CIFAR as the original's, 16 px for
+    digits)."""
     from rebm.distributed import Runtime
     from rebm.eval.metrics.ood_sets import build_ood_data
 
@@ -291,6 +294,55 @@ def test_metric_ood_reads_its_noise_at_the_originals_side(model_size, overrides,
                              *overrides])
     images = next(iter(build_ood_data(cfg.evaluation, Runtime(), batch_size=3, num_samples=3)))[0]
     assert images.shape == (3, 3, side, side)
+
+
+ENTRY_CASES = {  # model kind: (overrides, the sides that reach the model)
+    # the quickstart's 16 px digits: test and OOD images alike at 16 px (the original's rule,
+    # 32 px for every non-ImageNet model, would give it 32 px noise to tell apart)
+    "digits": ([], [[16, 16]]),
+    "cifar10": (["data.indist_dataset=cifar10", "data.image_size=32", "data.num_classes=10",
+                 "data.outdist_dataset=noise"], [[32, 32]]),
+    # ImageNet: OOD images at 224 px whatever the model's own side (64 px here)
+    "imagenet": (["data.indist_dataset=ImageNet", "data.image_size=64", "data.num_classes=3",
+                  "data.outdist_dataset=noise"], [[64, 64], [224, 224]]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", list(ENTRY_CASES))
+def test_evaluate_feeds_the_model_ood_images_at_the_ood_side(kind, tmp_path):
+    """`python -m rebm.eval.evaluate --ood --metrics ood_sets` on the quickstart config: the
+    sides of the images that reach the model (a forward pre-hook in
+    tests/evaluate_recording_input_sides.py), the test images and the OOD images of `ood` and
+    `ood_sets`, clean and attacked; and the side eval.json reports."""
+    import json
+    import sys
+
+    from rebm.models import build_model, dataset_stats
+    from tests.fake_data import write_fake_imagenet
+    from tests.helpers import CONFIG, REPO, base_env, run_command
+
+    overrides, sides = ENTRY_CASES[kind]
+    data = []
+    if kind == "cifar10":
+        write_fake_cifar10(str(tmp_path / "cifar10"), n_train=10, n_test=17)
+        data = [f"data.indist_ds_dir={tmp_path / 'cifar10'}"]
+    elif kind == "imagenet":
+        data = [f"data.indist_ds_dir={write_fake_imagenet(str(tmp_path / 'ImageNet'), n_val=3)}"]
+    num_classes = 3 if kind == "imagenet" else 10
+    torch.manual_seed(0)
+    mean, std = dataset_stats("digits" if kind == "digits" else kind)
+    ckpt = tmp_path / "model.pth"
+    torch.save(build_model("WideResNet10x1", num_classes, mean=mean, std=std).state_dict(), ckpt)
+    cmd = [sys.executable, "-m", "tests.evaluate_recording_input_sides", str(tmp_path / "sides"),
+           str(REPO / CONFIG), *overrides, *data, f"model.ckpt_path={ckpt}", "eval.num_images=17",
+           "indist_attack_clf.max_steps=1", "robust_eval_steps=1", "eval.ood_num_samples=13",
+           "eval.ood_attack_steps=1", "--no-ece", "--ood", "--metrics", "ood_sets"]
+    result = run_command(cmd, timeout=300, env=base_env()).assert_ok()
+    assert json.loads((tmp_path / "sides").read_text()) == sides, result.output[-3000:]
+    settings = json.loads((tmp_path / "eval.json").read_text())["settings"]
+    assert settings["ood_sets"]["image_size"] == settings["ood"]["image_size"] == sides[-1][0]
 
 
 def test_files_are_the_set_roots(tmp_path):

@@ -22,7 +22,7 @@ class OODCounterfactualFields(Frozen):
     ood_datasets: List[str] = field(default_factory=lambda: ["noise"])  # ood_sets: out-distribution sets: noise, svhn, cifar10, cifar100, tinyimages, OpenImageO, ImageNet, restricted_imagenet (the original's imagenet: ImageNet validation images outside the Restricted-ImageNet classes), or the path of an image folder
     ood_roots: Dict[str, str] = field(default_factory=dict)  # ood_sets: where a named set lives, e.g. {svhn: /data/SVHN}; unset names: data/SVHN, data/CIFAR10, data/CIFAR100, data/tiny_images.bin, data/OpenImage-O-large/val, data/ImageNet (ImageNet and restricted_imagenet)
     ood_num_samples: int = 1024  # ood_sets: images of each set (a fixed subset chosen by rand_seed; noise: the first N of the original's noise); the original's 1024
-    ood_image_size: Optional[int] = None  # ood_sets: side the OOD sets are read at (the attack budget follows it); null: the original's, by data.indist_dataset: 224 for ImageNet (models of 224 and 256 px alike), 32 for every other (metric ood reads its out-distribution at the same side)
+    ood_image_size: Optional[int] = None  # ood_sets: side the OOD sets are read at (the attack budget follows it); null: 224 for ImageNet (models of 224 and 256 px alike, the original's), data.image_size for every other (32 for CIFAR, the original's) (metric ood reads its out-distribution at the same side)
     ood_score: str = "msp"  # ood_sets: msp (max softmax probability, the original's default) or lse (logsumexp of the logits)
     ood_adversarial: bool = True  # ood_sets: also AUROC / FPR of OOD images moved by L2 PGD to raise the score
     ood_attack_eps: Optional[float] = None  # ood_sets: L2 radius of that attack; null: the original's, 1.0 below 128 px, 3.0 from 128 px

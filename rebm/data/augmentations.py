@@ -12,7 +12,8 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
   resizes below);
 - the ImageNet names, which take an image of any size to image_size S (the original DAT
   ImageNet transforms; S = 224 or 256):
-  `madry` RandomResizedCrop(S) + flip + ColorJitter(0.1, 0.1, 0.1) + PCA lighting (std 0.05);
+  `madry` RandomResizedCrop(S) + flip + ColorJitter(0.1, 0.1, 0.1) + PCA lighting (std 0.05,
+  not clamped: the only name whose values may leave [0, 1], by the lighting shift);
   `default` and `generation_od` RandomResizedCrop(S) + flip;
   `generation_od_randomcrop` RandomResizedCrop(S) + RandomCrop(S, padding 4S/32) + flip;
   `generation_id` Resize(S) + CenterCrop(S) + flip;
@@ -20,13 +21,13 @@ Names (config keys `augm_type_generation`, `augm_type_classification`, `openimag
   + flip; on full-resolution images `test` is Resize(floor(S / 0.875), bicubic) + CenterCrop(S) and
   `none` is Resize((S, S), bicubic).
 
-Transforms take one CHW image tensor (uint8, or float in [0, 1]) and return the same dtype; the
-batch is converted to float [0, 1] once after stacking.
+Transforms take one CHW image tensor (uint8, or float in [0, 1]) and return the same dtype
+(`madry` returns float); the batch is converted to float once after stacking.
 
 Reproducibility: the v2 transforms used here (crops, flips, ColorJitter), the AutoAugment policy
-(autoaugment.py) and `Cutout` and `Lighting` below draw only from
-torch's global CPU generator (torch.rand / torch.randint), so seeding that generator with a
-per-sample seed right before the transform fixes the sample's augmentation, whatever the world
+(autoaugment.py) and `Cutout` and `Lighting` below draw only from torch's global CPU generator
+(torch.rand / torch.randint / normal_), so seeding that generator with a per-sample seed right
+before the transform fixes the sample's augmentation, whatever the world
 size, worker count or resume point. `augment_batch` does this inside `torch.random.fork_rng`
 so the caller's RNG state is left untouched.
 """
@@ -79,9 +80,11 @@ class Cutout(torch.nn.Module):
 
 
 class Lighting(torch.nn.Module):
-    """AlexNet-style PCA lighting: add eigvec @ (alpha * eigval), alpha ~ N(0, std) per image, to
-    every pixel of a float [0, 1] image; the result is clamped back to [0, 1] (the image domain
-    the attacks work in)."""
+    """AlexNet-style PCA lighting: add sum_j eigvec[:, j] * alpha_j * eigval_j, alpha ~ N(0, std)
+    per image, to every pixel of a float [0, 1] image, in the original's arithmetic (its
+    imagenet_augmentation.py:34-40: one normal_(0, std) draw of 3, the products in that order,
+    summed over j). Not clamped, as the original's: a pixel near 0 or 1 may leave [0, 1] by the
+    shift (|shift| < 0.02 in practice); the attacks' projection clamps what they move."""
 
     def __init__(self, std: float):
         super().__init__()
@@ -90,9 +93,9 @@ class Lighting(torch.nn.Module):
         self.register_buffer("eigvec", torch.tensor(IMAGENET_EIGVEC), persistent=False)
 
     def forward(self, image: Tensor) -> Tensor:
-        alpha = torch.randn(3) * self.std
-        shift = self.eigvec @ (alpha * self.eigval)
-        return (image + shift.view(3, 1, 1)).clamp_(0.0, 1.0)
+        alpha = torch.empty(3).normal_(0.0, self.std)
+        shift = (self.eigvec * alpha.view(1, 3) * self.eigval.view(1, 3)).sum(dim=1)
+        return image + shift.view(3, 1, 1)
 
 
 class FullImageTransform(v2.Compose):

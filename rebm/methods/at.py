@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rebm.attacks.argmin_pgd import attack_from_config
 from rebm.config import ConfigError, ModelConfig
+from rebm.config.origins import BUILT_IN_CODE, ConfigOrigins
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, MicroBatch
 from rebm.methods.base import Method, MicroOutput, StepContext, StepResult, mean_terms
@@ -51,8 +52,8 @@ class AdversarialTraining(Method):
 
     @classmethod
     def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
-                     source: str = "config") -> None:
-        STAGE1.check(schedule, model, source)  # live BatchNorm, a schedule stage 1 offers
+                     origins: ConfigOrigins = BUILT_IN_CODE) -> None:
+        STAGE1.check(schedule, model, origins)  # live BatchNorm, a schedule stage 1 offers
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, last_step: float):
         if math.isinf(last_step):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from rebm.config import ModelConfig
+from rebm.config.origins import BUILT_IN_CODE, ConfigOrigins
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import MicroBatch, Stream
 from rebm.distributed.runtime import Runtime
@@ -105,9 +106,10 @@ class Method:
 
     @classmethod
     def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
-                     source: str = "config") -> None:
+                     origins: ConfigOrigins = BUILT_IN_CODE) -> None:
         """The method's own config rules, its stage's included (a ConfigError naming the key and
-        `source`, the config file); its entry point and `--check` run them first."""
+        where it was set, `origins.of(key)`: the command line or the config file); its entry
+        point and `--check` run them first."""
 
     @classmethod
     def loss_streams(cls, method: MethodSection) -> int:

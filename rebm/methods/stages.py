@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable, List, Tuple
 
 from rebm.config import ConfigError
+from rebm.config.origins import BUILT_IN_CODE, ConfigOrigins
 from rebm.config.sections import MethodSection, ScheduleSection
 
 # The method keys only DAT (stage 2) reads: stage 1 reads only its classifier attack of the
@@ -41,17 +42,21 @@ class Stage:
         """The schedule a run of this stage follows: `lr_schedule`, or the default when null."""
         return schedule.lr_schedule or self.schedules[0]
 
-    def check(self, schedule: ScheduleSection, model: Any, source: str = "config") -> None:
-        """ConfigError naming the key (and `source`, the config file) when the schedule or the
-        model section (ModelConfig) breaks a rule of this stage."""
+    def check(self, schedule: ScheduleSection, model: Any,
+              origins: ConfigOrigins = BUILT_IN_CODE) -> None:
+        """ConfigError naming the key and where it was set (`origins`: the command line or the
+        config file) when the schedule or the model section (ModelConfig) breaks a rule of this
+        stage."""
         if schedule.lr_schedule is not None and schedule.lr_schedule not in self.schedules:
-            raise ConfigError(f"{source}: 'lr_schedule: {schedule.lr_schedule}' is not offered in "
-                              f"stage {self.number}; use {' or '.join(self.schedules)} (or null)")
+            raise ConfigError(f"{origins.of('lr_schedule')}: 'lr_schedule: "
+                              f"{schedule.lr_schedule}' is not offered in stage {self.number}; "
+                              f"use {' or '.join(self.schedules)} (or null)")
         if self.number == 1 and not model.use_batchnorm:
-            raise ConfigError("stage 1 trains BatchNorm live: set model.use_batchnorm=true")
+            raise ConfigError(f"{origins.of('model.use_batchnorm')}: stage 1 trains BatchNorm "
+                              "live: set model.use_batchnorm=true")
         if self.number == 2 and not schedule.fixed_lr:
-            raise ConfigError(f"{source}: 'fixed_lr: false' is not supported in stage 2 (DAT "
-                              "uses a constant learning rate); set fixed_lr: true")
+            raise ConfigError(f"{origins.of('fixed_lr')}: 'fixed_lr: false' is not supported in "
+                              "stage 2 (DAT uses a constant learning rate); set fixed_lr: true")
 
 
 STAGE1 = Stage(1, ("cosine", "constant"), DAT_ONLY_KEYS)  # adversarial training (methods.at)

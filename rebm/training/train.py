@@ -35,13 +35,16 @@ def method_class():
 
 
 def check_dat(args, cfg) -> None:
-    """DAT's own config rules (stage 2's included: a constant rate); under `--check`, also
+    """DAT's own config rules (stage 2's included: a constant rate), an error naming where the
+    key was set (the command line or the file); under `--check`, also
     what its evaluations lack on this machine (the Evaluator's problems: FID's files, ...), as
     warnings (training would stop at start), and how many training images there are against
     batch_size."""
+    from rebm.config.origins import config_origins
     from rebm.methods.dat import DAT
 
-    DAT.check_config(cfg.method, cfg.model, cfg.schedule, args.config or "config")
+    DAT.check_config(cfg.method, cfg.model, cfg.schedule,
+                     config_origins(args.config, args.overrides))
     if args.check:
         from rebm.config import plan_batches
         from rebm.distributed import Runtime

@@ -4,8 +4,8 @@ In-distribution scores come from the shared test pass (the clean logits of each 
 out-distribution's first `n_test` images are scored in `finish_all_ranks`
 (rebm/eval/metrics/ood_sets.py: the loader, the scores, the padded gather). The score is
 logsumexp of the logits for energy models (`logsumexp: true`), else the max softmax, in float32
-as the original's; the out-distribution is read at the original's OOD side (`ood_image_size`:
-224 px for ImageNet models, 32 px otherwise).
+as the original's; the out-distribution is read at the OOD side (`ood_image_size`: 224 px
+for ImageNet models as the original's, the model's own side otherwise).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 Adversarial OOD: each OOD image is first moved by PGD to *raise* its score, as the original
 evaluation did: "lse" ascends logsumexp, "msp" ascends KL(uniform || softmax), which pushes the
 softmax away from uniform and so raises its maximum. L2 steps, no random start; the original's
-budgets by the side of the OOD images (`original_ood_attack`), which the original read at 224 px
-for every ImageNet model and at 32 px for every other (`ood_image_size`). In-distribution
-images are not attacked. The scores are computed in float32, as the original's.
+budgets by the side of the OOD images (`original_ood_attack`). The OOD images are read at 224 px
+for every ImageNet model, as the original's, and at the model's own side for every other
+(`ood_image_size`): 32 px for CIFAR, as the original's. In-distribution images are not attacked. The scores are computed in float32, as the original's.
 
 The metric "ood_sets" (`OODSets`, the paper's OOD table): the in-distribution scores from the
 shared test pass, then each set of `rebm.data.ood_datasets` (`eval.ood_num_samples` images each).
@@ -47,10 +47,9 @@ from rebm.eval.test_set import test_set_settings
 SCORES = ("msp", "lse")
 SCORE_ALIASES = {"max_softmax": "msp"}  # the older spelling
 LARGE_IMAGE_SIZE = 128  # from here on ImageNet-size OOD images: the ImageNet attack budget
-# The original's OOD side by in-distribution dataset (its rebm/eval/eval_ood_detection.py:53-61):
-# 224 px for ImageNet and Restricted ImageNet models whatever their own size, 32 px for the rest
+# The original's OOD side for ImageNet and Restricted ImageNet models whatever their own size
+# (its rebm/eval/eval_ood_detection.py:53-61)
 ORIGINAL_IMAGENET_OOD_SIZE = 224
-ORIGINAL_OOD_SIZE = 32
 IMAGENET_DATASETS = ("imagenet", "restrictedimagenet")
 TPR_PERCENT = 95
 
@@ -65,15 +64,16 @@ class OODAttack:
 
 
 def ood_image_size(evaluation: EvaluationSection) -> int:
-    """The side the OOD images are read at: eval.ood_image_size, else the original's, chosen by
-    the in-distribution dataset and not by the model's side (eval_ood_detection.py:53-61):
-    224 px for ImageNet models (of 224 and 256 px alike), 32 px for every other model (CIFAR's,
-    and also a 16 px digits model)."""
+    """The side the OOD images are read at: eval.ood_image_size, else 224 px for ImageNet models
+    (of 224 and 256 px alike, the original's, eval_ood_detection.py:53-61) and the model's own
+    data.image_size for every other. The original read 32 px for every non-ImageNet model
+    because all of them were 32 px (CIFAR); a 16 px digits model read at 32 px would be scored
+    on images twice its side, and noise that large is trivially told apart."""
     if evaluation.eval.ood_image_size is not None:
         return evaluation.eval.ood_image_size
     if evaluation.data.indist_dataset.lower() in IMAGENET_DATASETS:
         return ORIGINAL_IMAGENET_OOD_SIZE
-    return ORIGINAL_OOD_SIZE
+    return evaluation.data.image_size
 
 
 def original_ood_attack(image_size: int) -> OODAttack:
@@ -247,7 +247,8 @@ def build_ood_data(evaluation: EvaluationSection, runtime: Runtime, batch_size: 
                    num_samples: int, dataset: Optional[Dataset] = None) -> DataLoader:
     """This rank's shard (indices rank, rank+W, ...) of the first `num_samples` images of the
     configured out-distribution (`data.outdist_dataset`), un-augmented, at the original's OOD
-    side (`ood_image_size`: 224 px for ImageNet models, 32 px otherwise), or of `dataset`."""
+    side (`ood_image_size`: 224 px for ImageNet models, the model's own side otherwise), or of
+    `dataset`."""
     if dataset is None:
         # "none" (whole image resized to S x S, bicubic; OpenImage-O is not cropped) is what the
         # original's OOD evaluation applies to every out-distribution
@@ -273,7 +274,8 @@ class OODSets(Metric):
     source = TEST_SET
     # 2: noise is the original's noise; ImageNet-size models read the sets at 224 px;
     # restricted_imagenet. 3: float32 scores; non-ImageNet models read the sets at 32 px; the
-    # attacks take the original's arithmetic
+    # attacks take the original's arithmetic. (Reading other sides at the model's own side
+    # changed no value at 32 or 224 px; the side is in the settings, so cached values differ.)
     protocol = 3
 
     def __init__(self, ctx: EvalContext):

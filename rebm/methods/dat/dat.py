@@ -25,6 +25,7 @@ from rebm.attacks.fused import pgd_attack_streams
 from rebm.attacks.pgd import pgd_from_config, stream_from_config
 from rebm.auc import binary_auc
 from rebm.config import ConfigError, ModelConfig
+from rebm.config.origins import BUILT_IN_CODE, ConfigOrigins
 from rebm.config.sections import MethodSection, ScheduleSection
 from rebm.data import CLASSIFIER, INDIST, OUTDIST, MicroBatch
 from rebm.distributed.collectives import all_gather_cat
@@ -102,15 +103,15 @@ class DAT(Method):
 
     @classmethod
     def check_config(cls, method: MethodSection, model: ModelConfig, schedule: ScheduleSection,
-                     source: str = "config") -> None:
-        check_energy_bce_weights(method)
-        check_term_weights(method, source)
+                     origins: ConfigOrigins = BUILT_IN_CODE) -> None:
+        check_energy_bce_weights(method, origins)
+        check_term_weights(method, origins)
         if method.indist_attack_clf.attack_type != "pgd":  # the fused pass and dat_attacks run PGD
             raise ConfigError(
-                f"{source}: 'indist_attack_clf.attack_type' is "
+                f"{origins.of('indist_attack_clf.attack_type')}: 'indist_attack_clf.attack_type' is "
                 f"{method.indist_attack_clf.attack_type!r}; DAT's classifier attack is 'pgd' "
                 "(argmin_pgd is stage 1's, InNOutRobustnessMean0_cifar100/train_at.py)")
-        STAGE2.check(schedule, model, source)  # a constant rate, on every path into DAT
+        STAGE2.check(schedule, model, origins)  # a constant rate, on every path into DAT
 
     @classmethod
     def loss_streams(cls, method: MethodSection) -> int:

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 from rebm.attacks.pgd import input_gradients_only
 from rebm.config import ConfigError, ModelConfig
+from rebm.config.layout import file_key
+from rebm.config.origins import BUILT_IN_CODE, ConfigOrigins
 from rebm.config.sections import MethodSection
 from rebm.methods.dat.rules import energy_bce_weights
 
@@ -121,11 +123,12 @@ def loss_options(method: MethodSection, model: ModelConfig) -> LossOptions:
                       for t in TERMS})
 
 
-def check_term_weights(method: MethodSection, source: str = "config") -> None:
-    """A ConfigError naming the key unless every term's weight is >= 0."""
+def check_term_weights(method: MethodSection, origins: ConfigOrigins = BUILT_IN_CODE) -> None:
+    """A ConfigError naming the key and where it was set unless every term's weight is >= 0."""
     for term in TERMS:
         if term.weight_key is not None and not getattr(method, term.weight_key) >= 0:
-            raise ConfigError(f"{source}: '{term.weight_key}' must be >= 0, got "
+            key = file_key(f"method.{term.weight_key}")
+            raise ConfigError(f"{origins.of(key)}: '{key}' must be >= 0, got "
                               f"{getattr(method, term.weight_key)}")
 
 

@@ -27,6 +27,7 @@ from rebm.config.frozen import freeze
 from rebm.config.layout import file_key, file_keys, file_leaves, to_file_layout, to_stored
 from rebm.config.legacy import check_refused
 from rebm.config.optimizers import OPTIMIZERS
+from rebm.config.ranges import check_ranges
 from rebm.config.schedule import check_lr_schedule_value
 from rebm.config.schema import (
     AMP_MODES,
@@ -258,6 +259,7 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     if found:  # the range checks below let NaN through: every comparison with it is false
         raise ConfigError(f"{source}: '{file_key(found[0])}: {found[1]}' is not a finite number; set a "
                           "finite value (only a radius, *eps, may be .inf)")
+    check_ranges(cfg, source)
     flat = {key: getattr(owner, f.name) for key, _, owner, f in file_leaves(cfg)}
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)

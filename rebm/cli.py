@@ -325,6 +325,7 @@ def run_worker(work: Worker, args: argparse.Namespace,
 
 def _worker(work: Worker, args: argparse.Namespace,
             distributed: Optional[DistributedSection]) -> None:
+    from rebm.distributed.collectives import name_missing_ranks
     from rebm.distributed.logs import log_to_file
     from rebm.distributed.runtime import setup_distributed, teardown
 
@@ -334,7 +335,8 @@ def _worker(work: Worker, args: argparse.Namespace,
                                      device=distributed.device,
                                      timeout_s=distributed.ddp_timeout_s))
         try:
-            work(runtime, args)
+            with name_missing_ranks(runtime, lambda: "", start_up_timeout_advice(distributed)):
+                work(runtime, args)
         except UserError as err:
             log_to_file(f"error: {one_line(err)}")
             raise
@@ -349,6 +351,14 @@ def _worker(work: Worker, args: argparse.Namespace,
             raise
         finally:
             teardown(runtime)
+
+
+def start_up_timeout_advice(distributed: Optional[DistributedSection]) -> str:
+    """What a rank that waited for another in a collective outside training's steps (start-up,
+    an evaluation entry) may raise: the process group's timeout."""
+    timeout_s = (distributed or DistributedSection()).ddp_timeout_s
+    return (f"Raise ddp_timeout_s (now {timeout_s:g} s) if the ranks are legitimately slower "
+            "there.")
 
 
 def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None,

@@ -155,8 +155,8 @@ def test_a_killed_rank_is_named_in_one_line_during_evaluate(tmp_path):
     took, code, _ = _end(agent, pids, 1, signal.SIGKILL, until_gone=0, limit=60)
     output = log.read_text(errors="replace")
     assert code != 0
-    _one_line(output, r"^\[rank 0\] error: lost the connection to another rank on rank 0: "
-                      r"rank 1 ended \(killed")
+    _one_line(output, r"^\[rank 0\] error: lost the connection to another rank in the "
+                      r"evaluation on rank 0: rank 1 ended \(killed")
     assert not (tmp_path / "out" / "eval.json").exists()
     assert took < 10 + 25, took
 
@@ -168,6 +168,36 @@ def test_a_stopped_rank_is_named_in_one_line_during_evaluate(tmp_path):
     took, code, _ = _end(agent, pids, 1, signal.SIGSTOP, until_gone=0, limit=90)
     output = log.read_text(errors="replace")
     assert code != 0
-    _one_line(output, r"^\[rank 0\] error: collective timed out on rank 0: rank 1 did not "
-                      r"arrive .*ddp_timeout_s \(now 10 s\)")
+    _one_line(output, r"^\[rank 0\] error: collective timed out in the evaluation on rank 0: "
+                      r"rank 1 did not arrive .*ddp_timeout_s \(now 10 s\)")
     assert took < 10 + 10 + 25, took
+
+
+# --------------------------------------------------------------------------------------------
+# rebm.eval.table under torchrun: its own timeout, --ddp-timeout-s
+# --------------------------------------------------------------------------------------------
+def test_a_stopped_rank_is_named_by_the_table_within_its_timeout(tmp_path):
+    import json
+
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    _checkpoint(ckpts / "a.pth")
+    table = tmp_path / "t.yaml"
+    table.write_text(json.dumps({  # JSON is YAML
+        "title": "t", "metrics": ["accuracy", "robust_accuracy"], "batch_size": 8,
+        "overrides": ["data.num_workers=0", "robust_eval_steps=20"],
+        "rows": [{"name": "a", "group": "G", "seed": 0, "config": str(REPO / STAGE2),
+                  "checkpoint": "a.pth"}]}))
+    out = tmp_path / "out"
+    log = tmp_path / "console.txt"
+    cmd = torchrun_cmd("rebm.eval.table", [str(table), "--checkpoints", str(ckpts), "--out",
+                                           str(out), "--ddp-timeout-s", "10"], 2)
+    agent = popen(cmd, base_env(), REPO, output=str(log))
+    pids = _wait_for_workers(agent)
+    _wait_for(lambda: (out / "logs" / "rank1.log").exists(), agent)
+    took, code, _ = _end(agent, pids, 1, signal.SIGSTOP, until_gone=0, limit=90)
+    output = log.read_text(errors="replace")
+    assert code != 0
+    _one_line(output, r"^\[rank 0\] error: collective timed out in the table on rank 0: rank 1 "
+                      r"did not arrive .*--ddp-timeout-s \(now 10 s\)")
+    assert took < 10 + 10 + 25, took  # not gloo's 1800 s

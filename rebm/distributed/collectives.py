@@ -236,13 +236,23 @@ def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]
 
 
 def _missing_named(runtime: Runtime, tag: str) -> str:
-    """'rank 1' (the ranks that did not check in), for the one line of a stuck or lost rank."""
+    """'rank 1' (the ranks that did not check in), for the one line of a stuck or lost rank.
+    The launcher's SIGTERM (torchrun stops the live ranks once one has failed) waits for the
+    roll call, a few seconds: it would end this rank before its line."""
+    import signal as _signal
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = _signal.signal(_signal.SIGTERM, _signal.SIG_IGN) if in_main else None
     try:
         missing = missing_ranks(runtime, tag=tag)
         return ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
     except Exception:  # the store is gone too: it lives in rank 0, or in torchrun's agent
         return ("a rank (the store that would name it did not answer either: rank 0 or the "
                 "launcher may be the one)")
+    finally:
+        if in_main:
+            _signal.signal(_signal.SIGTERM, previous)
 
 
 @contextmanager

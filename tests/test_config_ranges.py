@@ -78,3 +78,21 @@ def test_the_entry_point_refuses_them_before_the_run_starts(tmp_path, override):
     assert len(lines) == 1 and "is out of range for" in lines[0], result.output[-3000:]
     assert f"'{override.split('=')[0]}: " in lines[0]
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("value, named", [("runs/a\nb", "a newline"), ("runs/a\tb", "a tab"),
+                                          ("runs/a\x01b", "U+0001")])
+def test_a_control_character_in_run_dir_is_one_line_not_a_space(capsys, tmp_path, value, named):
+    """OmegaConf's override parser would make the newline a space (another run directory than
+    the one asked for) and fail on the others with YAML's traceback."""
+    run_dir = tmp_path / value
+    line = _refusal(capsys, [CONFIG, f"run_dir={run_dir}"])
+    assert line.startswith("error: command line: the value of 'run_dir' holds ") and named in line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_control_character_in_a_files_string_is_one_line(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(f'run_dir: "{tmp_path}/a\\nb"\n')  # YAML's escape: a real newline
+    line = _refusal(capsys, [str(config), "--check"])
+    assert line.startswith(f"error: {config}: the value of 'run_dir' holds a newline"), line

@@ -201,3 +201,50 @@ def test_a_stopped_rank_is_named_by_the_table_within_its_timeout(tmp_path):
     _one_line(output, r"^\[rank 0\] error: collective timed out in the table on rank 0: rank 1 "
                       r"did not arrive .*--ddp-timeout-s \(now 10 s\)")
     assert took < 10 + 10 + 25, took  # not gloo's 1800 s
+
+
+# --------------------------------------------------------------------------------------------
+# A stall inside training's evaluation: named as the evaluation at its step, with the timeout
+# in force there (rebm/engine/saving.py `patient_collectives`)
+# --------------------------------------------------------------------------------------------
+def _stalled_evaluation_all_ranks(out: str) -> None:
+    """Rank 1 does not reach the evaluation's all-reduce in time; each rank writes what it
+    raised to out/rank<r>.txt."""
+    import torch
+
+    from rebm.config.sections import DistributedSection
+    from rebm.distributed import all_reduce_sum, setup_distributed, teardown
+    from rebm.engine.parts import Progress
+    from rebm.engine.saving import patient_collectives
+
+    runtime = setup_distributed(timeout_s=60)
+    distributed = DistributedSection(ddp_timeout_s=4, ddp_step_timeout_s=2)
+    progress = Progress(step=7, steps_run=7)
+    said = "no error"
+    try:
+        if runtime.rank == 1:
+            time.sleep(25)
+        with patient_collectives(runtime, distributed, progress):
+            all_reduce_sum(runtime, torch.ones(3))
+    except Exception as err:  # the line under test; rank 1's own is whatever gloo says
+        said = f"{type(err).__name__}: {err}"
+    Path(out, f"rank{runtime.rank}.txt").write_text(said)
+    if runtime.rank == 0:
+        teardown(runtime)
+
+
+def test_a_stall_in_trainings_evaluation_names_the_evaluation_and_its_timeout(tmp_path):
+    from rebm.distributed.torch_versions import unsettable_timeout
+    from tests.processes import spawn_ranks
+
+    if unsettable_timeout("gloo") is not None:
+        pytest.skip("torch < 2.9: gloo keeps its start-up timeout")
+    started = time.time()
+    spawn_ranks(_stalled_evaluation_all_ranks, 2, str(tmp_path))
+    said = (tmp_path / "rank0.txt").read_text()
+    assert said.startswith("CollectiveTimeout: collective timed out in the evaluation at step 7 "
+                           "on rank 0: rank 1 did not arrive"), said
+    assert said.endswith("It waits 4 s, the larger of ddp_timeout_s and ddp_step_timeout_s: "
+                         "raise ddp_timeout_s if it is legitimately slower."), said
+    assert "\n" not in said
+    assert time.time() - started < 60

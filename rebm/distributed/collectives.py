@@ -201,6 +201,8 @@ class RankLost(UserError, RuntimeError):
 
 def _looks_like_timeout(err: BaseException) -> bool:
     text = str(err).lower()
+    if text.startswith("dataloader"):  # a loader's own timeout: its worker, not another rank
+        return False
     return "timed out" in text or "timeout" in text
 
 

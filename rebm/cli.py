@@ -268,19 +268,19 @@ def run_entry(parser: argparse.ArgumentParser, argv: Optional[List[str]], body: 
     return launch(functools.partial(body, cfg), args, nproc, cfg.distributed)
 
 
-def launch(work: Worker, args: argparse.Namespace, nproc: int = 1,
-           distributed: Optional[DistributedSection] = None) -> int:
+def launch(work: Worker, args: argparse.Namespace, nproc: int,
+           distributed: DistributedSection, timeout_setting: str = "ddp_timeout_s") -> int:
     """Run `work(runtime, args)` in this process (plain, or a rank of torchrun) or in `nproc`
     spawned ones, each through `run_worker`; 0, or the exit of a failed child. The process group
-    follows `distributed` (the config's section); None (the table runner, whose rows each have
-    their own config): its defaults."""
+    follows `distributed` (the config's section; the table runner's, whose rows each have their
+    own config, is made of its options, whose timeout is `timeout_setting`)."""
     import_libraries()  # once the arguments are good
     from torch.multiprocessing import ProcessExitedException
 
     from rebm.distributed.launch import spawn
 
     try:
-        spawn(run_worker, nproc, work, args, distributed)
+        spawn(run_worker, nproc, work, args, distributed, timeout_setting)
     except ProcessExitedException as err:  # a child's one-line error was printed already
         raise SystemExit(err.exit_code or 1) from None
     return 0
@@ -312,29 +312,31 @@ def import_libraries() -> None:
         import torchvision  # noqa: F401
 
 
-def run_worker(work: Worker, args: argparse.Namespace,
-               distributed: Optional[DistributedSection]) -> None:
+def run_worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,
+               timeout_setting: str) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
     `record` writes a failing worker's error where the agent reports it; every error, one-line
     or not, also goes to this rank's log file."""
     import_libraries()  # a spawned rank starts here (torch.multiprocessing imported torch)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_worker)(work, args, distributed)
+    record(_worker)(work, args, distributed, timeout_setting)
 
 
-def _worker(work: Worker, args: argparse.Namespace,
-            distributed: Optional[DistributedSection]) -> None:
+def _worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,
+            timeout_setting: str) -> None:
+    from rebm.distributed.collectives import name_missing_ranks
     from rebm.distributed.logs import log_to_file
     from rebm.distributed.runtime import setup_distributed, teardown
 
     with user_errors_exit():
-        runtime = (setup_distributed() if distributed is None else
-                   setup_distributed(use_ddp=distributed.use_ddp, backend=distributed.ddp_backend,
-                                     device=distributed.device,
-                                     timeout_s=distributed.ddp_timeout_s))
+        runtime = setup_distributed(use_ddp=distributed.use_ddp, backend=distributed.ddp_backend,
+                                    device=distributed.device,
+                                    timeout_s=distributed.ddp_timeout_s)
         try:
-            work(runtime, args)
+            with name_missing_ranks(runtime, lambda: "",
+                                    start_up_timeout_advice(distributed, timeout_setting)):
+                work(runtime, args)
         except UserError as err:
             log_to_file(f"error: {one_line(err)}")
             raise
@@ -349,6 +351,15 @@ def _worker(work: Worker, args: argparse.Namespace,
             raise
         finally:
             teardown(runtime)
+
+
+def start_up_timeout_advice(distributed: DistributedSection,
+                            setting: str = "ddp_timeout_s") -> str:
+    """What a rank that waited for another in a collective outside training's steps (start-up,
+    an evaluation entry) may raise: the process group's timeout, `setting` (the table's is an
+    option)."""
+    return (f"Raise {setting} (now {distributed.ddp_timeout_s:g} s) if the ranks are "
+            "legitimately slower there.")
 
 
 def parse_and_load(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None,

@@ -38,7 +38,7 @@ from tests.helpers import CONFIG, FAST, STRAIGHT_STEPS, run_train
 # it made by then.
 LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_inception_file.py",
                  "tests/test_speed_defaults.py", "tests/test_shipped_configs.py",
-                 "tests/test_eval_metrics.py", "tests/test_faults_start.py",
+                 "tests/test_eval_metrics.py", "tests/test_faults_start.py", "tests/test_faults_ranks.py",
                  "tests/test_run_dir.py", "tests/test_train.py", "tests/test_exact_sums.py",
                  "tests/test_table_cache.py", "tests/test_stage1_twin.py",
                  "tests/test_original_trajectory.py", "tests/test_imagenet_training.py",

@@ -113,7 +113,9 @@ def test_a_log_file_that_cannot_be_written_is_one_line_and_the_run_goes_on(tmp_p
     warnings = [line for line in output.splitlines() if "cannot write the log file" in line]
     assert len(warnings) == 1, output[-4000:]
     assert f"'{log_file}' (File too large;" in warnings[0]
-    assert re.search(r"[\d.]+ [KMG]?B free on its filesystem", warnings[0])
+    # in the unit of every other message about room (rebm/disk.py), and the limit that hit
+    assert re.search(r"; [\d.]+ (bytes|[KMGT]iB) free on its filesystem, file-size limit 64.0 "
+                     r"MiB \(ulimit -f\)\)", warnings[0]), warnings[0]
     assert "logging to the console only from now on" in warnings[0]
     # the run went on: it logged to the console after the warning and finished its files
     after = output.split(warnings[0], 1)[1]

@@ -27,6 +27,7 @@ from rebm.config.frozen import freeze
 from rebm.config.layout import file_key, file_keys, file_leaves, to_file_layout, to_stored
 from rebm.config.legacy import check_refused
 from rebm.config.optimizers import OPTIMIZERS
+from rebm.config.ranges import check_ranges
 from rebm.config.schedule import check_lr_schedule_value
 from rebm.config.schema import (
     AMP_MODES,
@@ -139,11 +140,31 @@ def _read_file(path: str) -> DictConfig:
     return loaded
 
 
+def _control_character(text: str) -> Optional[str]:
+    """The name of the first control character of `text` ('a newline', 'U+0001'), else None."""
+    names = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab"}
+    for char in text:
+        if ord(char) < 32 or ord(char) == 127:
+            return names.get(char, f"the control character U+{ord(char):04X}")
+    return None
+
+
+def _refuse_control_characters(key: str, value: str, source: str) -> None:
+    """A value with a newline or another control character: OmegaConf's override parser turns a
+    newline into a space and fails on the others with YAML's traceback, and no path or name of
+    a run means one."""
+    found = _control_character(value)
+    if found:
+        raise ConfigError(f"{source}: the value of '{key}' holds {found} ({value!r}); write it "
+                          "without control characters")
+
+
 def _read_overrides(overrides: Sequence[str], source: str = "command line") -> DictConfig:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{source}: override '{item}' must look like key=value (e.g. "
                               "lr=0.01)")
+        _refuse_control_characters(*item.split("=", 1), source)
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as err:
@@ -258,7 +279,12 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     if found:  # the range checks below let NaN through: every comparison with it is false
         raise ConfigError(f"{source}: '{file_key(found[0])}: {found[1]}' is not a finite number; set a "
                           "finite value (only a radius, *eps, may be .inf)")
+    check_ranges(cfg, source)
     flat = {key: getattr(owner, f.name) for key, _, owner, f in file_leaves(cfg)}
+    for key, value in flat.items():
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                _refuse_control_characters(key, text, source)
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
     OPTIMIZERS.check(flat["optimizer"], source)

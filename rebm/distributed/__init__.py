@@ -6,6 +6,7 @@ device; every rank reaches every collective, and control-flow decisions go throu
 
 from rebm.distributed.collectives import (
     CollectiveTimeout,
+    RankLost,
     all_gather_cat,
     all_reduce_max,
     all_reduce_sum,
@@ -15,6 +16,7 @@ from rebm.distributed.collectives import (
     consensus,
     decide_on_main,
     missing_ranks,
+    name_missing_ranks,
     name_stuck_ranks,
     set_collective_timeout,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "CollectiveTimeout", "LaunchError", "PreemptionFlag", "Runtime", "all_gather_cat",
     "all_reduce_max", "all_reduce_sum", "barrier", "broadcast_buffers", "broadcast_object",
     "cap_cpu_threads", "choose_backend", "choose_device", "consensus", "decide_on_main",
-    "free_port", "launch_environment", "missing_ranks", "name_stuck_ranks", "print_line",
+    "free_port", "launch_environment", "missing_ranks", "name_missing_ranks",
+    "name_stuck_ranks", "print_line", "RankLost",
     "probe", "set_collective_timeout", "setup_distributed", "setup_logging", "spawn", "teardown",
 ]

@@ -194,9 +194,26 @@ class CollectiveTimeout(UserError, RuntimeError):
     not arrive."""
 
 
+class RankLost(UserError, RuntimeError):
+    """A collective lost its connection to another rank (killed, crashed, out of memory); the
+    message, one line, names the ranks that are gone."""
+
+
 def _looks_like_timeout(err: BaseException) -> bool:
     text = str(err).lower()
+    if text.startswith("dataloader"):  # a loader's own timeout: its worker, not another rank
+        return False
     return "timed out" in text or "timeout" in text
+
+
+# What gloo (and a TCP store) says when the process at the other end of a connection is gone.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "connection refused")
+
+
+def _looks_like_lost_peer(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(words in text for words in _LOST_PEER)
 
 
 def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]:
@@ -220,27 +237,61 @@ def missing_ranks(runtime: Runtime, tag: str, wait_s: float = 10.0) -> List[int]
     return missing
 
 
+def _missing_named(runtime: Runtime, tag: str) -> str:
+    """'rank 1' (the ranks that did not check in), for the one line of a stuck or lost rank.
+    The launcher's SIGTERM (torchrun stops the live ranks once one has failed) waits for the
+    roll call, a few seconds: it would end this rank before its line."""
+    import signal as _signal
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = _signal.signal(_signal.SIGTERM, _signal.SIG_IGN) if in_main else None
+    try:
+        missing = missing_ranks(runtime, tag=tag)
+        return ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
+    except Exception:  # the store is gone too: it lives in rank 0, or in torchrun's agent
+        return ("a rank (the store that would name it did not answer either: rank 0 or the "
+                "launcher may be the one)")
+    finally:
+        if in_main:
+            _signal.signal(_signal.SIGTERM, previous)
+
+
 @contextmanager
-def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]) -> Iterator[None]:
-    """Turn a collective timeout into an error that says which rank(s) did not arrive (a
-    stopped, hung or dead process), instead of the backend's bare timeout."""
+def name_missing_ranks(runtime: Runtime, where: Callable[[], str], timeout_advice: str
+                       ) -> Iterator[None]:
+    """Turn a collective that timed out, or lost its connection to another rank, into one line
+    that says which rank(s) did not arrive (a stopped, hung or dead process) instead of the
+    backend's error: `where` says what the ranks were doing ("at step 12"), `timeout_advice`
+    which setting to raise. A one-line error from an inner such block passes unchanged."""
     try:
         yield
+    except (CollectiveTimeout, RankLost):
+        raise
     except RuntimeError as err:
-        if not runtime.distributed or not _looks_like_timeout(err):
+        lost = _looks_like_lost_peer(err)
+        if not runtime.distributed or not (lost or _looks_like_timeout(err)):
             raise
-        step = current_step()
-        try:
-            missing = missing_ranks(runtime, tag=f"step{step}")
-            who = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in late)"
-        except Exception:  # the store is gone too: it lives in rank 0, or in torchrun's agent
-            who = ("a rank (the store that would name it did not answer either: rank 0 or the "
-                   "launcher may be the one)")
+        place = where()
+        who = _missing_named(runtime, f"{'lost' if lost else 'stuck'}/{place}")
+        place = f" {place}" if place else ""
+        if lost:
+            raise RankLost(
+                f"lost the connection to another rank{place} on rank {runtime.rank}: {who} "
+                "ended (killed, crashed or out of memory; see its log and the launcher's "
+                "report)") from err
         raise CollectiveTimeout(
-            f"collective timed out at step {step} on rank {runtime.rank}: {who} did not arrive "
-            "(stopped, hung or too slow; see its log in <run_dir>/logs). Raise ddp_step_timeout_s "
-            "if steps are legitimately slower."
-        ) from err
+            f"collective timed out{place} on rank {runtime.rank}: {who} did not arrive "
+            f"(stopped, hung or too slow; see its own output). {timeout_advice}") from err
+
+
+STEP_TIMEOUT_ADVICE = "Raise ddp_step_timeout_s if steps are legitimately slower."
+
+
+def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]):
+    """`name_missing_ranks` around training steps: "at step N", whose timeout is
+    ddp_step_timeout_s."""
+    return name_missing_ranks(runtime, lambda: f"at step {current_step()}", STEP_TIMEOUT_ADVICE)
 
 
 def all_gather_by_index(runtime: Runtime, values: torch.Tensor, indices: torch.Tensor,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from typing import Iterable, Optional
 
+from rebm.disk import room_for
 from rebm.distributed.runtime import Runtime
 from rebm.errors import UserError
 
@@ -39,19 +39,6 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def _free_space(path: str) -> str:
-    """The free space of the filesystem holding `path`, for people ('1.2 GB', '0 B')."""
-    try:
-        free = float(shutil.disk_usage(os.path.dirname(path) or ".").free)
-    except OSError:
-        return "unknown"
-    for unit in ("B", "KB", "MB", "GB"):
-        if free < 1000 or unit == "GB":
-            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
-        free /= 1000
-    return "unknown"
-
-
 class _RankFileHandler(logging.FileHandler):
     """This rank's log file. A write it cannot make (a full disk, a file-size limit) is one
     warning on the console naming the file and the free space, once; the file is then closed
@@ -76,10 +63,9 @@ class _RankFileHandler(logging.FileHandler):
             self.close()  # flushes what is buffered: fails the same way
         except OSError:
             pass
-        LOGGER.warning("cannot write the log file '%s' (%s; %s free on its filesystem): logging "
-                       "to the console only from now on (free disk space, or raise the file-size "
-                       "limit: ulimit -f)", self.baseFilename,
-                       err.strerror or err, _free_space(self.baseFilename))
+        LOGGER.warning("cannot write the log file '%s' (%s; %s): logging to the console only "
+                       "from now on (free disk space, or raise the file-size limit: ulimit -f)",
+                       self.baseFilename, err.strerror or err, room_for(self.baseFilename))
 
 
 def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:

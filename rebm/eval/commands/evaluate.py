@@ -51,11 +51,16 @@ STOP_NOTICE = "stopping at the next batch, then exiting (interrupt again to stop
 def evaluate_command_all_ranks(cfg, runtime, args) -> Dict[str, Any]:
     """Every rank: evaluate, then rank 0 writes eval.json. A Ctrl-C or SIGTERM stops every rank
     at the next batch with one line (nothing is written: eval.json holds complete results)."""
+    from rebm.cli import start_up_timeout_advice
+    from rebm.distributed.collectives import name_missing_ranks
     from rebm.distributed.signals import Preempted, exit_stopped, stop_on_signal
 
+    advice = start_up_timeout_advice(cfg.distributed)
     with stop_on_signal(runtime, STOP_NOTICE) as runtime:
         try:
-            return evaluate_all_ranks(cfg.evaluation, cfg.model, cfg.run.run_dir, runtime, args)
+            with name_missing_ranks(runtime, lambda: "in the evaluation", advice):
+                return evaluate_all_ranks(cfg.evaluation, cfg.model, cfg.run.run_dir, runtime,
+                                          args)
         except Preempted:
             exit_stopped(runtime, "the evaluation did not finish, so no eval.json was written; "
                          "run the same command to evaluate again")

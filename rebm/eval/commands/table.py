@@ -34,6 +34,8 @@ import os
 import sys
 from typing import Any, List, Optional
 
+from rebm.config.sections import DistributedSection
+
 # Everything else is imported once the arguments are good, so --help answers at once.
 
 
@@ -74,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true",
                         help="with --check: list every row's files, present or missing, before "
                         "the list of missing files")
+    parser.add_argument("--ddp-timeout-s", type=float, default=DistributedSection.ddp_timeout_s,
+                        metavar="SECONDS",
+                        help="under torchrun: how long a rank waits for the others in a "
+                        "collective before the table stops, naming the ranks that did not "
+                        "arrive (default %(default)g, as a run's ddp_timeout_s)")
     parser.add_argument("--protocol", metavar="TABLE",
                         help="original model configs: the table whose metrics, batch size and "
                         "overrides they are evaluated with (default: the shipped paper table "
@@ -110,12 +117,24 @@ def select_all(specs, args) -> List[Any]:
     return chosen
 
 
+def check_timeout(timeout_s: float) -> None:
+    """--ddp-timeout-s in the range of a run's ddp_timeout_s (rebm/config/ranges.py)."""
+    from rebm.config.ranges import KEY_RANGES
+    from rebm.eval.table.spec import TableError
+
+    allowed = KEY_RANGES["ddp_timeout_s"]
+    if not allowed.holds(timeout_s):
+        raise TableError(f"--ddp-timeout-s {timeout_s:g} is out of range for "
+                         f"{allowed.holder}; give a value in {allowed.text()}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from rebm.cli import collector_paused, user_errors_exit
     from rebm.eval.table.spec import TableError
 
     with user_errors_exit(), collector_paused():  # loading configs imports torch
+        check_timeout(args.ddp_timeout_s)
         specs = load_tables(args.table, args.protocol)
         specs = select_all(specs, args)
         if os.environ.get("RANK", "0") == "0":

@@ -14,9 +14,10 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from rebm.checkpoint.run_directory import RunDirectory
-from rebm.cli import launch
+from rebm.cli import launch, start_up_timeout_advice
+from rebm.config.sections import DistributedSection
 from rebm.distributed import setup_logging
-from rebm.distributed.collectives import decide_on_main, on_main
+from rebm.distributed.collectives import decide_on_main, name_missing_ranks, on_main
 from rebm.distributed.signals import (
     Preempted,
     exit_stopped,
@@ -329,15 +330,25 @@ def log_dir(specs, args) -> str:
     return args.out or os.path.join("runs", "tables")
 
 
+TIMEOUT_OPTION = "--ddp-timeout-s"
+
+
 def tables_process_all_ranks(specs, runtime, args) -> None:
     """Every process of the tables (under torchrun, every rank): the entry's body, which
-    `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables."""
+    `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables;
+    a rank that does not arrive in a collective within the table's timeout is named in one
+    line."""
     setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank))
+    advice = start_up_timeout_advice(DistributedSection(ddp_timeout_s=args.ddp_timeout_s),
+                                     TIMEOUT_OPTION)
     with stop_on_signal(runtime, STOP_NOTICE) as stoppable:
-        run_tables_all_ranks(specs, args, stoppable)
+        with name_missing_ranks(stoppable, lambda: "in the table", advice):
+            run_tables_all_ranks(specs, args, stoppable)
 
 
 def launch_tables(specs, args) -> int:
-    """The tables' processes, through the entry points' launch (rebm.cli.launch): `tables_process_all_ranks`
-    on each."""
-    return launch(functools.partial(tables_process_all_ranks, specs), args)
+    """The tables' processes, through the entry points' launch (rebm.cli.launch):
+    `tables_process_all_ranks` on each, in a process group whose collectives wait at most
+    `args.ddp_timeout_s` for a rank (the table's --ddp-timeout-s)."""
+    return launch(functools.partial(tables_process_all_ranks, specs), args, 1,
+                  DistributedSection(ddp_timeout_s=args.ddp_timeout_s), TIMEOUT_OPTION)

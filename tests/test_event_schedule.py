@@ -104,6 +104,7 @@ def _good_starting_model(cfg, path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.numbers  # model_bestacc.pth against the starting weights, bit for bit
 def test_a_run_evaluates_the_starting_model_before_each_crossing_update(tmp_path):
     """Two processes, batch 32, an evaluation every 80 images (not a multiple of the batch):
     the original evaluates at the start of steps 1, 3, 5, 8 (after 0, 2, 4, 7 updates), logs

@@ -14,7 +14,7 @@ import math
 import os
 import re
 from dataclasses import fields, is_dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -271,10 +271,9 @@ def _non_finite(obj: Any, prefix: str = "") -> Optional[Tuple[str, float]]:
     return None
 
 
-def validate(cfg: TrainConfig, source: str = "config") -> None:
-    """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
-    from rebm.models.registry import MODELS
-
+def _checked_values(cfg: TrainConfig, source: str) -> Dict[str, Any]:
+    """Every value by its file key, once each is a finite number in the range its consumer can
+    hold (rebm.config.ranges) or a string without control characters."""
     found = _non_finite(cfg)
     if found:  # the range checks below let NaN through: every comparison with it is false
         raise ConfigError(f"{source}: '{file_key(found[0])}: {found[1]}' is not a finite number; set a "
@@ -285,6 +284,14 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
         for text in value if isinstance(value, list) else [value]:
             if isinstance(text, str):
                 _refuse_control_characters(key, text, source)
+    return flat
+
+
+def validate(cfg: TrainConfig, source: str = "config") -> None:
+    """Checks that need no world size; raises ConfigError naming the key. It changes nothing."""
+    from rebm.models.registry import MODELS
+
+    flat = _checked_values(cfg, source)
     INDIST_DATASETS.check(cfg.data.indist_dataset, source)
     OUTDIST_DATASETS.check(cfg.data.outdist_dataset, source)
     OPTIMIZERS.check(flat["optimizer"], source)
@@ -356,6 +363,8 @@ def validate(cfg: TrainConfig, source: str = "config") -> None:
     check_lr_schedule_value(flat["lr_schedule"], source)  # fixed_lr: a stage-2 rule (rebm/methods/stages.py)
     if cfg.data.num_workers < 0:
         raise ConfigError(f"{source}: 'data.num_workers' must be >= 0")
+
+
 def _validate_family_options(cfg: TrainConfig, source: str) -> None:
     """A `model.*` option of other model families, set to a non-default value, is refused: the
     chosen model would ignore it."""

@@ -16,15 +16,13 @@ from typing import Dict, List
 import pytest
 
 from rebm.config import load_config
-from rebm.standin.recipes import STAGE1_CONFIGS, plan_recipe
+from rebm.standin.recipes import STAGE1_CONFIGS, plan_recipe, shipped_recipes
 from tests.helpers import REPO, base_env, finish
 from tests.processes import popen
 
 pytestmark = [pytest.mark.slow, pytest.mark.recipes, pytest.mark.timeout(1800)]
 
-RECIPES = sorted([*(REPO / "experiments").glob("cifar10*/*.yaml"),
-                  *(REPO / "experiments" / "imagenet").glob("*.yaml"),
-                  *STAGE1_CONFIGS.glob("*.yaml")])
+RECIPES = shipped_recipes()
 GROUP_TIMEOUT_S = 1500
 
 
@@ -98,9 +96,10 @@ def check_stage(stage, folder: Path) -> None:
 def test_the_recipe_runs_end_to_end_on_stand_in_data(recipe, group_runs):
     folder, output = group_runs(group_of(recipe))
     plan = plan_recipe(recipe)
+    report = output.split(f"== {recipe} on stand-in data", 1)[1].split("\n== ", 1)[0]
     for stage in plan.stages:
         check_stage(stage, folder)
-    report = output.split(f"== {recipe} on stand-in data", 1)[1].split("\n== ", 1)[0]
+        assert f"size overrides: {' '.join(stage.overrides)}\n" in output  # printed, each
     assert f"curriculum T {plan.stages[-1].cfg.method.attack.start_step} ->" in report or \
         plan.stages[-1].number == 1
     needs = report.split("files a real run of this recipe needs", 1)[1]

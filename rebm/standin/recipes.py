@@ -60,6 +60,14 @@ class Recipe:
         return self.path.stem
 
 
+def shipped_recipes() -> List[Path]:
+    """The shipped training recipes: experiments/ but the paper tables and the quickstart (which
+    runs on real digits), and the stage-1 configs."""
+    experiments = [p for p in (REPO / "experiments").rglob("*.yaml")
+                   if p.parent.name in ("cifar10", "cifar100", "imagenet")]
+    return sorted([*experiments, *STAGE1_CONFIGS.glob("*.yaml")])
+
+
 def small_model(model_type: str) -> str:
     for family, small in SMALL_MODELS.items():
         if model_type.startswith(family):

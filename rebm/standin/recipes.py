@@ -114,11 +114,7 @@ def stage1_for(ckpt_path: Optional[str]) -> Optional[Path]:
 
 
 def family_of(path: Path, cfg: TrainConfig) -> str:
-    """'cifar' or 'imagenet'; a one-line error for a file that is no training recipe."""
-    parts = path.resolve().parts
-    if "paper" in parts:
-        raise ConfigError(f"{path} is a paper table, not a training recipe: check its files with "
-                          f"python -m rebm.eval.table {path} --checkpoints DIR --check")
+    """'cifar' or 'imagenet'; a one-line error for a recipe that needs no stand-in data."""
     dataset = cfg.data.indist_dataset
     if dataset in CIFAR:
         return "cifar"
@@ -130,6 +126,9 @@ def family_of(path: Path, cfg: TrainConfig) -> str:
 
 def plan_recipe(path: Path) -> Recipe:
     """The stages of the recipe at `path` and their overrides (ConfigError: not a recipe)."""
+    if path.resolve().parent.name == "paper":
+        raise ConfigError(f"{path} is a paper table, not a training recipe: check its files with "
+                          f"python -m rebm.eval.table {path} --checkpoints DIR --check")
     original = load_config(str(path), [])
     family = family_of(path, original)
     stages: List[Stage] = []

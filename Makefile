@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test test-fast test-dispatch test-oldest lint bench clean
+.PHONY: setup quickstart test test-fast test-recipes test-dispatch test-oldest lint bench clean
 
 setup: $(STAMP)
 
@@ -53,10 +53,15 @@ quickstart: setup
 # thread per process only spins (measured: 1169 instead of 1403 CPU-seconds for the suite).
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not recipes"
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not recipes"
+
+# Every shipped recipe end to end on stand-in data (python -m rebm.standin, docs/first_hour.md),
+# one command per dataset, in one process: each command runs 2 training processes already.
+test-recipes: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m recipes tests/test_standin_recipes.py
 
 # The tests that compare numbers (marked `numbers`) again, with PyTorch, oneDNN and MKL forced
 # below this CPU's own kernels: bits belong to a machine, so a test that passes only with the

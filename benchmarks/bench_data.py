@@ -52,7 +52,7 @@ from rebm.data.augmentations import augment_batch, build_augmentation  # noqa: E
 from rebm.data.imagenet import FullImageSource, PathTable, decode_rgb  # noqa: E402
 from rebm.data.indexing import StreamSchedule  # noqa: E402
 from rebm.distributed import Runtime  # noqa: E402
-from tests.fake_data import write_fake_cifar10  # noqa: E402
+from rebm.standin.writers import write_fake_cifar10  # noqa: E402
 
 STREAMS = (INDIST, CLASSIFIER, OUTDIST)  # the three streams DAT reads
 TINY_RECORDS = 80_000_000
@@ -200,7 +200,7 @@ def bench_resnet50_step(work_dir: str, size: int, outdist_steps: int, batch: int
     from rebm.engine.build import build_model_all_ranks
     from rebm.engine.optimizers import build_optimizer
     from rebm.methods.dat.dat import DAT
-    from tests.fake_data import write_fake_imagenet, write_fake_openimage_o
+    from rebm.standin.writers import write_fake_imagenet, write_fake_openimage_o
     from tests.steps import dat_update
 
     steps = 1 + timed_steps

@@ -41,7 +41,7 @@ def _env(repo: Path) -> dict:
 
 def _prepare(folder: Path, repo: Path, image_size: int) -> list:
     """Fake CIFAR-10, a random checkpoint, the stand-in reference statistics; the overrides."""
-    code = ("import sys, torch; from tests.fake_data import write_fake_cifar10; "
+    code = ("import sys, torch; from rebm.standin.writers import write_fake_cifar10; "
             "from rebm.models import build_model; "
             "write_fake_cifar10(sys.argv[1], n_train=64, n_test=10); torch.manual_seed(0); "
             "torch.save(build_model('WideResNet10x1', 10).state_dict(), sys.argv[1] + '/model.pth')")

@@ -13,7 +13,7 @@ from rebm.checkpoint.layouts import NormaliserMismatch
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint
 from rebm.models import build_model
 from rebm.models.stats import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
-from tests.fake_data import write_robustness_checkpoint
+from rebm.standin.writers import write_robustness_checkpoint
 from tests.timm_reference import timm_arguments
 
 pytestmark = pytest.mark.numbers

@@ -18,7 +18,7 @@ import pytest
 
 from rebm.distributed.launch import free_port
 from rebm.distributed.precision import native_on_cpu
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, torchrun_cmd
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run

@@ -23,7 +23,7 @@ from rebm.eval.metrics.counterfactuals.attack import CounterfactualSettings
 from rebm.eval.metrics.counterfactuals.grid import target_classes
 from rebm.eval.metrics.counterfactuals.original import class_chunks, random_targets, train_image_set
 from rebm.eval.metrics.counterfactuals.stats import class_image_set
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
 

@@ -1,6 +1,6 @@
 """Data pipeline (issue 3): sharding, shuffles, per-sample augmentation, resume, errors.
 
-All on tiny data written in the real on-disk formats (tests/fake_data.py)."""
+All on tiny data written in the real on-disk formats (rebm/standin/writers.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from rebm.data.pipeline import (
 from rebm.data.sources import TinyImagesSource
 from rebm.data.streams import CLASSIFIER, INDIST, OUTDIST
 from rebm.distributed import Runtime
-from tests.fake_data import (
+from rebm.standin.writers import (
     write_fake_cifar10,
     write_fake_cifar100,
     write_image_folder,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rebm.data.pipeline import DataError, image_tensor_file, load_indist, load_outdist
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import make_cfg
 
 

@@ -1,7 +1,7 @@
 """ImageNet (torchvision layout) and OpenImage-O: layout checks, keyed sampling on 1/2 ranks,
 deterministic replacement of unreadable JPEGs, the ImageNet augmentations, the config fields.
 
-Tiny data written by the tests in the real formats (tests/fake_data.py)."""
+Tiny data written by the tests in the real formats (rebm/standin/writers.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from rebm.data.pipeline import (
 )
 from rebm.data.streams import CLASSIFIER, INDIST, OUTDIST
 from rebm.distributed import Runtime
-from tests.fake_data import (
+from rebm.standin.writers import (
     imagenet_wnids,
     truncate_file,
     write_fake_imagenet,

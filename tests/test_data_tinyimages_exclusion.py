@@ -16,7 +16,7 @@ from rebm.config import TrainConfig, plan_batches
 from rebm.data.pipeline import DataError, build_train_data, load_outdist
 from rebm.data.streams import OUTDIST
 from rebm.distributed import Runtime
-from tests.fake_data import (
+from rebm.standin.writers import (
     write_fake_cifar10,
     write_tiny_images,
     write_tinyimages_exclusion_lists,

@@ -19,7 +19,7 @@ from rebm.config import load_config, plan_batches
 from rebm.eval.features import fid
 from rebm.eval.metrics.calibration import calibration_bins, ece_from_bins
 from rebm.eval.sampling.generation import SeedImageError, SeedImages
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.processes import spawn_ranks
 from tests.standins import fit_head

@@ -28,7 +28,7 @@ from rebm import distributed as rd
 from rebm.config import load_config
 from rebm.distributed import Runtime
 from rebm.eval.features.fid import FEATURES_ENV
-from tests.fake_data import write_fake_cifar10, write_fake_imagenet
+from rebm.standin.writers import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.processes import spawn_ranks
 from tests.standins import STANDIN, fit_head, standin_features, write_standin_statistics

@@ -24,7 +24,7 @@ from rebm import distributed as rd
 from rebm.distributed import Runtime
 from rebm.eval.exact_sums import RANGE, ExactSums
 from rebm.eval.features.fid import FEATURES_ENV, MomentSums, feature_statistics
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.processes import spawn_ranks
 from tests.standins import STANDIN, fit_head, standin_features, write_standin_statistics

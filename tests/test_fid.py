@@ -23,7 +23,7 @@ from rebm.data.indexing import eval_chunks
 from rebm.distributed import Runtime
 from rebm.eval.features import fid
 from rebm.eval.features.network import feature_network
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command, torchrun_cmd
 from tests.standins import (  # noqa: E402
     STANDIN,

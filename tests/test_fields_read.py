@@ -32,7 +32,7 @@ from rebm.config.layout import file_keys, file_leaves
 from rebm.config.sections import MethodSection
 from rebm.eval.standin import SPEC as STANDIN_SPEC
 from rebm.methods.stages import DAT_ONLY_KEYS, STAGE1, STAGE1_METHOD_KEYS
-from tests.fake_data import (
+from rebm.standin.writers import (
     write_fake_cifar10,
     write_fake_openimage_o,
     write_tiny_images,

@@ -15,7 +15,7 @@ import torch
 from rebm.checkpoint.weights import CheckpointError, load_checkpoint, read_checkpoint
 from rebm.data.pipeline import DataError, load_indist
 from rebm.models import build_model
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import make_cfg, run_command
 
 pytestmark = pytest.mark.timeout(120)

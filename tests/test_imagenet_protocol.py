@@ -2,7 +2,7 @@
 ImageNet table row is evaluated at (sample metrics always at 256 px), and the original's
 defaults for an ImageNet config that does not state its size.
 
-Tiny ImageNet in torchvision's layout, written by the test (tests/fake_data.py)."""
+Tiny ImageNet in torchvision's layout, written by the test (rebm/standin/writers.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rebm.data.pipeline import load_indist
 from rebm.eval.metric import SAMPLES
 from rebm.eval.registry import metric_classes
 from rebm.eval.table.spec import load_table, row_sections
-from tests.fake_data import write_fake_imagenet
+from rebm.standin.writers import write_fake_imagenet
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.numbers

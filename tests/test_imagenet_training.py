@@ -15,7 +15,7 @@ import torch
 
 from rebm.eval.sampling.generation import SeedImageError, SeedImages
 from rebm.models import build_model
-from tests.fake_data import (
+from rebm.standin.writers import (
     imagenet_wnids,
     truncate_file,
     write_fake_imagenet,

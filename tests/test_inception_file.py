@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rebm.eval.features import fid, network
-from tests.fake_data import write_fake_cifar10, write_fake_imagenet
+from rebm.standin.writers import write_fake_cifar10, write_fake_imagenet
 from tests.helpers import REPO, base_env, rebm_traceback_lines, run_command, torchrun_cmd
 from tests.standins import STANDIN, random_fid_inception_state
 

@@ -24,7 +24,7 @@ from rebm.eval.metrics.ood_sets import (
     ood_score,
     original_ood_attack,
 )
-from tests.fake_data import (
+from rebm.standin.writers import (
     imagenet_wnids,
     write_fake_cifar10,
     write_fake_cifar100,

@@ -26,7 +26,7 @@ from rebm.config import load_config
 from rebm.config.schema import ImageLogConfig
 from rebm.distributed import Runtime
 from rebm.eval.features.fid import FEATURES_ENV
-from tests.fake_data import write_fake_cifar10, write_fake_imagenet
+from rebm.standin.writers import write_fake_cifar10, write_fake_imagenet
 from tests.standins import (
     STANDIN,
     random_fid_inception_state,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_data import (
+from rebm.standin.writers import (
     write_fake_cifar10,
     write_tensor_file,
     write_tiny_images,

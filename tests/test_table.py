@@ -18,7 +18,7 @@ import pytest
 
 from rebm.eval.table.report import cell, group_stats
 from rebm.eval.table.spec import RowSpec, TableError, load_table
-from tests.fake_data import write_fake_svhn
+from rebm.standin.writers import write_fake_svhn
 from tests.helpers import BIN, REPO, base_env, finish, rebm_traceback_lines, run_command
 from tests.processes import popen
 

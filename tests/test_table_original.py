@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rebm.eval.table.spec import TableError, load_table
-from tests.fake_data import write_fake_cifar10
+from rebm.standin.writers import write_fake_cifar10
 from tests.helpers import REPO, base_env, run_command
 from tests.standins import write_standin_statistics
 

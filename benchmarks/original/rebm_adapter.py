@@ -62,7 +62,7 @@ def config_overrides(job: Job, variant: str) -> List[str]:
 def fake_cifar(job: Job) -> str:
     """A tiny CIFAR-10 on disk: the Trainer builds its loader (unused: the harness feeds the
     stored batches) from a real dataset folder."""
-    from tests.fake_data import write_fake_cifar10
+    from rebm.standin.writers import write_fake_cifar10
 
     root = os.path.join(job.workdir, "fake_cifar")
     if not os.path.exists(os.path.join(root, "cifar-10-batches-py", "test_batch")):
@@ -72,7 +72,7 @@ def fake_cifar(job: Job) -> str:
 
 def fake_imagenet(job: Job) -> str:
     """A tiny ImageNet on disk (1,000 classes, one small JPEG each), for the ImageNet row."""
-    from tests.fake_data import write_fake_imagenet
+    from rebm.standin.writers import write_fake_imagenet
 
     root = os.path.join(job.workdir, "fake_imagenet")
     if not os.path.exists(os.path.join(root, "meta.bin")):

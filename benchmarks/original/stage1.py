@@ -167,7 +167,7 @@ def write_inputs(workdir: str, spec: dict) -> None:
     """The batches and the initial weights (rebm's initialisation from the seed), and a tiny
     CIFAR-10 on disk for the Trainer's loader (unused: the batches are fed)."""
     from rebm.models import build_model, dataset_stats
-    from tests.fake_data import write_fake_cifar10
+    from rebm.standin.writers import write_fake_cifar10
 
     os.makedirs(workdir, exist_ok=True)
     torch.save(make_inputs(spec), os.path.join(workdir, "batches.pt"))

@@ -130,7 +130,7 @@ def batch_override(overrides: Sequence[str]) -> int:
 def ensure_fake_cifar(workdir: str, overrides: Sequence[str] = ()) -> str:
     """A fake CIFAR-10 in the real on-disk format under workdir (written once), with room for
     four batches of the configured size."""
-    from tests.fake_data import write_fake_cifar10
+    from rebm.standin.writers import write_fake_cifar10
 
     n_train = max(1024, 4 * batch_override(overrides))
     root = os.path.join(workdir, f"cifar_{n_train}")

@@ -37,7 +37,7 @@ def _without_checksums(file_list: list) -> list:
 class _UncheckedCIFAR10(tv_datasets.CIFAR10):
     """torchvision's CIFAR-10 loader, unchanged, with its md5 checks replaced by existence checks
     (`check_integrity(path, None)`). Used only when the files exist but differ from the official
-    release (a re-packed or test copy, e.g. tests/fake_data.py); the pickles are still read by
+    release (a re-packed or test copy, e.g. rebm/standin/writers.py); the pickles are still read by
     torchvision's own code."""
 
     train_list = _without_checksums(tv_datasets.CIFAR10.train_list)

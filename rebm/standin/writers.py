@@ -1,11 +1,12 @@
-"""Tiny datasets written in the real on-disk formats, so the real loaders run in tests.
+"""Stand-in datasets written in the real on-disk formats, so the real loaders read them: the
+stand-in recipe runs (`python -m rebm.standin`) and the tests write their data with these.
 
 - `write_fake_cifar10(root)`: `root/cifar-10-batches-py/{data_batch_1..5, test_batch,
   batches.meta}` — pickled dicts with `data` (N x 3072 uint8, channel-major rows), `labels`,
   `filenames`, `batch_label`, exactly the layout of the official archive, so
   `torchvision.datasets.CIFAR10(root, download=False)` reads them (its md5 check fails on them, so
   rebm loads them through torchvision's loader with the checksum replaced by an existence check;
-  see rebm/training/datasets.py).
+  see rebm/data/files.py).
 - `write_fake_cifar100(root)`: `root/cifar-100-python/{train, test, meta}` with `fine_labels` /
   `coarse_labels`.
 - `write_image_folder`, `write_tiny_images` (and `write_tinyimages_exclusion_lists`),

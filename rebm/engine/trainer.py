@@ -20,7 +20,6 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from rebm.checkpoint.manager import CheckpointManager
-from rebm.checkpoint.paths import check_starting_weights
 from rebm.checkpoint.run_directory import RunDirectory, resolve_run_dir_all_ranks
 from rebm.checkpoint.state import check_stage
 from rebm.config import (
@@ -53,6 +52,7 @@ from rebm.engine.metrics_window import (
     pop_data_counts,
 )
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks, state_fit_check
+from rebm.engine.run_files import check_run_inputs_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
     patient_collectives,
@@ -74,9 +74,8 @@ def train(cfg: TrainConfig, runtime: Runtime,
     """Train with the training method `make_training_method(cfg)` builds, in cfg.run.run_dir, held
     by this job (rank 0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
-    # the inputs first: a wrong path stops the run before anything is written
-    on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
-                  "find model.ckpt_path")
+    # the inputs first: every missing file is named at once, before anything is written
+    check_run_inputs_all_ranks(cfg, runtime, make_training_method(cfg).eval_samples)
     run_directory, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_directory.path)
     try:

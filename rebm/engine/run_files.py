@@ -74,8 +74,9 @@ def check_run_inputs_all_ranks(cfg: TrainConfig, runtime: Runtime, eval_samples:
 
 
 def missing_report(lines: List[str]) -> str:
-    """The error of a run that lacks files: a count, then one indented line each."""
-    what = "a file" if len(lines) == 1 else f"{len(lines)} files"
-    return (f"the run lacks {what} it reads (nothing was started or written; add "
-            f"{'it' if len(lines) == 1 else 'them'} and run the same command again):\n"
+    """The error of a run that lacks files: the line of the one, or a count and a line each."""
+    if len(lines) == 1:
+        return lines[0]
+    return (f"the run lacks {len(lines)} files it reads (nothing was started or written; add "
+            "them and run the same command again):\n"
             + "\n".join(f"  - {line}" for line in lines))

@@ -59,7 +59,7 @@ from rebm.engine.saving import (
     save_training_state_all_ranks,
 )
 from rebm.engine.step import update_all_ranks
-from rebm.engine.tracking import Tracker, progress_bar
+from rebm.engine.tracking import ProgressLines, Tracker, progress_bar, progress_lines
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
 from rebm.eval.results import describe_evaluation
@@ -221,7 +221,7 @@ class Trainer:
             try:
                 batches = iter(self.data)
                 bar = progress_bar(self.runtime, progress.step, self.last_step,
-                                   self.schedule.batch_size)
+                                   self.schedule.batch_size, self.timed_progress_lines())
                 # a collective timeout in the loop names the rank(s) that did not arrive
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
                     # the starting model (a fresh run), or an evaluation a preemption abandoned
@@ -265,6 +265,22 @@ class Trainer:
             except Preempted:  # every rank agreed inside an evaluation: abandon it, save, exit
                 progress.eval_pending = True
                 return self.stop_preempted_all_ranks()
+
+    def timed_progress_lines(self) -> Optional[ProgressLines]:
+        """Rank 0's progress lines at `progress_interval_s` when the console has no bar, with
+        when the next metrics log, evaluation and state save come (looked for within the
+        longest of their intervals)."""
+        intervals = (self.intervals.n_imgs_per_metrics_log,
+                     self.intervals.n_imgs_per_evaluation_log, self.checkpoint_manager.interval_imgs)
+        horizon = max(-(-(i or 0) // self.plan.global_batch_size) for i in intervals) + 2
+        return progress_lines(
+            self.tracker.logging, self.runtime, last_step=self.last_step,
+            global_batch_size=self.plan.global_batch_size,
+            current_step=lambda: self.progress.step, horizon=horizon,
+            events={"metrics log": self.events.log_due,
+                    "evaluation": self.events.evaluation_due,
+                    "state save": lambda step: self.checkpoint_manager.save_due(
+                        self.plan, step, self.last_step)})
 
     @property
     def epoch(self) -> int:

@@ -11,8 +11,9 @@ import os
 from typing import List
 
 from rebm.checkpoint.paths import check_starting_weights
-from rebm.config import TrainConfig
 from rebm.config.datasets import dataset_files, missing_lines
+from rebm.config.sections import RunSection
+from rebm.config.views import EvaluationSection
 from rebm.distributed.collectives import on_every_rank
 from rebm.distributed.runtime import Runtime
 from rebm.errors import UserError
@@ -33,25 +34,28 @@ class MissingInputs(UserError):
     """Files a run reads are missing here (one line each)."""
 
 
-def run_input_problems(cfg: TrainConfig, eval_samples: bool) -> List[str]:
-    """What a training run of `cfg` reads and this machine lacks, one line each, with where it
-    comes from; `eval_samples`: the method's evaluations draw samples (DAT's do)."""
-    lines = missing_lines(dataset_files(cfg.data))
-    try:  # a resumed run does not read it
-        check_starting_weights(cfg.model, cfg.run)
+def run_input_problems(evaluation: EvaluationSection, run: RunSection, evaluates: bool,
+                       eval_samples: bool) -> List[str]:
+    """What a training run reads and this machine lacks, one line each, with where it comes
+    from: its data and starting weights (`evaluation.data`, `evaluation.model`; `run`: a run
+    directory with states resumes and does not read the weights) and, when it `evaluates`,
+    what its evaluations read (`eval_samples`: they draw samples, as DAT's do)."""
+    lines = missing_lines(dataset_files(evaluation.data))
+    try:
+        check_starting_weights(evaluation.model, run)
     except UserError as err:  # its hint, if any, names runs of the same config
         lines.append(str(err) if ";" in str(err) else f"{err}; {STARTING_WEIGHTS_SOURCE}")
-    if cfg.intervals.n_imgs_per_evaluation_log:
-        lines += evaluation_problems(cfg, eval_samples, named=lines)
+    if evaluates:
+        lines += evaluation_problems(evaluation, eval_samples, named=lines)
     return lines
 
 
-def evaluation_problems(cfg: TrainConfig, eval_samples: bool, named: List[str]) -> List[str]:
-    """What the run's evaluations lack: their metrics' own problems (FID's network and
+def evaluation_problems(evaluation: EvaluationSection, eval_samples: bool, named: List[str]
+                        ) -> List[str]:
+    """What a training run's evaluations lack: their metrics' own problems (FID's network and
     statistics, ...), then each missing file of theirs (seed images, OOD sets, ...) that no line
     of these or of `named` mentions already."""
-    evaluator = Evaluator(cfg.evaluation, Runtime(),
-                          standard_metrics(cfg.evaluation, eval_samples))
+    evaluator = Evaluator(evaluation, Runtime(), standard_metrics(evaluation, eval_samples))
     lines = evaluator.problems()
     for cls in evaluator.classes:
         for key, path in cls.files(evaluator.sections[cls.name]).items():
@@ -62,11 +66,13 @@ def evaluation_problems(cfg: TrainConfig, eval_samples: bool, named: List[str]) 
     return lines
 
 
-def check_run_inputs_all_ranks(cfg: TrainConfig, runtime: Runtime, eval_samples: bool) -> None:
+def check_run_inputs_all_ranks(runtime: Runtime, evaluation: EvaluationSection, run: RunSection,
+                               evaluates: bool, eval_samples: bool) -> None:
     """Stop every rank with one report of all the files this run lacks on any rank (each rank
-    checks its own machine: a node may lack a file the others have)."""
+    checks its own machine: a node may lack a file the others have); `run_input_problems`'s
+    arguments."""
     def check() -> None:
-        lines = run_input_problems(cfg, eval_samples)
+        lines = run_input_problems(evaluation, run, evaluates, eval_samples)
         if lines:
             raise MissingInputs(missing_report(lines))
 

@@ -75,7 +75,9 @@ def train(cfg: TrainConfig, runtime: Runtime,
     by this job (rank 0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
     # the inputs first: every missing file is named at once, before anything is written
-    check_run_inputs_all_ranks(cfg, runtime, make_training_method(cfg).eval_samples)
+    check_run_inputs_all_ranks(runtime, cfg.evaluation, cfg.run,
+                               evaluates=bool(cfg.intervals.n_imgs_per_evaluation_log),
+                               eval_samples=make_training_method(cfg).eval_samples)
     run_directory, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_directory.path)
     try:

@@ -50,7 +50,7 @@ def check_dat(args, cfg) -> None:
         plan_batches(cfg.schedule, cfg.eval, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
         # what its evaluations would stop on at start, besides the files every entry's
         # --check names (cli.environment_warnings)
-        for problem in evaluation_problems(cfg, DAT.eval_samples,
+        for problem in evaluation_problems(cfg.evaluation, DAT.eval_samples,
                                            named=cli.environment_warnings(cfg)):
             print(f"warning: {problem}", file=sys.stderr)
         line = training_images_line(cfg.inputs)

@@ -89,3 +89,25 @@ def test_a_progress_bar_keeps_the_console_to_itself(monkeypatch):
 def test_durations_read_at_a_glance():
     assert [duration(s) for s in (0.4, 41, 161, 3 * 3600 + 25 * 60 + 7, 2 * 86400 + 4 * 3600)] \
         == ["0s", "41s", "2m41s", "3h25m", "2d4h"]
+
+
+def test_a_run_without_an_end_says_when_its_events_come(monkeypatch):
+    """No `/last` and no end for a run without max_steps or total_epochs; the events are those
+    of the run's own schedule (the original DAT loop's: an evaluation after update 19 runs at
+    the start of step 20, the one that crosses 640 images)."""
+    from rebm.config import plan_batches
+    from rebm.engine.events import EventSchedule
+
+    cfg = load_config(CONFIG, ["batch_size=32", "n_imgs_per_metrics_log=320",
+                               "n_imgs_per_evaluation_log=640", "max_steps=null",
+                               "total_epochs=null"])
+    monkeypatch.setenv("REBM_PROGRESS", "0")  # no bar, as in a job's log
+    plan = plan_batches(cfg.schedule, cfg.eval, 1)
+    events = EventSchedule(plan, cfg.intervals, at_step_start=True, last_step=float("inf"))
+    lines = progress_lines(cfg.logging, Runtime(), last_step=float("inf"),
+                           global_batch_size=32, current_step=lambda: 5, horizon=30,
+                           events={"metrics log": events.log_due,
+                                   "evaluation": events.evaluation_due})
+    line = lines.line(5, steps_per_s=2.0)
+    assert line == ("progress: step 5, 64.0 img/s; next: metrics log at step 10 in 2s, "
+                    "evaluation at step 19 in 7s"), line

@@ -104,3 +104,25 @@ def test_check_looks_inside_existing_folders(tmp_path):
     assert any("model.ckpt_path 'runs/stage1_cifar10/model_bestacc.pth' does not exist" in line
                for line in warnings), warnings
     assert len(warnings) == 3, warnings  # nothing else of the tree is reported
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_stage_1_checks_what_it_reads_and_only_that(tmp_path):
+    """Stage 1 trains on the in-distribution alone: a missing CIFAR file stops it at once with
+    its one line, and an out-distribution it does not read (tinyimages without its file) is not
+    asked for."""
+    write_recipe_inputs(tmp_path)
+    for path in ("data/CIFAR10/cifar-10-batches-py/test_batch", "data/tiny_images.bin"):
+        (tmp_path / path).unlink()
+    config = REPO / "InNOutRobustnessMean0_cifar100" / "configs" / "cifar10_wrn34x10.yaml"
+    code, out = finish(popen([sys.executable, str(config.parents[1] / "train_at.py"),
+                              str(config), "data.outdist_dataset=tinyimages",
+                              "data.outdist_std_dir=./data", f"run_dir={RUN_DIR}"],
+                             _env(), tmp_path), 150)
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert code == 2 and errors == [
+        "error: data.indist_ds_dir: ./data/CIFAR10/cifar-10-batches-py/test_batch does not "
+        "exist; set data.download=true to download it, or extract "
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz into ./data/CIFAR10"], out
+    assert not (tmp_path / RUN_DIR).exists()

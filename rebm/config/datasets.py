@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rebm.registry import Registry
 
@@ -121,12 +121,14 @@ def indist_root_files(data) -> Dict[str, Optional[str]]:
 ROOT_KEYS = {INDIST_ROLE: "data.indist_ds_dir", OUTDIST_ROLE: "data.outdist_std_dir"}
 
 
-def dataset_files(data) -> List[InputFile]:
-    """Every file and folder the in- and out-distribution datasets of `data` (the config's data
-    section) read, as their modules list them (their folder alone for a module that lists
-    nothing); none for a dataset that reads no files."""
+def dataset_files(data, roles: Sequence[str] = (INDIST_ROLE, OUTDIST_ROLE)) -> List[InputFile]:
+    """Every file and folder the datasets of `data` (the config's data section) in `roles`
+    read, as their modules list them (their folder alone for a module that lists nothing);
+    none for a dataset that reads no files."""
     found: List[InputFile] = []
-    for role, name in ((INDIST_ROLE, data.indist_dataset), (OUTDIST_ROLE, data.outdist_dataset)):
+    names = {INDIST_ROLE: data.indist_dataset, OUTDIST_ROLE: data.outdist_dataset}
+    for role in roles:
+        name = names[role]
         if not dataset_reads_files(role, name):
             continue
         entry = REGISTRIES[role].get(name)

@@ -11,7 +11,7 @@ import os
 from typing import List
 
 from rebm.checkpoint.paths import check_starting_weights
-from rebm.config.datasets import dataset_files, missing_lines
+from rebm.config.datasets import INDIST_ROLE, dataset_files, missing_lines
 from rebm.config.sections import RunSection
 from rebm.config.views import EvaluationSection
 from rebm.distributed.collectives import on_every_rank
@@ -19,6 +19,7 @@ from rebm.distributed.runtime import Runtime
 from rebm.errors import UserError
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
+from rebm.methods.base import Method
 
 # where an evaluation's file comes from, by the key that names it
 EVALUATION_FILE_SOURCES = {
@@ -35,18 +36,19 @@ class MissingInputs(UserError):
 
 
 def run_input_problems(evaluation: EvaluationSection, run: RunSection, evaluates: bool,
-                       eval_samples: bool) -> List[str]:
+                       training_method: Method) -> List[str]:
     """What a training run reads and this machine lacks, one line each, with where it comes
-    from: its data and starting weights (`evaluation.data`, `evaluation.model`; `run`: a run
-    directory with states resumes and does not read the weights) and, when it `evaluates`,
-    what its evaluations read (`eval_samples`: they draw samples, as DAT's do)."""
-    lines = missing_lines(dataset_files(evaluation.data))
+    from: the datasets of its method's streams and the in-distribution (`evaluation.data`), its
+    starting weights (`evaluation.model`; `run`: a run directory with states resumes and does
+    not read them) and, when it `evaluates`, what its evaluations read."""
+    roles = dict.fromkeys([INDIST_ROLE, *(s.dataset for s in training_method.streams)])
+    lines = missing_lines(dataset_files(evaluation.data, tuple(roles)))
     try:
         check_starting_weights(evaluation.model, run)
     except UserError as err:  # its hint, if any, names runs of the same config
         lines.append(str(err) if ";" in str(err) else f"{err}; {STARTING_WEIGHTS_SOURCE}")
     if evaluates:
-        lines += evaluation_problems(evaluation, eval_samples, named=lines)
+        lines += evaluation_problems(evaluation, training_method.eval_samples, named=lines)
     return lines
 
 
@@ -67,12 +69,12 @@ def evaluation_problems(evaluation: EvaluationSection, eval_samples: bool, named
 
 
 def check_run_inputs_all_ranks(runtime: Runtime, evaluation: EvaluationSection, run: RunSection,
-                               evaluates: bool, eval_samples: bool) -> None:
+                               evaluates: bool, training_method: Method) -> None:
     """Stop every rank with one report of all the files this run lacks on any rank (each rank
     checks its own machine: a node may lack a file the others have); `run_input_problems`'s
     arguments."""
     def check() -> None:
-        lines = run_input_problems(evaluation, run, evaluates, eval_samples)
+        lines = run_input_problems(evaluation, run, evaluates, training_method)
         if lines:
             raise MissingInputs(missing_report(lines))
 

@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, runtime: Runtime,
     # the inputs first: every missing file is named at once, before anything is written
     check_run_inputs_all_ranks(runtime, cfg.evaluation, cfg.run,
                                evaluates=bool(cfg.intervals.n_imgs_per_evaluation_log),
-                               eval_samples=make_training_method(cfg).eval_samples)
+                               training_method=make_training_method(cfg))
     run_directory, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_directory.path)
     try:

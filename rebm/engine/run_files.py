@@ -2,8 +2,8 @@
 their folders: CIFAR's batches, tiny_images.bin, the exclusion lists, ...), the starting weights
 (model.ckpt_path) and what the periodic evaluation reads (seed images, FID statistics, Inception
 weights, OOD sets). A run that lacks some names all of them in one error, each with where it
-comes from, before the process group's expensive work, the model or any file of the run
-directory; `--check` prints the same lines as warnings."""
+comes from, before the model, the data or any file of the run directory (only the process group
+is up: each rank checks its own machine); `--check` warns about the same files."""
 
 from __future__ import annotations
 

@@ -66,16 +66,10 @@ def environment_warnings(cfg: TrainConfig) -> List[str]:
     """Things this machine lacks; warnings under --check (login nodes have no data or GPUs)."""
     import torch
 
-    from rebm.config.datasets import dataset_reads_files
+    from rebm.config.datasets import dataset_files, missing_lines
 
-    problems = []
-    data = cfg.data
-    if dataset_reads_files("indist", data.indist_dataset) and not os.path.exists(
-            data.indist_ds_dir):
-        problems.append(f"data.indist_ds_dir '{cfg.data.indist_ds_dir}' does not exist here")
-    if dataset_reads_files("outdist", data.outdist_dataset) and not os.path.exists(
-            data.outdist_std_dir):
-        problems.append(f"data.outdist_std_dir '{cfg.data.outdist_std_dir}' does not exist here")
+    # inside the datasets' folders too: every missing file at once, with where it comes from
+    problems = missing_lines(dataset_files(cfg.data))
     seeds = cfg.image_log.seed_images
     if seeds not in SEED_NOISES and not os.path.exists(seeds):
         problems.append(f"image_log.seed_images '{seeds}' does not exist here")

@@ -171,7 +171,8 @@ def test_check_warns_about_missing_paths_but_passes(capsys):
     code, out, err = run_main(capsys, "experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml", "--check",
                               "data.indist_ds_dir=/nonexistent/cifar", "ddp_backend=nccl")
     assert code == 0
-    assert "warning: data.indist_ds_dir '/nonexistent/cifar' does not exist" in err
+    assert ("warning: data.indist_ds_dir: /nonexistent/cifar/cifar-10-batches-py/ does not exist; "
+            "set data.download=true to download it") in err, err
     assert "ddp_backend: nccl needs CUDA" in err
 
 

@@ -320,7 +320,7 @@ def test_evaluate_feeds_the_model_ood_images_at_the_ood_side(kind, tmp_path):
     import sys
 
     from rebm.models import build_model, dataset_stats
-    from tests.fake_data import write_fake_imagenet
+    from rebm.standin.writers import write_fake_imagenet
     from tests.helpers import CONFIG, REPO, base_env, run_command
 
     overrides, sides = ENTRY_CASES[kind]

@@ -22,6 +22,7 @@ from rebm.config.schema import TrainConfig
 RUN_KEYS = (
     "max_steps", "total_epochs", "run_dir", "resume", "resume_from_state",
     "keep_last_states", "wandb_project", "wandb_dir", "wandb_disabled", "wandb_mode", "tags",
+    "progress_interval_s",
     "use_ddp", "ddp_backend", "device", "find_unused_parameters", "ddp_timeout_s",
     "ddp_step_timeout_s", "per_device_batch_size", "per_device_eval_batch_size",
     "n_imgs_per_metrics_log", "n_imgs_per_image_log", "n_imgs_per_evaluation_log",

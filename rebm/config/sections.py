@@ -63,13 +63,14 @@ class RunSection(Frozen):
 
 @dataclass
 class LoggingSection(Frozen):
-    """Tracking: wandb's project, folder, mode and tags."""
+    """Tracking: wandb's project, folder, mode and tags; the console's progress lines."""
 
     wandb_project: str = "rebm"  # wandb project
     wandb_dir: Optional[str] = None  # wandb files (default: the run directory)
     wandb_disabled: bool = False  # original switch; same as wandb_mode=disabled
     wandb_mode: str = "auto"  # auto (online with an API key, else offline), online, offline, disabled
     tags: List[str] = field(default_factory=list)  # wandb tags
+    progress_interval_s: Optional[float] = 60.0  # without a progress bar (output to a file or pipe): a line every this many seconds with the steps done, images/s and when the next metrics log, evaluation, state save and the end come; null or 0: none
 
 
 @dataclass

@@ -93,6 +93,13 @@ def _find_corrupt_cifar_file(folder: str, names: Sequence[str]) -> Optional[tupl
     return None
 
 
+def cifar_archive(root: str, num_classes: int) -> tuple:
+    """(the extracted folder under `root`, the names of its files, the archive's address) of
+    CIFAR-10 or CIFAR-100."""
+    cls = _CIFAR_CLASSES[num_classes][0]
+    return os.path.join(root, cls.base_folder), _cifar_files(cls), cls.url
+
+
 def _check_cifar_present(cls, root: str, label: str) -> None:
     folder = os.path.join(root, cls.base_folder)
     missing = [n for n in _cifar_files(cls) if not os.path.isfile(os.path.join(folder, n))]

@@ -11,8 +11,10 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -244,12 +246,92 @@ def training_summary(step: int, last_step: float, epoch: int, metrics: Dict[str,
     return f"step {step}{total} (epoch {epoch}): " + " | ".join(parts)
 
 
+def duration(seconds: float) -> str:
+    """'41s', '2m41s', '1h25m', '3d4h'."""
+    seconds = max(int(round(seconds)), 0)
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class ProgressLines:
+    """Rank 0, without a progress bar (output to a log file or a pipe): a line every
+    `interval_s` seconds, so that a batch job's log shows the run alive between metrics logs,
+    e.g. 'progress: step 1234/3900, 52.1 img/s; next: metrics log at step 1300 in 2m41s,
+    evaluation at step 1562 in 13m04s; end in 1h25m'. Images/s are over the time since the
+    previous line (evaluations included), and so are the estimates."""
+
+    interval_s: float
+    last_step: float  # inf: the run has no end of its own
+    global_batch_size: int
+    current_step: Callable[[], int]  # the updates done
+    events: Dict[str, Callable[[int], bool]]  # {event: due after update `step`}, in this order
+    horizon: int  # how many steps ahead an event is looked for (its longest interval)
+    mark: Optional[Tuple[float, int]] = None  # (time, step) of the previous line
+
+    def after_step(self) -> None:
+        now, step = time.monotonic(), self.current_step()
+        if self.mark is None:  # the first step: the clock starts after any evaluation before it
+            self.mark = (now, step)
+        elif now - self.mark[0] >= self.interval_s:
+            LOGGER.info("%s", self.line(step, (step - self.mark[1]) / (now - self.mark[0])))
+            self.mark = (now, step)
+
+    def line(self, step: int, steps_per_s: float) -> str:
+        bounded = not math.isinf(self.last_step)
+        parts = [f"progress: step {step}" + (f"/{int(self.last_step)}" if bounded else "")
+                 + f", {steps_per_s * self.global_batch_size:.1f} img/s"]
+        coming = [f"{name} at step {at}" + self.eta(at - step, steps_per_s)
+                  for name, at in self.next_events(step).items()]
+        if coming:
+            parts.append("next: " + ", ".join(coming))
+        if bounded:
+            parts.append("end" + self.eta(int(self.last_step) - step, steps_per_s))
+        return "; ".join(parts)
+
+    @staticmethod
+    def eta(steps: int, steps_per_s: float) -> str:
+        return f" in {duration(steps / steps_per_s)}" if steps_per_s > 0 else ""
+
+    def next_events(self, step: int) -> Dict[str, int]:
+        """{event: the step after which it next runs}, for those within the horizon and the
+        run."""
+        found: Dict[str, int] = {}
+        end = min(step + self.horizon, self.last_step)
+        for name, due in self.events.items():
+            at = step + 1
+            while at <= end and not due(at):
+                at += 1
+            if at <= end:
+                found[name] = at
+        return found
+
+
+def progress_lines(logging: LoggingSection, runtime: Runtime, **fields: Any
+                   ) -> Optional[ProgressLines]:
+    """ProgressLines on rank 0 when the console has no progress bar and
+    `logging.progress_interval_s` is on; else None. `fields`: ProgressLines' others."""
+    interval = logging.progress_interval_s
+    if not runtime.is_main or progress_enabled() or not interval or interval <= 0:
+        return None
+    return ProgressLines(interval_s=interval, **fields)
+
+
 class _ProgressBar:
     """tqdm on rank 0 (images/s, ETA, loss, lr, epoch, and the method's numbers, e.g. T and
-    the adversarial AUC); nothing on other ranks."""
+    the adversarial AUC), or, without a bar, the timed progress lines (`lines`); nothing on
+    other ranks."""
 
-    def __init__(self, runtime: Runtime, start: int, total: float, batch_size: int):
+    def __init__(self, runtime: Runtime, start: int, total: float, batch_size: int,
+                 lines: Optional[ProgressLines] = None):
         self.bar = None
+        self.lines = lines
         if runtime.is_main:
             from tqdm import tqdm
 
@@ -265,6 +347,8 @@ class _ProgressBar:
             self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v)
                                   for k, v in postfix.items()}, refresh=False)
             self.bar.update(self.batch_size)
+        if self.lines is not None:
+            self.lines.after_step()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -277,5 +361,6 @@ class _ProgressBar:
         self.close()
 
 
-def progress_bar(runtime: Runtime, start: int, total: float, batch_size: int) -> _ProgressBar:
-    return _ProgressBar(runtime, start, total, batch_size)
+def progress_bar(runtime: Runtime, start: int, total: float, batch_size: int,
+                 lines: Optional[ProgressLines] = None) -> _ProgressBar:
+    return _ProgressBar(runtime, start, total, batch_size, lines)

@@ -20,7 +20,6 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from rebm.checkpoint.manager import CheckpointManager
-from rebm.checkpoint.paths import check_starting_weights
 from rebm.checkpoint.run_directory import RunDirectory, resolve_run_dir_all_ranks
 from rebm.checkpoint.state import check_stage
 from rebm.config import (
@@ -53,13 +52,14 @@ from rebm.engine.metrics_window import (
     pop_data_counts,
 )
 from rebm.engine.parts import Parts, Progress, build_parts_all_ranks, state_fit_check
+from rebm.engine.run_files import check_run_inputs_all_ranks
 from rebm.engine.saving import (
     TrainingDiverged,
     patient_collectives,
     save_training_state_all_ranks,
 )
 from rebm.engine.step import update_all_ranks
-from rebm.engine.tracking import Tracker, progress_bar
+from rebm.engine.tracking import ProgressLines, Tracker, progress_bar, progress_lines
 from rebm.eval.evaluator import Evaluator
 from rebm.eval.registry import standard_metrics
 from rebm.eval.results import describe_evaluation
@@ -74,9 +74,10 @@ def train(cfg: TrainConfig, runtime: Runtime,
     """Train with the training method `make_training_method(cfg)` builds, in cfg.run.run_dir, held
     by this job (rank 0 locks it) until the run ends. Every rank calls this."""
     started = time.perf_counter()
-    # the inputs first: a wrong path stops the run before anything is written
-    on_every_rank(runtime, lambda: check_starting_weights(cfg.model, cfg.run),
-                  "find model.ckpt_path")
+    # the inputs first: every missing file is named at once, before anything is written
+    check_run_inputs_all_ranks(runtime, cfg.evaluation, cfg.run,
+                               evaluates=bool(cfg.intervals.n_imgs_per_evaluation_log),
+                               training_method=make_training_method(cfg))
     run_directory, lock = resolve_run_dir_all_ranks(cfg.run.run_dir, to_dict(cfg), runtime)
     cfg = replace(cfg, run_dir=run_directory.path)
     try:
@@ -222,7 +223,7 @@ class Trainer:
             try:
                 batches = iter(self.data)
                 bar = progress_bar(self.runtime, progress.step, self.last_step,
-                                   self.schedule.batch_size)
+                                   self.schedule.batch_size, self.timed_progress_lines())
                 # a collective timeout in the loop names the rank(s) that did not arrive
                 with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
                     # the starting model (a fresh run), or an evaluation a preemption abandoned
@@ -266,6 +267,22 @@ class Trainer:
             except Preempted:  # every rank agreed inside an evaluation: abandon it, save, exit
                 progress.eval_pending = True
                 return self.stop_preempted_all_ranks()
+
+    def timed_progress_lines(self) -> Optional[ProgressLines]:
+        """Rank 0's progress lines at `progress_interval_s` when the console has no bar, with
+        when the next metrics log, evaluation and state save come (looked for within the
+        longest of their intervals)."""
+        intervals = (self.intervals.n_imgs_per_metrics_log,
+                     self.intervals.n_imgs_per_evaluation_log, self.checkpoint_manager.interval_imgs)
+        horizon = max(-(-(i or 0) // self.plan.global_batch_size) for i in intervals) + 2
+        return progress_lines(
+            self.tracker.logging, self.runtime, last_step=self.last_step,
+            global_batch_size=self.plan.global_batch_size,
+            current_step=lambda: self.progress.step, horizon=horizon,
+            events={"metrics log": self.events.log_due,
+                    "evaluation": self.events.evaluation_due,
+                    "state save": lambda step: self.checkpoint_manager.save_due(
+                        self.plan, step, self.last_step)})
 
     @property
     def epoch(self) -> int:

@@ -47,15 +47,14 @@ def check_dat(args, cfg) -> None:
                      config_origins(args.config, args.overrides))
     if args.check:
         from rebm.config import plan_batches
-        from rebm.distributed import Runtime
-        from rebm.eval.evaluator import Evaluator
-        from rebm.eval.registry import standard_metrics
+        from rebm.engine.run_files import evaluation_problems
 
         # a batch split that cannot work is the one line --check prints, before any note
         plan_batches(cfg.schedule, cfg.eval, int(os.environ.get("WORLD_SIZE", "1")), DAT.loss_streams(cfg.method))
-        evaluator = Evaluator(cfg.evaluation, Runtime(),
-                              standard_metrics(cfg.evaluation, DAT.eval_samples))
-        for problem in evaluator.problems():  # what its evaluations would stop on at start
+        # what its evaluations would stop on at start, besides the files every entry's
+        # --check names (cli.environment_warnings)
+        for problem in evaluation_problems(cfg.evaluation, DAT.eval_samples,
+                                           named=cli.environment_warnings(cfg)):
             print(f"warning: {problem}", file=sys.stderr)
         line = training_images_line(cfg.inputs)
         if line:

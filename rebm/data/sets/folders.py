@@ -5,16 +5,24 @@ tensor files (out-distribution, data.outdist_std_dir)."""
 from __future__ import annotations
 
 import os
+from typing import List
 
 from rebm.config import DataConfig
-from rebm.config.datasets import indist, outdist
+from rebm.config.datasets import InputFile, indist, outdist
 from rebm.config.views import InputSection
 from rebm.data.files import load_labelled_folder, load_tensor_file, load_unlabelled_folder
 from rebm.data.imagenet import load_openimage_o
 from rebm.data.sources import ImageSource
 
 
-@indist("imagefolder")
+def labelled_folder_files(data: DataConfig) -> List[InputFile]:
+    """The two splits' folders."""
+    return [InputFile("data.indist_ds_dir", os.path.join(data.indist_ds_dir, split),
+                      "put the split's images there as <class>/<image> (docs/data.md)")
+            for split in ("train", "test")]
+
+
+@indist("imagefolder", files=labelled_folder_files)
 def labelled_folder(data: DataConfig, split: str) -> ImageSource:
     return load_labelled_folder(os.path.join(data.indist_ds_dir, split), data.image_size)
 

@@ -18,7 +18,8 @@ from typing import List
 
 import numpy as np
 
-from rebm.config.datasets import outdist
+from rebm.config import DataConfig
+from rebm.config.datasets import InputFile, outdist
 from rebm.config.views import InputSection
 from rebm.data.sources import DataError, TinyImagesSource, one_line, tinyimages_record_count
 
@@ -27,6 +28,8 @@ LOGGER = logging.getLogger(__name__)
 TINYIMAGES_FILE = "tiny_images.bin"
 ORIGINAL_LISTS_FOLDER = "InNOutRobustness/TinyImagesExclusionIdcs"
 ORIGINAL_REPOSITORY = "https://github.com/xuwangyin/DAT"
+# the copy the original's README names (README.md:15); rebm does not download it
+TINYIMAGES_ADDRESS = "http://www.archive.org/download/80-million-tiny-images-2-of-2/tiny_images.bin"
 # (file, the number its records start from), in the order tinyImages.py:62-83 reads them
 ORIGINAL_EXCLUSION_LISTS = (
     ("80mn_cifar_idxs.txt", 1),
@@ -38,13 +41,33 @@ ORIGINAL_EXCLUSION_LISTS = (
 )
 
 
-@outdist("80m-tinyimages")
-@outdist("tinyimages")
+def tinyimages_path(data: DataConfig) -> str:
+    """data.outdist_std_dir names tiny_images.bin or the folder that holds it."""
+    path = data.outdist_std_dir
+    return os.path.join(path, TINYIMAGES_FILE) if os.path.isdir(path) else path
+
+
+def tinyimages_files(data: DataConfig) -> List[InputFile]:
+    """tiny_images.bin, the original's six exclusion lists and data.outdist_exclude_index."""
+    files = [InputFile("data.outdist_std_dir", tinyimages_path(data),
+                       f"download {TINYIMAGES_ADDRESS} (227 GiB) into it")]
+    if data.tinyimages_exclusion_dir is not None:
+        folder = data.tinyimages_exclusion_dir
+        source = (f"copy {ORIGINAL_LISTS_FOLDER}/ of the original ({ORIGINAL_REPOSITORY}) to "
+                  f"{folder} (null excludes no record, unlike the paper)")
+        files += [InputFile("data.tinyimages_exclusion_dir", os.path.join(folder, name), source)
+                  for name, _ in ORIGINAL_EXCLUSION_LISTS]
+    if data.outdist_exclude_index:
+        files.append(InputFile("data.outdist_exclude_index", data.outdist_exclude_index,
+                               "write the record numbers to exclude there, or set it to null"))
+    return files
+
+
+@outdist("80m-tinyimages", files=tinyimages_files)
+@outdist("tinyimages", files=tinyimages_files)
 def tinyimages(inputs: InputSection, _length) -> TinyImagesSource:
     data = inputs.data
-    path = data.outdist_std_dir
-    if os.path.isdir(path):
-        path = os.path.join(path, TINYIMAGES_FILE)
+    path = tinyimages_path(data)
     num_records = tinyimages_record_count(path)
     parts: List[np.ndarray] = []
     if data.tinyimages_exclusion_dir is not None:

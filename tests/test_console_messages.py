@@ -84,9 +84,10 @@ def test_a_summary_line_per_metrics_log_without_a_progress_bar(dat_run):
                                                                             "step 2/2"], out
     assert "train_clf_loss " in summaries[0] and "imgs_per_s " in summaries[0]
     (files,) = _lines(out, r"INFO files in ")
+    # samples/: the first step's preview grid (the original's trigger fires at the first step)
     assert files.endswith(f"files in {run_dir}: model_final.pth (evaluated weights), "
-                          "metrics.jsonl, checkpoints/ (training states; the same command "
-                          "continues the run), logs/, wandb/"), files  # no samples/: none drawn
+                          "metrics.jsonl, samples/, checkpoints/ (training states; the same "
+                          "command continues the run), logs/, wandb/"), files
 
 
 def test_a_changed_training_key_names_the_existing_run_and_the_keys(dat_run):

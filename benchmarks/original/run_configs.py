@@ -1,7 +1,7 @@
 """The run-level twin's recipe, written for each code: the CIFAR-10 DAT recipe's stage 2
 (experiments/cifar10/cifar10-dat-WideResNet34x10-T40-seed0.yaml, the original's
 experiments/cifar10/..._seed1.yaml) with the model, the cap on T, the AUC window, the number of
-samples and the intervals scaled down to a CPU (WideResNet-10-1, batch 16, T capped at 6, an
+samples and the intervals scaled down to a CPU (WideResNet-10-1, batch 16, T capped at 4, an
 AUC window of 64 images, 50 samples, an evaluation every 800 images, 2 epochs of the 1,438
 digits); every rule (the curriculum, the attacks' form,
 EMA, augmentations, the evaluation schedule and the best-model rules) is the recipe's.
@@ -19,7 +19,7 @@ import os
 # 32 sampling steps of 0.2 from 10,000 seeds, evaluation every 50,000 images, SGD lr 0.001.
 RUN = dict(
     model="WideResNet10x1", batch_size=16, total_epochs=2,
-    T_cap=6, attack_step_size=0.1, K=10, clf_step_size=0.1, clf_eps=0.5,
+    T_cap=4, attack_step_size=0.1, K=10, clf_step_size=0.1, clf_eps=0.5,
     auc_threshold=0.8, window_images=64, lr=0.001, wd=5e-4,
     sample_steps=32, sample_step_size=0.2, num_samples=50, evaluation_images=800,
     tinyimages_records=3000, stage1_steps=300, seed=0,

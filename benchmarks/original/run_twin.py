@@ -73,9 +73,11 @@ def _run(cmd: List[str], env: dict, cwd: str, log: str) -> float:
         with open(done) as fh:
             return float(fh.read())
     started = time.perf_counter()
+    # each run in its own session: with the kernel's autogroup scheduling, the runs started
+    # from one session share one process's CPU share (torchrun's workers have their own)
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=RUN_TIMEOUT_S)
+                              timeout=RUN_TIMEOUT_S, start_new_session=True)
     if proc.returncode != 0:
         with open(log) as fh:
             tail = "".join(fh.readlines()[-12:])
@@ -152,7 +154,7 @@ def run_all(spec: dict, workdir: str, seeds: List[int], sides: List[str], checko
             extra_path: Optional[str], parallel: int) -> Dict[str, Dict[int, dict]]:
     """Every (side, seed) run, `parallel` at a time; each side's runs keyed by seed."""
     files = prepare(workdir, spec)
-    jobs = [(side, seed) for seed in seeds for side in sides]
+    jobs = [(side, seed) for side in sides for seed in seeds]  # the slower sides first
 
     def one(job):
         side, seed = job

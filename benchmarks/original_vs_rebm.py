@@ -185,7 +185,12 @@ def run_twin(args) -> int:
     per_side = {side: [run_stats.run_quantities(spec, results[side][seed], total_steps,
                                                 features, reference) for seed in seeds]
                 for side in args.sides}
-    table = run_stats.summarize(per_side)
+    table = run_stats.summarize(per_side, total_steps)
+    if "original" in per_side:  # the rule as applied here against the files its loop wrote
+        written = [results["original"][seed]["bestacc_writes"][-1] for seed in seeds]
+        ruled = [run["bestacc_step"] for run in per_side["original"]]
+        print(f"model_bestacc.pth, the original's last write per seed {written}, by the rule "
+              f"{ruled}: {'the same' if written == ruled else 'DIFFERENT'}")
     seconds = time.perf_counter() - started
     print(run_stats.format_table(table, args.sides))
     print(f"the twin took {seconds / 60:.1f} min on {machine()} ({os.cpu_count()} cores, "

@@ -65,10 +65,16 @@ def sample_statistics(path: str, features, reference) -> tuple:
                  "samples_of_their_class": float((predicted == labels).float().mean())}
 
 
-def compare(a: List[float], b: List[float]) -> Dict[str, float]:
-    """Welch's t-test of two samples, and the difference detectable with their spreads."""
+def compare(a: List[float], b: List[float], censor_at=None) -> Dict[str, float]:
+    """Welch's t-test of two samples, and the difference detectable with their spreads. With
+    `censor_at` (the update at which T first reaches a value), a run that never reached it
+    counts as reaching it at `censor_at` (after its last update), and p is the Mann-Whitney rank
+    test's: the mean over the runs that reached it alone would select the early ones."""
     from scipy import stats
 
+    if censor_at is not None:
+        a = [censor_at if math.isnan(v) else v for v in a]
+        b = [censor_at if math.isnan(v) else v for v in b]
     x = np.array([v for v in a if not math.isnan(v)], dtype=float)
     y = np.array([v for v in b if not math.isnan(v)], dtype=float)
     if len(x) < 2 or len(y) < 2:
@@ -76,16 +82,18 @@ def compare(a: List[float], b: List[float]) -> Dict[str, float]:
     se = math.sqrt(x.var(ddof=1) / len(x) + y.var(ddof=1) / len(y))
     if se == 0:
         return {"p": 1.0 if x.mean() == y.mean() else 0.0, "detectable": 0.0}
-    p = float(stats.ttest_ind(x, y, equal_var=False).pvalue)
+    p = float(stats.ttest_ind(x, y, equal_var=False).pvalue if censor_at is None
+              else stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
     df = se**4 / ((x.var(ddof=1) / len(x))**2 / (len(x) - 1)
                   + (y.var(ddof=1) / len(y))**2 / (len(y) - 1))
     detectable = (stats.t.ppf(0.975, df) + stats.t.ppf(0.8, df)) * se
     return {"p": p, "detectable": float(detectable)}
 
 
-def summarize(per_side: Dict[str, List[dict]], pairs=(("original", "rebm1"),
-                                                       ("rebm1", "rebm2"))) -> dict:
-    """Per quantity: each side's mean, std, n (runs where it is defined), and each pair's test."""
+def summarize(per_side: Dict[str, List[dict]], total_steps: int,
+              pairs=(("original", "rebm1"), ("rebm1", "rebm2"))) -> dict:
+    """Per quantity: each side's mean, std, n (runs where it is defined), and each pair's test
+    (for T_reaches_*, on the runs censored at total_steps + 1, compare's rank test)."""
     keys = list(next(iter(per_side.values()))[0])
     table = {}
     for key in keys:
@@ -94,7 +102,8 @@ def summarize(per_side: Dict[str, List[dict]], pairs=(("original", "rebm1"),
                       "n": int(np.sum(~np.isnan(v)))} for side, v in values.items()}
         for a, b in pairs:
             if a in values and b in values:
-                row[f"{a}_vs_{b}"] = compare(values[a], values[b])
+                censor = total_steps + 1 if key.startswith("T_reaches_") else None
+                row[f"{a}_vs_{b}"] = compare(values[a], values[b], censor)
         table[key] = row
     return table
 

@@ -159,12 +159,13 @@ def run_all(spec: dict, workdir: str, seeds: List[int], sides: List[str], checko
     def one(job):
         side, seed = job
         folder = os.path.join(workdir, f"{side}_seed{seed}")
-        started = time.strftime("%H:%M:%S")
+        started = ("a run kept from before" if os.path.exists(os.path.join(folder, "done"))
+                   else f"started {time.strftime('%H:%M:%S')}")
         if side == "original":
             out = run_original(spec, files, seed, folder, checkout, extra_path)
         else:
             out = run_rebm(spec, files, seed, folder, int(side[-1]))
-        print(f"  {side} seed {seed}: started {started}, {out['seconds']:.0f} s", flush=True)
+        print(f"  {side} seed {seed}: {started}, {out['seconds']:.0f} s", flush=True)
         return job, out
 
     results: Dict[str, Dict[int, dict]] = {side: {} for side in sides}

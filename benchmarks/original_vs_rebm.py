@@ -1,5 +1,6 @@
 """rebm side by side with the original DAT code (github:xuwangyin/DAT at fb2ffc7): the same
-stage-2 training trajectory, then the speed, each code in its own process (both are `rebm`).
+stage-2 training trajectory, the speed, the sample pass, and whole runs compared as
+distributions (`run`), each code in its own process (both are `rebm`).
 
     python -m benchmarks.original_vs_rebm --original PATH trajectory [--write-reference FILE]
     python -m benchmarks.original_vs_rebm --original PATH speed [--device cuda] [--config cifar]

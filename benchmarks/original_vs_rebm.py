@@ -1,9 +1,12 @@
 """rebm side by side with the original DAT code (github:xuwangyin/DAT at fb2ffc7): the same
-stage-2 training trajectory, then the speed, each code in its own process (both are `rebm`).
+stage-2 training trajectory, the speed, the sample pass, and whole runs compared as
+distributions (`run`), each code in its own process (both are `rebm`).
 
     python -m benchmarks.original_vs_rebm --original PATH trajectory [--write-reference FILE]
     python -m benchmarks.original_vs_rebm --original PATH speed [--device cuda] [--config cifar]
     python -m benchmarks.original_vs_rebm --original PATH samples [--device cuda]
+    python -m benchmarks.original_vs_rebm --original PATH --workdir DIR run --seeds 5 \
+        [--parallel 4] [--json benchmarks/original_run_twin.json]
 
 PATH is a checkout of the original (or REBM_ORIGINAL). Its dependencies (einops, torchmetrics,
 wandb, scikit-learn, omegaconf, timm) must be importable by this interpreter, or lie in
@@ -159,6 +162,58 @@ def run_samples(args) -> int:
     return 0
 
 
+def run_twin(args) -> int:
+    """Whole stage-2 runs of the scaled CIFAR recipe, `--seeds` a side (the original; rebm on
+    one process and on two), compared as distributions (benchmarks/original/run_twin.py)."""
+    import time
+
+    from benchmarks.original import run_configs, run_data, run_stats
+    from benchmarks.original import run_twin as twin
+
+    spec = dict(run_configs.RUN)
+    started = time.perf_counter()
+    seeds = list(range(args.seeds))
+    print(f"run-level twin: {len(seeds)} seeds x {', '.join(args.sides)} in {args.workdir}, "
+          f"{args.parallel} at a time", flush=True)
+    results = twin.run_all(spec, args.workdir, seeds, args.sides, args.original,
+                           args.original_pythonpath, args.parallel)
+    files = twin.prepare(args.workdir, spec)
+    total_steps = spec["total_epochs"] * run_configs.steps_per_epoch(spec, files["counts"]["train"])
+    features = run_data.FeatureNetwork(spec, files["stage1"])
+    from rebm.data.files import load_digits
+
+    reference, _ = features(load_digits(32, True).data.float() / 255)
+    per_side = {side: [run_stats.run_quantities(spec, results[side][seed], total_steps,
+                                                features, reference) for seed in seeds]
+                for side in args.sides}
+    table = run_stats.summarize(per_side, total_steps)
+    if "original" in per_side:  # the rule as applied here against the files its loop wrote
+        written = [results["original"][seed]["bestacc_writes"][-1] for seed in seeds]
+        ruled = [run["bestacc_step"] for run in per_side["original"]]
+        print(f"model_bestacc.pth, the original's last write per seed {written}, by the rule "
+              f"{ruled}: {'the same' if written == ruled else 'DIFFERENT'}")
+    seconds = time.perf_counter() - started
+    print(run_stats.format_table(table, args.sides))
+    print(f"the twin took {seconds / 60:.1f} min on {machine()} ({os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f} at the end)")
+    if args.json:
+        stored = {"made_by": "python -m benchmarks.original_vs_rebm --original PATH run "
+                             f"--seeds {args.seeds}",
+                  "original": "github:xuwangyin/DAT fb2ffc756da1f55321c1bbcbe0727a2e1de114c6",
+                  "machine": machine(), "minutes": round(seconds / 60, 1),
+                  "run_seconds": {side: [round(results[side][s]["seconds"]) for s in seeds]
+                                  for side in args.sides},
+                  "spec": spec, "total_steps": total_steps,
+                  "evaluation_steps": run_configs.evaluation_steps(spec, total_steps),
+                  "stage1_test_accuracy": files["stage1_test_accuracy"],
+                  "runs": per_side, "table": table}
+        with open(args.json, "w") as fh:
+            fh.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}"
+                                         for k, v in stored.items()) + "\n}\n")
+        print(f"results written to {args.json}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--original", default=os.environ.get("REBM_ORIGINAL"),
@@ -203,6 +258,14 @@ def main(argv=None) -> int:
     m.add_argument("--json", default=None)
     m.add_argument("--quick", action="store_true",
                    help="64 px, 4 samples, 2 steps: checks that everything runs; noise")
+    r = sub.add_parser("run", help="whole stage-2 runs of the scaled CIFAR recipe, several "
+                       "seeds a side, compared as distributions")
+    r.add_argument("--seeds", type=int, default=5)
+    r.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    r.add_argument("--sides", nargs="+", default=["original", "rebm1", "rebm2"],
+                   choices=("original", "rebm1", "rebm2"))
+    r.add_argument("--json", default=None, metavar="FILE",
+                   help="store the results, e.g. benchmarks/original_run_twin.json")
     args = parser.parse_args(argv)
     if not args.original:
         parser.error("give --original PATH (a checkout of github:xuwangyin/DAT) or set "
@@ -211,7 +274,8 @@ def main(argv=None) -> int:
         args.config = "cifar" if args.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory(prefix="rebm_vs_original_") as tmp:
         args.workdir = args.workdir or tmp
-        run = {"trajectory": run_trajectory, "speed": run_speed, "samples": run_samples}
+        run = {"trajectory": run_trajectory, "speed": run_speed, "samples": run_samples,
+               "run": run_twin}
         return run[args.what](args)
 
 

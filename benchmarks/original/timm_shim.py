@@ -20,9 +20,10 @@ import fails, and upstream `resnet50` / `wide_resnet50_2` do not take the fork's
   attacks and losses call);
 - `resnet50`, `wide_resnet50_2`, `wide_resnet50_4` (base width 64 x 2, x 4) built on it, set on
   `timm.models.resnet` before the original imports them;
-- `WideResNet16x4`: the original's model file defines WideResNet-28/34/40/70 factories but not
-  16-4, the network of the CPU comparison; the shim adds it to that module, built by the
-  original's own `WideResNet` class (depth 16, widen factor 4), nothing else changed.
+- `WideResNet16x4`, `WideResNet10x1`: the original's model file defines WideResNet-28/34/40/70
+  factories but not 16-4 (the network of the CPU comparison) nor 10-1 (the run-level twin's);
+  the shim adds them to that module, built by the original's own `WideResNet` class (depth 16,
+  widen factor 4; depth 10, widen factor 1), nothing else changed.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def install() -> list:
         return original_wrn.WideResNet(16, num_classes, 4, normalize_input=normalize_input,
                                        use_batchnorm=use_batchnorm, **options)
 
+    def WideResNet10x1(num_classes=10, normalize_input=True, use_batchnorm=True, **options):
+        return original_wrn.WideResNet(10, num_classes, 1, normalize_input=normalize_input,
+                                       use_batchnorm=use_batchnorm, **options)
+
     original_wrn.WideResNet16x4 = WideResNet16x4
+    original_wrn.WideResNet10x1 = WideResNet10x1
     return [f"timm.models.resnet.{name}" for name in builders] + [
-        "rebm.models.wide_resnet_innoutrobustness.WideResNet16x4"]
+        f"rebm.models.wide_resnet_innoutrobustness.{name}"
+        for name in ("WideResNet16x4", "WideResNet10x1")]

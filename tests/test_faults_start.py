@@ -264,3 +264,23 @@ def test_workers_die_with_their_torchrun_agent(tmp_path):
                          r"run_dir=\S+ to resume", output)
     assert stopped == [str(agent.pid)], output[-3000:]
     assert list((run_dir / "checkpoints").glob("state_*.pt"))
+
+
+@pytest.mark.slow
+def test_a_table_whose_out_folder_is_a_file_says_to_choose_another_out(tmp_path):
+    """The table's output folder is named with --out (it has no run_dir): the line that its log
+    file cannot be written names the option the user can change."""
+    from tests.test_table_cache import _run, _table, _write_checkpoint
+
+    ckpts = tmp_path / "ckpts"
+    _write_checkpoint(ckpts / "a.pth", seed=0)
+    out = tmp_path / "out"
+    out.write_text("a file where the table's folder would go")
+    result = _run(_table(tmp_path, "t", ["accuracy"], ["a"]), ckpts, out)
+    assert result.returncode != 0, result.output[-4000:]
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.output[-4000:]
+    assert f"cannot write the log file in '{out / 'logs'}' (Not a directory)" in errors[0], errors
+    assert errors[0].endswith("choose a writable --out DIR"), errors
+    assert not rebm_traceback_lines(result.output)
+    assert out.read_text() == "a file where the table's folder would go"

@@ -218,6 +218,23 @@ def test_a_state_that_cannot_be_read_stops_every_rank_and_is_kept(three_states, 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.slow
+def test_a_resume_from_state_that_does_not_exist_is_a_wrong_path_not_an_unreadable_file(tmp_path):
+    """A mistyped resume_from_state is one line saying the path does not exist, not the advice
+    for a file the run cannot read ("make it readable"), which would send the user after
+    permissions; nothing is written into the run directory but its logs."""
+    missing = tmp_path / "elsewhere" / "state_000000003.pt"
+    run_dir = tmp_path / "run"
+    result = run_train([CONFIG, *FAST, "max_steps=2", f"resume_from_state={missing}"],
+                       run_dir=run_dir)
+    assert result.returncode != 0, result.output[-4000:]
+    errors = error_lines(result.output)
+    assert len(errors) == 1, result.output[-4000:]
+    assert f"training state '{missing}' does not exist; check the path" in errors[0], errors
+    assert "make it readable" not in result.output and not rebm_traceback_lines(result.output)
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
 # --------------------------------------------------------------------------------------------
 # Smaller: config.yaml under a file-size limit, temp files of killed writers, a dangling link
 # --------------------------------------------------------------------------------------------

@@ -264,3 +264,43 @@ def test_workers_die_with_their_torchrun_agent(tmp_path):
                          r"run_dir=\S+ to resume", output)
     assert stopped == [str(agent.pid)], output[-3000:]
     assert list((run_dir / "checkpoints").glob("state_*.pt"))
+
+
+@pytest.mark.slow
+def test_a_table_whose_out_folder_is_a_file_says_to_choose_another_out(tmp_path):
+    """The table's output folder is named with --out (it has no run_dir): the line that its log
+    file cannot be written names the option the user can change."""
+    from tests.test_table_cache import _run, _table, _write_checkpoint
+
+    ckpts = tmp_path / "ckpts"
+    _write_checkpoint(ckpts / "a.pth", seed=0)
+    out = tmp_path / "out"
+    out.write_text("a file where the table's folder would go")
+    result = _run(_table(tmp_path, "t", ["accuracy"], ["a"]), ckpts, out)
+    assert result.returncode != 0, result.output[-4000:]
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.output[-4000:]
+    assert f"cannot write the log file in '{out / 'logs'}' (Not a directory)" in errors[0], errors
+    assert errors[0].endswith("choose a writable --out DIR"), errors
+    assert not rebm_traceback_lines(result.output)
+    assert out.read_text() == "a file where the table's folder would go"
+
+
+@pytest.mark.slow
+def test_an_evaluation_whose_run_dir_is_a_file_says_so(tmp_path):
+    """`rebm.eval.evaluate run_dir=FILE`: one line saying the output folder is a file (not
+    makedirs' "File exists" about a lock file inside it), with what to do; the file is kept."""
+    from tests.test_table_cache import _write_checkpoint
+
+    ckpt = tmp_path / "m.pth"
+    _write_checkpoint(ckpt, seed=0)
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    result = run_train([CONFIG, f"model.ckpt_path={ckpt}", "robust_eval_steps=1",
+                        "eval.num_images=8", f"run_dir={out}"], module="rebm.eval.evaluate")
+    assert result.returncode != 0, result.output[-4000:]
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.output[-4000:]
+    assert f"'{out}' is a file, not a directory; choose a writable output folder with " \
+        "run_dir=PATH" in errors[0], errors
+    assert not rebm_traceback_lines(result.output) and out.read_text() == "not a folder"

@@ -39,6 +39,9 @@ class FolderLock(ABC):
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a+")
+        except FileExistsError:  # makedirs met a file in the folder's place ("File exists")
+            raise self.FAILURE(f"'{os.path.dirname(os.path.abspath(path))}' is a file, not a "
+                               f"directory; {self.if_unwritable()}") from None
         except OSError as err:
             raise self.FAILURE(self._cannot_write(err, self.if_unwritable())) from None
         try:

@@ -47,13 +47,19 @@ def _cannot_read(path: str, err: OSError) -> StateUnreadable:
         "(no proof that it is damaged): make it readable and run the same command again")
 
 
+def _missing(path: str) -> StateUnreadable:
+    return StateUnreadable(
+        f"training state '{path}' does not exist; check the path (resume_from_state takes a "
+        "state file or a run directory)")
+
+
 def read_state(path: str) -> Dict[str, Any]:
     """Load a state file (CPU, tensors and plain containers only): StateUnreadable when the
     operating system cannot read it, StateError when its content cannot be loaded."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise StateUnreadable(f"training state '{path}' does not exist") from None
+        raise _missing(path) from None
     except OSError as err:
         raise _cannot_read(path, err) from None
     except Exception as err:  # truncated zip, unpickling error, ...
@@ -120,6 +126,8 @@ def check_state_file(path: str) -> None:
     file cannot be read at all."""
     try:
         damage = archive_damage(path)
+    except FileNotFoundError:  # not a file to make readable: a wrong path
+        raise _missing(path) from None
     except OSError as err:
         raise _cannot_read(path, err) from None
     if damage:

@@ -78,10 +78,12 @@ def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:
             handler.handle(record)
 
 
-def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.Logger:
+def setup_logging(runtime: Runtime, log_file: Optional[str] = None,
+                  elsewhere: str = "run_dir=PATH") -> logging.Logger:
     """Console: rank 0 at INFO, other ranks at WARNING, prefixed [rank r/W];
     file: every rank at INFO to `log_file`, this rank's (a run's <run_dir>/logs/rank<r>.log:
-    RunDirectory.log_file)."""
+    RunDirectory.log_file). `elsewhere` is how the user names another folder (a table's
+    --out DIR), for the line when the log file cannot be written."""
     logger = LOGGER
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -99,7 +101,7 @@ def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.L
             file_handler = _RankFileHandler(log_file)
         except OSError as err:
             raise LogFileError(f"cannot write the log file in '{log_dir}' ({err.strerror or err});"
-                               " choose a writable run_dir=PATH") from None
+                               f" choose a writable {elsewhere}") from None
         file_handler.setLevel(logging.INFO)
         file_handler.setFormatter(_RankFormatter(runtime, with_time=True))
         logger.addHandler(file_handler)

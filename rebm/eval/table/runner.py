@@ -338,7 +338,8 @@ def tables_process_all_ranks(specs, runtime, args) -> None:
     `launch_tables` hands to the entry points' launch. Logs, the stop on a signal, the tables;
     a rank that does not arrive in a collective within the table's timeout is named in one
     line."""
-    setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank))
+    setup_logging(runtime, RunDirectory(log_dir(specs, args)).log_file(runtime.rank),
+                  elsewhere="--out DIR")
     advice = start_up_timeout_advice(DistributedSection(ddp_timeout_s=args.ddp_timeout_s),
                                      TIMEOUT_OPTION)
     with stop_on_signal(runtime, STOP_NOTICE) as stoppable:

@@ -29,8 +29,10 @@ from tests.helpers import (
     FAST,
     REPO,
     base_env,
+    comparable,
     copy_run,
     finish,
+    read_metrics,
     rebm_traceback_lines,
     run_command,
     run_train,
@@ -233,6 +235,24 @@ def test_a_resume_from_state_that_does_not_exist_is_a_wrong_path_not_an_unreadab
     assert f"training state '{missing}' does not exist; check the path" in errors[0], errors
     assert "make it readable" not in result.output and not rebm_traceback_lines(result.output)
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_damaged_lines_in_metrics_jsonl_are_dropped_when_the_run_continues(three_states, straight,
+                                                                          tmp_path):
+    """Lines of metrics.jsonl that are no record (bytes that are not UTF-8, JSON that is not an
+    object, a step that is not a number) are dropped by the continued run as a line cut short
+    by a crash is, instead of a traceback: its records then equal an uninterrupted run's."""
+    run_dir = copy_run(three_states, tmp_path / "run")
+    with open(run_dir / "metrics.jsonl", "ab") as fh:
+        fh.write(b"\xff\xfe not text\n[1, 2]\n{\"step\": \"x\"}\n")
+    result = run_train([CONFIG, *FAST, "max_steps=4", "resume=force"], run_dir=run_dir,
+                       timeout=300)
+    result.assert_ok()
+    assert not rebm_traceback_lines(result.output)
+    records = comparable(read_metrics(run_dir))
+    straight_records = [r for r in comparable(read_metrics(straight / "ws1")) if r["step"] <= 4]
+    assert records == straight_records
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,12 +47,17 @@ def wandb_mode(logging: LoggingSection) -> str:
     return "online" if has_key else "offline"
 
 
-def _record_step(line: str) -> float:
-    """Step of a metrics.jsonl line; a line cut short by a crash counts as newer (dropped)."""
+def _record_step(line: bytes) -> float:
+    """Step of a metrics.jsonl line. A line that is not a record (cut short by a crash, bytes
+    that are not UTF-8, JSON that is not an object with a numeric step) counts as newer than
+    any state, so the resumed run drops it."""
     try:
-        return json.loads(line).get("step", 0)
-    except json.JSONDecodeError:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
         return math.inf
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    numeric = isinstance(step, (int, float)) and not isinstance(step, bool)
+    return step if numeric else math.inf
 
 
 class Tracker:
@@ -128,12 +133,12 @@ class Tracker:
     def _truncate(self, step: int) -> None:
         if not os.path.exists(self.metrics_path):
             return
-        with open(self.metrics_path) as fh:
+        with open(self.metrics_path, "rb") as fh:  # bytes: a damaged line may not be UTF-8
             lines = [line for line in fh if line.strip()]
         kept = [line for line in lines if _record_step(line) <= step]
         if len(kept) != len(lines):
             tmp = self.metrics_path + ".tmp"
-            with open(tmp, "w") as fh:
+            with open(tmp, "wb") as fh:
                 fh.writelines(kept)
             os.replace(tmp, self.metrics_path)
 

@@ -163,6 +163,19 @@ def worker_pids(agent_pid: int) -> Dict[int, int]:
     return pids
 
 
+def wait_for_workers(agent, timeout: float = 120) -> Dict[int, int]:
+    """{rank: pid} of a 2-process torchrun's workers once both have started; fail if the agent
+    ends first or they do not come within `timeout`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = worker_pids(agent.pid)
+        if len(pids) == 2:
+            return pids
+        assert agent.poll() is None, agent.communicate()[0][-3000:]
+        time.sleep(0.2)
+    pytest.fail("torchrun did not start its workers")
+
+
 def process_alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped by whoever adopted it, is not)."""
     try:

@@ -24,7 +24,7 @@ from tests.helpers import (
     start_torchrun,
     torchrun_cmd,
     wait_for_records,
-    worker_pids,
+    wait_for_workers,
 )
 from tests.processes import popen
 
@@ -37,15 +37,6 @@ STEPS = [CONFIG, *FAST, *NO_ATTACKS, "robust_eval=false", "n_imgs_per_metrics_lo
 GLOO_NOISE = re.compile(r"Connection (reset|closed) by peer|Timed out waiting|enforce fail")
 
 
-def _wait_for_workers(agent, timeout: float = 120) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pids = worker_pids(agent.pid)
-        if len(pids) == 2:
-            return pids
-        assert agent.poll() is None, agent.communicate()[0][-3000:]
-        time.sleep(0.2)
-    pytest.fail("torchrun did not start its workers")
 
 
 def _wait_for(predicate, agent, timeout: float = 180) -> None:
@@ -92,7 +83,7 @@ def _one_line(output: str, pattern: str) -> str:
 def test_a_killed_rank_is_named_in_one_line_during_training(tmp_path):
     run_dir = tmp_path / "run"
     agent = start_torchrun(STEPS, run_dir)
-    pids = _wait_for_workers(agent)
+    pids = wait_for_workers(agent)
     wait_for_records(run_dir, 2, agent)
     took, code, output = _end(agent, pids, 1, signal.SIGKILL, until_gone=0, limit=60)
     assert code != 0
@@ -104,7 +95,7 @@ def test_a_killed_rank_is_named_in_one_line_during_training(tmp_path):
 def test_a_rank_stopped_before_the_first_step_is_named_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     agent = start_torchrun([*STEPS, "ddp_timeout_s=10"], run_dir)
-    pids = _wait_for_workers(agent)
+    pids = wait_for_workers(agent)
     # the ranks have joined (each opened its log file, a collective) and not yet stepped
     _wait_for(lambda: (run_dir / "logs" / "rank1.log").exists(), agent)
     took, code, output = _end(agent, pids, 1, signal.SIGSTOP, until_gone=0, limit=90)
@@ -150,7 +141,7 @@ def _evaluating(log: Path) -> bool:
 
 def test_a_killed_rank_is_named_in_one_line_during_evaluate(tmp_path):
     agent, log = _start_evaluation(tmp_path)
-    pids = _wait_for_workers(agent)
+    pids = wait_for_workers(agent)
     _wait_for(lambda: _evaluating(log), agent)
     took, code, _ = _end(agent, pids, 1, signal.SIGKILL, until_gone=0, limit=60)
     output = log.read_text(errors="replace")
@@ -163,7 +154,7 @@ def test_a_killed_rank_is_named_in_one_line_during_evaluate(tmp_path):
 
 def test_a_stopped_rank_is_named_in_one_line_during_evaluate(tmp_path):
     agent, log = _start_evaluation(tmp_path, "ddp_timeout_s=10")
-    pids = _wait_for_workers(agent)
+    pids = wait_for_workers(agent)
     _wait_for(lambda: _evaluating(log), agent)
     took, code, _ = _end(agent, pids, 1, signal.SIGSTOP, until_gone=0, limit=90)
     output = log.read_text(errors="replace")
@@ -193,7 +184,7 @@ def test_a_stopped_rank_is_named_by_the_table_within_its_timeout(tmp_path):
     cmd = torchrun_cmd("rebm.eval.table", [str(table), "--checkpoints", str(ckpts), "--out",
                                            str(out), "--ddp-timeout-s", "10"], 2)
     agent = popen(cmd, base_env(), REPO, output=str(log))
-    pids = _wait_for_workers(agent)
+    pids = wait_for_workers(agent)
     _wait_for(lambda: (out / "logs" / "rank1.log").exists(), agent)
     took, code, _ = _end(agent, pids, 1, signal.SIGSTOP, until_gone=0, limit=90)
     output = log.read_text(errors="replace")

@@ -34,7 +34,7 @@ from tests.helpers import (
     start_torchrun,
     state_path,
     wait_for_records,
-    worker_pids,
+    wait_for_workers,
 )
 from tests.processes import popen
 
@@ -190,15 +190,6 @@ def test_a_taken_master_port_is_one_line_on_every_rank(tmp_path):
     assert "(address already in use)" in _error_lines(results[0][1])[0]
 
 
-def _wait_for_workers(agent, timeout: float = 120) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pids = worker_pids(agent.pid)
-        if len(pids) == 2:
-            return pids
-        assert agent.poll() is None, agent.communicate()[0][-3000:]
-        time.sleep(0.2)
-    pytest.fail("torchrun did not start its workers")
 
 
 STEPS = [*QUICK, "max_steps=100000", "total_epochs=null", "n_imgs_per_ckpt_save=100000",
@@ -211,7 +202,7 @@ def test_a_stopped_rank_is_named_in_one_line(tmp_path):
     agent = start_torchrun([*STEPS, "ddp_step_timeout_s=10", "ddp_timeout_s=60"], run_dir)
     pids = {}
     try:
-        pids = _wait_for_workers(agent)
+        pids = wait_for_workers(agent)
         wait_for_records(run_dir, 2, agent)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.time()
@@ -246,7 +237,7 @@ def test_workers_die_with_their_torchrun_agent(tmp_path):
     agent = start_torchrun(STEPS, run_dir)
     pids = {}
     try:
-        pids = _wait_for_workers(agent)
+        pids = wait_for_workers(agent)
         wait_for_records(run_dir, 2, agent)
         os.kill(agent.pid, signal.SIGKILL)
         killed = time.time()

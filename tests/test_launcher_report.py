@@ -22,6 +22,8 @@ from rebm.distributed.logs import report_to_launcher
 from tests.helpers import (
     CONFIG,
     FAST,
+    REPO,
+    base_env,
     finish,
     rebm_traceback_lines,
     run_train,
@@ -29,6 +31,7 @@ from tests.helpers import (
     wait_for_records,
     worker_pids,
 )
+from tests.processes import popen
 
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 TORCHRUN_SCRIPT = str(Path(sys.executable).parent / "torchrun")
@@ -111,6 +114,33 @@ def test_a_config_error_is_the_root_cause_of_torchruns_report(tmp_path):
     # torchrun's agent has no error file of its own to copy the line to, and says so
     assert "no error file defined for parent" in result.output
     assert not (tmp_path / "run").exists()
+
+
+# The other entry points under torchrun, each with an error of its own kind: the same report.
+OTHER_ENTRIES = {
+    "evaluate": (["-m", "rebm.eval.evaluate", CONFIG, "lr=-1"], "'lr' must be > 0"),
+    "table": (["-m", "rebm.eval.table", "experiments/paper/cifar10.yaml", "--checkpoints",
+               "{tmp}/absent"], "--checkpoints folder '{tmp}/absent' does not exist"),
+    "train_at.py": ([str(REPO / "InNOutRobustnessMean0_cifar100" / "train_at.py"),
+                     "experiments/quickstart/digits_stage1.yaml", "lr=-1"], "'lr' must be > 0"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("entry", sorted(OTHER_ENTRIES))
+def test_every_entry_points_error_is_the_root_cause_of_torchruns_report(tmp_path, entry):
+    args, expected = OTHER_ENTRIES[entry]
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    cmd = [TORCHRUN_SCRIPT, "--standalone", "--nproc_per_node=2", *args,
+           *(["--out", str(tmp_path / "out")] if entry == "table" else
+             [f"run_dir={tmp_path / 'out'}"])]
+    # the script imports rebm from this checkout, as `-m` does from the working directory
+    code, out = finish(popen(cmd, base_env(1, {"PYTHONPATH": str(REPO)}), REPO), timeout=240)
+    assert code == TORCHRUN_FAILED, out[-6000:]
+    line = the_error_line(out)
+    assert line.startswith("[rank 0] error: ") and expected.format(tmp=tmp_path) in line, line
+    assert_reported_as_root_cause(out, line)
 
 
 @pytest.mark.slow

@@ -314,12 +314,15 @@ def import_libraries() -> None:
 def run_worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,
                timeout_setting: str) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
-    `record` writes a failing worker's error where the agent reports it; every error, one-line
-    or not, also goes to this rank's log file."""
+    `record` writes a failing worker's error where the agent reports it (its first line: the
+    worker prints the traceback itself); every error, one-line or not, also goes to this rank's
+    log file."""
     import_libraries()  # a spawned rank starts here (torch.multiprocessing imported torch)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_worker)(work, args, distributed, timeout_setting)
+    from rebm.distributed.logs import SummaryErrorHandler
+
+    record(_worker, SummaryErrorHandler())(work, args, distributed, timeout_setting)
 
 
 def _worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,

@@ -163,6 +163,23 @@ def test_a_missing_file_is_the_root_cause_and_reaches_the_agents_error_file(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_bugs_traceback_is_printed_once_and_its_last_line_is_the_root_cause(tmp_path):
+    """An uncaught error (a bug) on rank 1: the rank prints its traceback; torchrun's report
+    names the error in one line instead of printing that traceback again."""
+    cmd = [TORCHRUN_SCRIPT, "--standalone", "--nproc_per_node=2", "-m", "tests.bug_entry",
+           CONFIG, "--bug-on-rank", "1"]
+    code, out = finish(popen(cmd, base_env(1), REPO), timeout=240)
+    assert code == TORCHRUN_FAILED, out[-6000:]
+    lines = nonempty_lines(out)
+    assert lines.count("[rank1]: ValueError: a bug on rank 1") == 1, out[-6000:]
+    report = lines[lines.index("Traceback (most recent call last):"):]
+    assert not [line for line in report if "bug_entry.py" in line], report
+    assert report[-2] == ("  traceback : ValueError: a bug on rank 1 (the rank printed its "
+                          "traceback)"), report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_rank_killed_mid_run_is_named_in_the_report_with_the_other_ranks_line(tmp_path):
     """Rank 1 dies (SIGKILL, as the out-of-memory killer does); rank 0 says so in one line.
     The Root Cause is torchrun's own entry for the killed rank, which has no line of its own;

@@ -8,7 +8,10 @@ import logging
 import os
 import sys
 import time
+import traceback
 from typing import Iterable, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from rebm.disk import room_for
 from rebm.distributed.runtime import Runtime
@@ -105,6 +108,16 @@ def report_to_launcher(line: str) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(temp)
+
+
+class SummaryErrorHandler(ErrorHandler):
+    """torch's `record` handler for rebm's workers: an uncaught error (a bug) goes into
+    torchrun's error file as its first line only (`ValueError: ...`). The worker prints the
+    whole traceback itself; torch's own handler would have the agent's report print it again."""
+
+    def record_exception(self, e: BaseException) -> None:
+        summary = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[0]
+        report_to_launcher(f"{summary} (the rank printed its traceback)")
 
 
 def setup_logging(runtime: Runtime, log_file: Optional[str] = None) -> logging.Logger:

@@ -200,7 +200,12 @@ def user_errors_exit() -> Iterator[None]:
         if rank is not None:
             time.sleep(error_delay_s(rank, err))
         prefix = f"[rank {rank}] " if rank is not None else ""
-        print(f"{prefix}error: {one_line(err)}", file=sys.stderr, flush=True)
+        line = f"{prefix}error: {one_line(err)}"
+        print(line, file=sys.stderr, flush=True)
+        if rank is not None:
+            from rebm.distributed.logs import report_to_launcher
+
+            report_to_launcher(line)
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
@@ -309,18 +314,21 @@ def import_libraries() -> None:
 def run_worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,
                timeout_setting: str) -> None:
     """One process (plain, torchrun or spawned): its rank comes from the environment. torchrun's
-    `record` writes a failing worker's error where the agent reports it; every error, one-line
-    or not, also goes to this rank's log file."""
+    `record` writes a failing worker's error where the agent reports it (its first line: the
+    worker prints the traceback itself); every error, one-line or not, also goes to this rank's
+    log file."""
     import_libraries()  # a spawned rank starts here (torch.multiprocessing imported torch)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_worker)(work, args, distributed, timeout_setting)
+    from rebm.distributed.logs import SummaryErrorHandler
+
+    record(_worker, SummaryErrorHandler())(work, args, distributed, timeout_setting)
 
 
 def _worker(work: Worker, args: argparse.Namespace, distributed: DistributedSection,
             timeout_setting: str) -> None:
     from rebm.distributed.collectives import name_missing_ranks
-    from rebm.distributed.logs import log_to_file
+    from rebm.distributed.logs import log_to_file, report_to_launcher
     from rebm.distributed.runtime import setup_distributed, teardown
 
     with user_errors_exit():
@@ -338,7 +346,9 @@ def _worker(work: Worker, args: argparse.Namespace, distributed: DistributedSect
             raise
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, evaluation)
             log_to_file("interrupted")
-            print("interrupted: nothing to save at this point", file=sys.stderr, flush=True)
+            line = "interrupted: nothing to save at this point"
+            print(line, file=sys.stderr, flush=True)
+            report_to_launcher(line)
             raise SystemExit(130) from None
         except BaseException as err:
             log_to_file("uncaught error", exc_info=err)

@@ -42,7 +42,8 @@ LONGEST_FIRST = ["tests/test_resume.py", "tests/test_stage1.py", "tests/test_inc
                  "tests/test_run_dir.py", "tests/test_train.py", "tests/test_exact_sums.py",
                  "tests/test_table_cache.py", "tests/test_stage1_twin.py",
                  "tests/test_original_trajectory.py", "tests/test_imagenet_training.py",
-                 "tests/test_interrupts.py", "tests/test_table.py", "tests/test_faults.py",
+                 "tests/test_interrupts.py", "tests/test_launcher_report.py", "tests/test_table.py",
+                 "tests/test_faults.py",
                  "tests/test_faults_damage.py",
                  "tests/test_console_messages.py"]
 

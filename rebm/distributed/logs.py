@@ -1,11 +1,17 @@
-"""Rank-aware logging and whole-line stdout writes."""
+"""Rank-aware logging, whole-line stdout writes, and the line a rank leaves for its launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import sys
+import time
+import traceback
 from typing import Iterable, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from rebm.disk import room_for
 from rebm.distributed.runtime import Runtime
@@ -76,6 +82,42 @@ def log_to_file(message: str, exc_info: Optional[BaseException] = None) -> None:
                                        (type(exc_info), exc_info, exc_info.__traceback__)
                                        if exc_info is not None else None)
             handler.handle(record)
+
+
+def report_to_launcher(line: str) -> None:
+    """Leave `line`, the one this rank ends with, where torchrun's agent looks for why a worker
+    failed: the file it names in TORCHELASTIC_ERROR_FILE, in the format torch's `record` writes.
+    The agent's failure report then shows the line as the rank's `traceback` (the Root Cause,
+    when this rank failed first) instead of "To enable traceback see: ...", and an agent given
+    an error file of its own copies the line there with the exit code. No such variable (no
+    torchrun): nothing to do. Written whole (a temp file, then a rename): the agent reads the
+    file when the rank has ended, and a half-written one would end the agent with a traceback
+    of its own; a file that cannot be written costs nothing, as the console has the line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # `record`'s layout (a message with extraInfo), not the bare string torch also reads: for
+    # that one the agent prints two warnings. The timestamp (whole seconds, as `record` writes
+    # it) decides which failure is the Root Cause: the earliest.
+    report = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w") as fh:
+            json.dump(report, fh)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+
+
+class SummaryErrorHandler(ErrorHandler):
+    """torch's `record` handler for rebm's workers: an uncaught error (a bug) goes into
+    torchrun's error file as its first line only (`ValueError: ...`). The worker prints the
+    whole traceback itself; torch's own handler would have the agent's report print it again."""
+
+    def record_exception(self, e: BaseException) -> None:
+        summary = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[0]
+        report_to_launcher(f"{summary} (the rank printed its traceback)")
 
 
 def setup_logging(runtime: Runtime, log_file: Optional[str] = None,

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
+from rebm.distributed.logs import report_to_launcher
 from rebm.distributed.runtime import Runtime
 
 ECHO_WINDOW_S = 1.0
@@ -38,6 +39,7 @@ class PreemptionFlag:
 
     TRAINING_NOTICE = ("saving the training state at the next step, then exiting (interrupt "
                        "again to abort without saving)")
+    ABORT_NOTICE = "second interrupt: aborting without saving"
 
     def __init__(self, notice: str = TRAINING_NOTICE) -> None:
         self.notice = notice  # what rank 0 says at the first interrupt
@@ -51,7 +53,8 @@ class PreemptionFlag:
         now = time.monotonic()
         if signum == _signal.SIGINT:
             if self._first_interrupt is not None and now - self._first_interrupt > ECHO_WINDOW_S:
-                self._say("second interrupt: aborting without saving")
+                self._say(self.ABORT_NOTICE)
+                report_to_launcher(self.ABORT_NOTICE)
                 os._exit(EXIT_ABORTED)
             if self._first_interrupt is None:
                 self._first_interrupt = now
@@ -134,9 +137,10 @@ def exit_stopped(runtime: Runtime, outcome: str) -> None:
 
     flag = runtime.preemption
     name = flag.signal_name if flag is not None and flag.signal_name else None
-    logging.getLogger("rebm").log(logging.WARNING if runtime.is_main else logging.INFO,
-                                  "stopped by %s: %s", name or "a signal on another rank",
-                                  outcome)
+    line = f"stopped by {name or 'a signal on another rank'}: {outcome}"
+    logging.getLogger("rebm").log(logging.WARNING if runtime.is_main else logging.INFO, "%s",
+                                  line)
+    report_to_launcher(line)
     raise SystemExit(flag.exit_code if flag is not None else 128 + int(_signal.SIGINT))
 
 

@@ -97,6 +97,14 @@ def run_train(args: Sequence[str], nproc: int = 1, timeout: float = 240,
     return run_command(cmd, timeout, env, run_dir)
 
 
+def error_lines(output: str) -> List[str]:
+    """rebm's `error:` lines in a job's output. torchrun's failure report repeats a worker's line
+    as its root cause (`  traceback : [rank 0] error: ...`, from the worker's error file): that is
+    the launcher's copy, not a second line of rebm's."""
+    return [line for line in output.splitlines()
+            if "error:" in line and not line.lstrip().startswith("traceback :")]
+
+
 def rebm_traceback_lines(output: str) -> list:
     """Traceback frames in rebm's own code (torchrun prints its own traceback whenever a worker
     exits non-zero; the workers themselves must print one line)."""

@@ -24,7 +24,9 @@ SMALL = ["batch_size=32", "attack.max_steps=1", "attack.start_step=1",
 @pytest.mark.slow
 def test_evaluation_line_and_closing_summary(tmp_path):
     result = run_train([CONFIG, *SMALL, "max_steps=3"], run_dir=tmp_path / "run").assert_ok()
-    assert "evaluation at step 2: clean acc " in result.output
+    # the starting model, then the start of step 2 (after 1 update): the original's schedule
+    assert "evaluation at step 0: clean acc " in result.output
+    assert "evaluation at step 1: clean acc " in result.output
     assert "| robust acc " in result.output and "(359 test images)" in result.output
     assert "finished at step 3: clean acc " in result.output
     assert f"files in {tmp_path / 'run'}: model_final.pth" in result.output

@@ -19,7 +19,7 @@ import pytest
 from rebm.distributed.launch import free_port
 from rebm.distributed.precision import native_on_cpu
 from rebm.standin.writers import write_fake_cifar10
-from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, torchrun_cmd
+from tests.helpers import REPO, base_env, error_lines, finish, rebm_traceback_lines, torchrun_cmd
 from tests.processes import popen
 from tests.wandb_files import offline_runs, read_run
 
@@ -161,7 +161,7 @@ def test_an_unknown_wandb_mode_under_torchrun_is_one_line_per_job(tmp_path):
                                                           "wandb_disabled=false"], 2),
                      tmp_path, _env(WANDB_MODE="ofline"), timeout=120)
     assert code != 0
-    assert len(_lines(out, r"\] error:")) == 1, out
+    assert len([line for line in error_lines(out) if "] error:" in line]) == 1, out
     assert len(_lines(out, r"^\[rank 0\] error: environment variable "
                            r"WANDB_MODE='ofline' is not a wandb mode")) == 1, out
     assert not rebm_traceback_lines(out) and not (tmp_path / "runs").exists(), out

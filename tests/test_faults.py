@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rebm.distributed.torch_versions import unsettable_timeout
-from tests.helpers import CONFIG, FAST, load_state, rebm_traceback_lines, run_train
+from tests.helpers import CONFIG, FAST, error_lines, load_state, rebm_traceback_lines, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -38,7 +38,7 @@ def test_nan_gradients_on_one_rank_stop_every_rank_before_they_are_saved(straigh
     result = run_train([CONFIG, *FAST, "max_steps=8", "--nan-grad-at=3:1"], nproc=2,
                        run_dir=run_dir, timeout=300, module=FAULTY)
     assert result.returncode != 0, result.output[-4000:]
-    errors = [line for line in result.output.splitlines() if "] error:" in line]
+    errors = [line for line in error_lines(result.output) if "] error:" in line]
     assert errors == [errors[0]] and errors[0].startswith(  # one line per job
         "[rank 0] error: non-finite loss or gradients at step 3"), result.output[-4000:]
     assert not rebm_traceback_lines(result.output)

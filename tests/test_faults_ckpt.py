@@ -28,6 +28,7 @@ from tests.helpers import (
     REPO,
     base_env,
     copy_run,
+    error_lines,
     finish,
     rebm_traceback_lines,
     run_command,
@@ -52,9 +53,6 @@ def digests(folder: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted((folder / "checkpoints").iterdir())}
 
-
-def error_lines(output: str) -> list:
-    return [line for line in output.splitlines() if "error:" in line]
 
 
 def state_names(run_dir: Path) -> list:

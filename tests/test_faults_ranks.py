@@ -18,6 +18,7 @@ from tests.helpers import (
     NO_ATTACKS,
     REPO,
     base_env,
+    error_lines,
     finish,
     process_alive,
     rebm_traceback_lines,
@@ -72,7 +73,7 @@ def _end(agent, pids: dict, victim: int, sig: int, until_gone: int, limit: float
 
 def _one_line(output: str, pattern: str) -> str:
     """The job's one error line, matching `pattern`; no traceback of rebm, no gloo text."""
-    errors = [line for line in output.splitlines() if "error:" in line]
+    errors = error_lines(output)
     assert len(errors) == 1, output[-5000:]
     assert re.search(pattern, errors[0]), errors[0]
     assert rebm_traceback_lines(output) == [], output[-5000:]

@@ -27,6 +27,7 @@ from tests.helpers import (
     NO_ATTACKS,
     REPO,
     base_env,
+    error_lines,
     finish,
     process_alive,
     rebm_traceback_lines,
@@ -66,7 +67,7 @@ def test_a_key_an_older_run_lacks_compares_as_its_default(tmp_path):
     # The new key at another value than the default: the old run trained without it.
     refused = run_train([*QUICK, "max_steps=2", "r1reg=0.01"], run_dir=old)
     assert refused.returncode == 2, refused.output[-3000:]
-    errors = [line for line in refused.output.splitlines() if "error:" in line]
+    errors = error_lines(refused.output)
     assert len(errors) == 1, refused.output[-3000:]
     assert "r1reg: unset (the default 0.0) -> 0.01" in errors[0]
     assert "resume=force" in errors[0]
@@ -139,9 +140,6 @@ def _launched_rank(rank: int, port: int, args, world: int = 2):
     return popen([sys.executable, "-m", "rebm.training.train", *args], env, REPO)
 
 
-def _error_lines(output: str) -> list:
-    return [line for line in output.splitlines() if "error:" in line]
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -158,14 +156,14 @@ def test_a_rank_that_never_joins_is_named_within_the_join_timeout(tmp_path):
              for rank in range(2)]
     (code0, output0), (code1, output1) = (finish(proc, timeout=120) for proc in alone)
     for code, output in ((code0, output0), (code1, output1)):
-        assert code == 2 and len(_error_lines(output)) == 1, output[-3000:]
+        assert code == 2 and len(error_lines(output)) == 1, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
     assert (f"[rank 0/2] waiting for rank(s) 1 to join at 127.0.0.1:{ports[0]} (giving up after "
             f"{JOIN_S} s)") in output0
-    error0 = _error_lines(output0)[0]
+    error0 = error_lines(output0)[0]
     assert f"[rank 0] error: rank 1 of 2 did not join within {JOIN_S} s" in error0
     assert f"waited at 127.0.0.1:{ports[0]}" in error0 and "MASTER_PORT" in error0
-    error1 = _error_lines(output1)[0]
+    error1 = error_lines(output1)[0]
     assert (f"[rank 1] error: rank 1 on {socket.gethostname()} found nothing serving the "
             f"rendezvous at 127.0.0.1:{ports[1]}") in error1
     assert "rank 0 did not start or failed" in error1
@@ -183,11 +181,11 @@ def test_a_taken_master_port_is_one_line_on_every_rank(tmp_path):
         results = [finish(proc, timeout=120) for proc in ranks]
     for rank, (code, output) in enumerate(results):
         assert code == 2, output[-3000:]
-        errors = _error_lines(output)
+        errors = error_lines(output)
         assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
         assert errors[0].startswith(f"[rank {rank}] error: rank {rank} on "), errors
         assert f"another program holds MASTER_PORT={port}" in errors[0], errors
-    assert "(address already in use)" in _error_lines(results[0][1])[0]
+    assert "(address already in use)" in error_lines(results[0][1])[0]
 
 
 
@@ -269,7 +267,7 @@ def test_a_table_whose_out_folder_is_a_file_says_to_choose_another_out(tmp_path)
     out.write_text("a file where the table's folder would go")
     result = _run(_table(tmp_path, "t", ["accuracy"], ["a"]), ckpts, out)
     assert result.returncode != 0, result.output[-4000:]
-    errors = [line for line in result.output.splitlines() if "error:" in line]
+    errors = error_lines(result.output)
     assert len(errors) == 1, result.output[-4000:]
     assert f"cannot write the log file in '{out / 'logs'}' (Not a directory)" in errors[0], errors
     assert errors[0].endswith("choose a writable --out DIR"), errors
@@ -290,7 +288,7 @@ def test_an_evaluation_whose_run_dir_is_a_file_says_so(tmp_path):
     result = run_train([CONFIG, f"model.ckpt_path={ckpt}", "robust_eval_steps=1",
                         "eval.num_images=8", f"run_dir={out}"], module="rebm.eval.evaluate")
     assert result.returncode != 0, result.output[-4000:]
-    errors = [line for line in result.output.splitlines() if "error:" in line]
+    errors = error_lines(result.output)
     assert len(errors) == 1, result.output[-4000:]
     assert f"'{out}' is a file, not a directory; choose a writable output folder with " \
         "run_dir=PATH" in errors[0], errors

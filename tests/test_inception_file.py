@@ -21,7 +21,14 @@ import torch
 
 from rebm.eval.features import fid, network
 from rebm.standin.writers import write_fake_cifar10, write_fake_imagenet
-from tests.helpers import REPO, base_env, rebm_traceback_lines, run_command, torchrun_cmd
+from tests.helpers import (
+    REPO,
+    base_env,
+    error_lines,
+    rebm_traceback_lines,
+    run_command,
+    torchrun_cmd,
+)
 from tests.standins import STANDIN, random_fid_inception_state
 
 pytestmark = pytest.mark.numbers
@@ -127,7 +134,7 @@ def test_weights_that_are_not_the_pinned_file_stop_at_start_in_one_line(setup, t
     cmd = [sys.executable, "-m", entry, *args] if nproc == 1 else torchrun_cmd(entry, args, 2)
     result = run_command(cmd, timeout=150, env=_env())
     assert result.returncode != 0
-    errors = [line for line in result.output.splitlines() if "error:" in line]
+    errors = error_lines(result.output)
     assert len(errors) == 1, result.output[-3000:]
     found = (f"sha256 {network.file_sha256(str(weights))[:8]}..." if bad == "same_size"
              else f"{weights.stat().st_size:,} bytes")

@@ -23,6 +23,7 @@ from tests.helpers import (
     FAST,
     REPO,
     base_env,
+    error_lines,
     finish,
     read_metrics,
     rebm_traceback_lines,
@@ -137,7 +138,7 @@ def test_a_failed_rank0_write_mid_run_ends_every_rank_with_one_line(tmp_path):
     result = run_train([CONFIG, *FAST, "max_steps=4", "n_imgs_per_image_log=64"], nproc=2,
                        run_dir=run_dir, timeout=240)
     assert result.returncode != 0
-    errors = [line for line in result.output.splitlines() if "] error:" in line]
+    errors = [line for line in error_lines(result.output) if "] error:" in line]
     assert len(errors) == 1, result.output[-4000:]  # one line per job: the rank that met it
     assert errors[0].startswith("[rank 0] error: cannot write"), errors
     assert "(File exists; " in errors[0] and "free on its filesystem" in errors[0], errors
@@ -157,7 +158,7 @@ def test_a_checkpoint_missing_on_one_rank_ends_every_rank_with_one_line(tmp_path
                         f"model.ckpt_path={tmp_path}/ckpt_${{oc.env:RANK}}.pth"],
                        nproc=2, run_dir=tmp_path / "run", timeout=240)
     assert result.returncode != 0
-    errors = [line for line in result.output.splitlines() if "] error:" in line]
+    errors = [line for line in error_lines(result.output) if "] error:" in line]
     assert len(errors) == 1, result.output[-4000:]  # the rank that lacks it, not rank 0's echo
     assert errors[0].startswith("[rank 1] error:") and "ckpt_1.pth" in errors[0], errors
     assert not rebm_traceback_lines(result.output)

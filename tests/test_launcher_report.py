@@ -36,7 +36,7 @@ from tests.processes import popen
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 TORCHRUN_SCRIPT = str(Path(sys.executable).parent / "torchrun")
 # torch's log lines: "W1208 00:41:17.875000 3939 torch/distributed/...] ..."
-AGENT_LOG_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ torch/")
+AGENT_LOG_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/")
 TORCHRUN_FAILED = 1  # torchrun's exit code whenever a worker failed or it was stopped
 # a long run with a state only when stopped: it is training when the test stops it
 LONG_RUN = [CONFIG, *FAST, "max_steps=400", "n_imgs_per_ckpt_save=100000"]

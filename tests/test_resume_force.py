@@ -35,6 +35,7 @@ from tests.helpers import (
     FAST,
     REPO,
     copy_run,
+    error_lines,
     load_state,
     read_metrics,
     run_command,
@@ -136,7 +137,7 @@ def test_another_optimizer_is_refused_in_one_line_before_anything_is_written(dat
     result = run_train([CONFIG, *FAST, f"max_steps={STOP + 1}", OPTIMIZER_REFUSED,
                         "resume=force"], run_dir=run_dir)
     assert result.returncode == 2, result.output[-4000:]
-    errors = [line for line in result.output.splitlines() if "error:" in line]
+    errors = error_lines(result.output)
     assert len(errors) == 1 and "was trained with optimizer sgd and this run builds adamw " \
         "(optimizer)" in errors[0] and "optimizer=sgd" in errors[0], result.output[-4000:]
     assert "Traceback" not in result.output and digests(run_dir) == before

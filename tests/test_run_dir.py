@@ -17,6 +17,7 @@ from tests.helpers import (
     REPO,
     STRAIGHT_STEPS,
     copy_run,
+    error_lines,
     run_command,
     run_train,
 )
@@ -137,7 +138,7 @@ def test_a_wrong_starting_checkpoint_stops_before_anything_is_written(tmp_path, 
     result = run_train(["experiments/quickstart/digits_stage2.yaml",
                         f"model.ckpt_path={missing}"], nproc=nproc, timeout=120, run_dir=run_dir)
     assert result.returncode != 0
-    errors = [line for line in result.output.splitlines() if "error:" in line]
+    errors = error_lines(result.output)
     assert len(errors) == 1 and f"model.ckpt_path '{missing}' does not exist" in errors[0], \
         result.output[-3000:]
     assert not run_dir.exists() and not run_dir.parent.exists()

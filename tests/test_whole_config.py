@@ -73,6 +73,10 @@ def whole_config_functions():
     for path in sorted((REPO / "rebm").rglob("*.py")):
         if path.parent.name == "config" and path.parent.parent.name == "rebm":
             continue  # the config package reads its own type
+        if path.parent.name == "standin" and path.parent.parent.name == "rebm":
+            # an entry point over whole recipes: it shrinks a recipe by keys of every section
+            # and lists every file a real run of it reads, as `--check` does
+            continue
         tree = ast.parse(path.read_text())
         for cls_or_mod in [tree, *[n for n in tree.body if isinstance(n, ast.ClassDef)]]:
             prefix = f"{cls_or_mod.name}." if isinstance(cls_or_mod, ast.ClassDef) else ""

@@ -9,7 +9,7 @@ import os
 from typing import Callable, List
 
 from rebm.config import TrainConfig
-from rebm.config.schema import SEED_NOISES
+from rebm.config.schema import SEED_NOISES, DataConfig, ImageLogConfig
 from rebm.standin import writers
 from rebm.standin.recipes import TINYIMAGES, Stage
 
@@ -26,19 +26,19 @@ def _once(path: str, write: Callable[[], object], written: List[str]) -> None:
         written.append(path)
 
 
-def tinyimages_file(cfg: TrainConfig) -> str:
+def tinyimages_file(data: DataConfig) -> str:
     """Where the TinyImages loader reads tiny_images.bin (data.outdist_std_dir: it or its
     folder)."""
-    path = cfg.data.outdist_std_dir
+    path = data.outdist_std_dir
     return path if path.endswith(".bin") else os.path.join(path, "tiny_images.bin")
 
 
-def write_indist(cfg: TrainConfig, written: List[str]) -> None:
-    root = cfg.data.indist_ds_dir
-    if cfg.data.indist_dataset == "ImageNet":
+def write_indist(data: DataConfig, written: List[str]) -> None:
+    root = data.indist_ds_dir
+    if data.indist_dataset == "ImageNet":
         _once(os.path.join(root, "meta.bin"), lambda: writers.write_fake_imagenet(
             root, **IMAGENET), written)
-    elif cfg.data.num_classes == 100:
+    elif data.num_classes == 100:
         _once(os.path.join(root, "cifar-100-python"), lambda: writers.write_fake_cifar100(
             root, n_train=CIFAR_TRAIN, n_test=CIFAR_TEST), written)
     else:
@@ -46,10 +46,9 @@ def write_indist(cfg: TrainConfig, written: List[str]) -> None:
             root, n_train=CIFAR_TRAIN, n_test=CIFAR_TEST), written)
 
 
-def write_outdist(cfg: TrainConfig, written: List[str]) -> None:
-    data = cfg.data
+def write_outdist(data: DataConfig, written: List[str]) -> None:
     if data.outdist_dataset in TINYIMAGES:
-        path = tinyimages_file(cfg)
+        path = tinyimages_file(data)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         _once(path, lambda: writers.write_tiny_images(path, TINYIMAGES_RECORDS), written)
         if data.tinyimages_exclusion_dir:
@@ -60,8 +59,8 @@ def write_outdist(cfg: TrainConfig, written: List[str]) -> None:
             data.outdist_std_dir, n=OPENIMAGES, height=72, width=80), written)
 
 
-def write_seed_images(cfg: TrainConfig, written: List[str]) -> None:
-    seeds = cfg.image_log.seed_images
+def write_seed_images(image_log: ImageLogConfig, written: List[str]) -> None:
+    seeds = image_log.seed_images
     if seeds in SEED_NOISES:
         return
     if os.path.splitext(seeds)[1] in (".pt", ".npy", ".npz"):
@@ -99,10 +98,10 @@ def write_stage_data(stage: Stage, family: str) -> List[str]:
     """Write what `stage` reads and is not there yet; the paths written."""
     written: List[str] = []
     cfg = stage.cfg
-    write_indist(cfg, written)
+    write_indist(cfg.data, written)
     if stage.number == 2:  # stage 1 reads the classifier stream only
-        write_outdist(cfg, written)
-        write_seed_images(cfg, written)
+        write_outdist(cfg.data, written)
+        write_seed_images(cfg.image_log, written)
         if family == "imagenet" and cfg.model.ckpt_path:
             write_starting_checkpoint(cfg, written)
     return written

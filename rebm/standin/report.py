@@ -94,7 +94,7 @@ def stage_files(cfg: TrainConfig, stage: int) -> Dict[str, str]:
         return files
     data = cfg.data
     if data.outdist_dataset in TINYIMAGES:
-        files["data.outdist_std_dir"] = tinyimages_file(cfg)
+        files["data.outdist_std_dir"] = tinyimages_file(data)
         if data.tinyimages_exclusion_dir:
             files["data.tinyimages_exclusion_dir"] = data.tinyimages_exclusion_dir
     elif dataset_reads_files(OUTDIST_ROLE, data.outdist_dataset):

@@ -217,7 +217,7 @@ def test_a_stopped_rank_is_named_in_one_line(tmp_path):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
     assert code != 0
-    named = [line for line in output.splitlines() if "did not arrive" in line]
+    named = [line for line in error_lines(output) if "did not arrive" in line]
     assert len(named) == 1, output[-4000:]
     assert re.match(r"\[rank 0\] error: collective timed out at step \d+ on rank 0: rank 1 did "
                     r"not arrive", named[0]), named

@@ -20,7 +20,7 @@ from rebm.standin.writers import (
     write_tiny_images,
     write_tinyimages_exclusion_lists,
 )
-from tests.helpers import REPO, base_env, finish, rebm_traceback_lines, torchrun_cmd
+from tests.helpers import REPO, base_env, error_lines, finish, rebm_traceback_lines, torchrun_cmd
 from tests.processes import popen
 from tests.standins import STANDIN, write_standin_statistics
 
@@ -65,7 +65,7 @@ def test_a_run_names_every_missing_file_at_once_and_writes_nothing(tmp_path):
                              _env(), tmp_path), 240)
     elapsed = time.monotonic() - started
     assert code != 0, out[-3000:]
-    errors = [line for line in out.splitlines() if "error: " in line]
+    errors = [line for line in error_lines(out) if "error: " in line]
     assert errors == ["[rank 0] error: the run lacks 3 files it reads (nothing was started or "
                       "written; add them and run the same command again):"], out[-3000:]
     report = out[out.index(errors[0]):].splitlines()[1:4]
@@ -120,7 +120,7 @@ def test_stage_1_checks_what_it_reads_and_only_that(tmp_path):
                               str(config), "data.outdist_dataset=tinyimages",
                               "data.outdist_std_dir=./data", f"run_dir={RUN_DIR}"],
                              _env(), tmp_path), 150)
-    errors = [line for line in out.splitlines() if "error: " in line]
+    errors = [line for line in error_lines(out) if "error: " in line]
     assert code == 2 and errors == [
         "error: data.indist_ds_dir: ./data/CIFAR10/cifar-10-batches-py/test_batch does not "
         "exist; set data.download=true to download it, or extract "

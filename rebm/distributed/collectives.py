@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -258,12 +258,12 @@ def _missing_named(runtime: Runtime, tag: str) -> str:
 
 
 @contextmanager
-def name_missing_ranks(runtime: Runtime, where: Callable[[], str], timeout_advice: str
-                       ) -> Iterator[None]:
+def name_missing_ranks(runtime: Runtime, where: Callable[[], str],
+                       timeout_advice: Union[str, Callable[[], str]]) -> Iterator[None]:
     """Turn a collective that timed out, or lost its connection to another rank, into one line
     that says which rank(s) did not arrive (a stopped, hung or dead process) instead of the
     backend's error: `where` says what the ranks were doing ("at step 12"), `timeout_advice`
-    which setting to raise. A one-line error from an inner such block passes unchanged."""
+    which setting to raise (or a function saying it when the error comes). A one-line error from an inner such block passes unchanged."""
     try:
         yield
     except (CollectiveTimeout, RankLost):
@@ -282,16 +282,21 @@ def name_missing_ranks(runtime: Runtime, where: Callable[[], str], timeout_advic
                 "report)") from err
         raise CollectiveTimeout(
             f"collective timed out{place} on rank {runtime.rank}: {who} did not arrive "
-            f"(stopped, hung or too slow; see its own output). {timeout_advice}") from err
+            f"(stopped, hung or too slow; see its own output). "
+            f"{timeout_advice() if callable(timeout_advice) else timeout_advice}") from err
 
 
-STEP_TIMEOUT_ADVICE = "Raise ddp_step_timeout_s if steps are legitimately slower."
-
-
-def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int]):
+def name_stuck_ranks(runtime: Runtime, current_step: Callable[[], int],
+                     step_timeout_in_force: Callable[[], bool]):
     """`name_missing_ranks` around training steps: "at step N", whose timeout is
-    ddp_step_timeout_s."""
-    return name_missing_ranks(runtime, lambda: f"at step {current_step()}", STEP_TIMEOUT_ADVICE)
+    ddp_step_timeout_s once `step_timeout_in_force()` (after a process's first step), the
+    start-up's ddp_timeout_s before."""
+    def advice() -> str:
+        if step_timeout_in_force():
+            return "Raise ddp_step_timeout_s if steps are legitimately slower."
+        return ("It waits ddp_timeout_s before the first step of this process: raise it if the "
+                "start is legitimately slower.")
+    return name_missing_ranks(runtime, lambda: f"at step {current_step()}", advice)
 
 
 def all_gather_by_index(runtime: Runtime, values: torch.Tensor, indices: torch.Tensor,

@@ -225,7 +225,8 @@ class Trainer:
                 bar = progress_bar(self.runtime, progress.step, self.last_step,
                                    self.schedule.batch_size, self.timed_progress_lines())
                 # a collective timeout in the loop names the rank(s) that did not arrive
-                with name_stuck_ranks(self.runtime, lambda: progress.step + 1), bar:
+                with name_stuck_ranks(self.runtime, lambda: progress.step + 1,
+                                      lambda: progress.steps_run > 0), bar:
                     # the starting model (a fresh run), or an evaluation a preemption abandoned
                     # (at the last step, the final one: finish_all_ranks runs it)
                     if progress.step < self.last_step and (
